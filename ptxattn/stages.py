@@ -1,0 +1,102 @@
+"""The lineage registry: one entry per hand-written kernel in ptx/.
+
+Every stage exports the same entry point with the same parameter list (see
+ptx/sm90/README.md, "Kernel ABI"), so the launcher is generic: what differs
+between stages is the launch geometry and the shape of the TMA boxes, which
+live here next to the file they describe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ENTRY = "ptxattn_fwd"
+
+SWIZZLE_NONE = "none"
+SWIZZLE_128B = "128B"
+
+
+@dataclass(frozen=True)
+class Stage:
+    number: int
+    name: str
+    idea: str
+    arch: str                  # "sm_90a" or "sm_100a"
+    file: str                  # path relative to ptx/
+    threads: int               # threads per CTA
+    block_m: int               # query rows per CTA tile
+    block_n: int               # key/value rows per pipeline tile
+    smem_bytes: int            # dynamic shared memory per CTA
+    swizzle: str = SWIZZLE_NONE
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    persistent: bool = False   # grid = SM count, tiles scheduled in-kernel
+    head_dims: tuple[int, ...] = (128,)
+
+    @property
+    def label(self) -> str:
+        return f"stage{self.number:02d}"
+
+    @property
+    def tma_chunk(self) -> int:
+        """Elements of D per innermost TMA box dimension.
+
+        A TMA box is 5-D, (chunk, rows, D // chunk, 1, 1) over the global
+        dims (d_inner, row, d_outer, head, batch), so the tile lands in shared
+        memory as [d_outer][row][chunk]: 16-byte columns of core matrices
+        without swizzle, 128-byte swizzle atoms with it.
+        """
+        return 8 if self.swizzle == SWIZZLE_NONE else 64
+
+    def unsupported(self, head_dim: int, seq_q: int, seq_k: int) -> str | None:
+        """Why this stage cannot run the shape, or None when it can."""
+        if head_dim not in self.head_dims:
+            return f"head dim {head_dim} (takes {', '.join(map(str, self.head_dims))})"
+        if seq_q <= 0 or seq_q % self.block_m:
+            return f"query length {seq_q} (takes positive multiples of {self.block_m})"
+        if seq_k <= 0 or seq_k % self.block_n:
+            return f"key length {seq_k} (takes positive multiples of {self.block_n})"
+        return None
+
+    def grid(self, batch: int, heads: int, seq_q: int, sm_count: int) -> tuple[int, int, int]:
+        tiles = seq_q // self.block_m
+        if self.persistent:
+            return (min(sm_count, tiles * heads * batch), 1, 1)
+        return (tiles, heads, batch)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        number=1, name="baseline", arch="sm_90a", file="sm90/01_baseline.ptx",
+        idea="one warpgroup, 64 query rows; TMA without swizzle; wgmma SS for QK^T and PV; "
+             "P through shared memory; every step waited on",
+        threads=128, block_m=64, block_n=64,
+        # Q, K, V 16 KiB each + P 8 KiB + 2 mbarriers (64 B) + 1 KiB slack to align the base
+        smem_bytes=3 * 16384 + 8192 + 64 + 1024,
+    ),
+)
+
+
+def all_stages() -> tuple[Stage, ...]:
+    return STAGES
+
+
+def get_stage(key: str | int | Stage) -> Stage:
+    """Look a stage up by number (1, "1", "01", "stage1", "stage01") or name ("baseline")."""
+    if isinstance(key, Stage):
+        return key
+    text = str(key).strip().lower()
+    match = re.fullmatch(r"(?:stage)?0*(\d+)", text)
+    for stage in STAGES:
+        if match and int(match.group(1)) == stage.number:
+            return stage
+        if text in (stage.name, f"{stage.number:02d}_{stage.name}"):
+            return stage
+    known = ", ".join(f"{s.label} ({s.name})" for s in STAGES)
+    raise ValueError(f"stage: unknown stage {key!r}; known stages: {known}")
+
+
+def ptx_root() -> Path:
+    """The ptx/ folder: beside the package in a source tree or editable install."""
+    return Path(__file__).resolve().parent.parent / "ptx"
