@@ -75,6 +75,18 @@ STAGES: tuple[Stage, ...] = (
         # Q, K, V 16 KiB each + P 8 KiB + 2 mbarriers (64 B) + 1 KiB slack to align the base
         smem_bytes=3 * 16384 + 8192 + 64 + 1024,
     ),
+    Stage(
+        number=2, name="p_in_registers", arch="sm_90a", file="sm90/02_p_in_registers.ptx",
+        idea="PV as wgmma RS: P stays in registers as the A fragments",
+        threads=128, block_m=64, block_n=64,
+        smem_bytes=3 * 16384 + 64 + 1024,
+    ),
+    Stage(
+        number=3, name="swizzle", arch="sm_90a", file="sm90/03_swizzle.ptx",
+        idea="128-byte swizzled TMA boxes and wgmma descriptors",
+        threads=128, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=3 * 16384 + 64 + 1024,
+    ),
 )
 
 
