@@ -33,6 +33,7 @@ class Stage:
     cluster: tuple[int, int, int] = (1, 1, 1)
     persistent: bool = False   # grid = SM count, tiles scheduled in-kernel
     head_dims: tuple[int, ...] = (128,)
+    q_box_rows: int = 64       # rows of one Q (and O) TMA box: one consumer warpgroup's share
 
     @property
     def label(self) -> str:
@@ -86,6 +87,32 @@ STAGES: tuple[Stage, ...] = (
         idea="128-byte swizzled TMA boxes and wgmma descriptors",
         threads=128, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
         smem_bytes=3 * 16384 + 64 + 1024,
+    ),
+    Stage(
+        number=4, name="warp_specialization", arch="sm_90a", file="sm90/04_warp_specialization.ptx",
+        idea="a producer warpgroup issues TMA, a consumer warpgroup computes; "
+             "mbarrier FULL/EMPTY; setmaxnreg",
+        threads=256, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=3 * 16384 + 64 + 1024,
+    ),
+    Stage(
+        number=5, name="two_q_tiles", arch="sm_90a", file="sm90/05_two_q_tiles.ptx",
+        idea="two consumer warpgroups (128 query rows) share every K/V tile",
+        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=4 * 16384 + 64 + 1024,
+    ),
+    Stage(
+        number=6, name="load_pipeline", arch="sm_90a", file="sm90/06_load_pipeline.ptx",
+        idea="2-stage K/V ring, K and V on separate FULL/EMPTY barriers",
+        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=6 * 16384 + 128 + 1024,
+    ),
+    Stage(
+        number=7, name="compute_pipeline", arch="sm_90a", file="sm90/07_compute_pipeline.ptx",
+        idea="QK^T of tile i in flight during PV of tile i-1 and the softmax; "
+             "inter-warpgroup pingpong on named barriers",
+        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=6 * 16384 + 128 + 1024,
     ),
 )
 
