@@ -114,6 +114,24 @@ STAGES: tuple[Stage, ...] = (
         threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
         smem_bytes=6 * 16384 + 128 + 1024,
     ),
+    Stage(
+        number=8, name="hardware_exp2", arch="sm_90a", file="sm90/08_hardware_exp2.ptx",
+        idea="log2-domain softmax: scale folded into one FFMA, ex2.approx.ftz",
+        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=6 * 16384 + 128 + 1024,
+    ),
+    Stage(
+        number=9, name="software_exp2", arch="sm_90a", file="sm90/09_software_exp2.ptx",
+        idea="a share of the exponentials as a degree-3 polynomial on the FMA pipe",
+        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
+        smem_bytes=6 * 16384 + 128 + 1024,
+    ),
+    Stage(
+        number=10, name="register_budget", arch="sm_90a", file="sm90/10_register_budget.ptx",
+        idea="128-row K/V tiles: S 64 x 128 per consumer in the freed register budget",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
+        smem_bytes=10 * 16384 + 128 + 1024,
+    ),
 )
 
 
