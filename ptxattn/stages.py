@@ -132,6 +132,18 @@ STAGES: tuple[Stage, ...] = (
         threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
         smem_bytes=10 * 16384 + 128 + 1024,
     ),
+    Stage(
+        number=11, name="skip_o_rescale", arch="sm_90a", file="sm90/11_skip_o_rescale.ptx",
+        idea="rebase the running max only when it grows by more than 2^8; skip the O rescale",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
+        smem_bytes=10 * 16384 + 128 + 1024,
+    ),
+    Stage(
+        number=12, name="tma_store_epilogue", arch="sm_90a", file="sm90/12_tma_store_epilogue.ptx",
+        idea="O leaves through stmatrix -> shared (the dead Q tile) -> one TMA store",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
+        smem_bytes=10 * 16384 + 128 + 1024,
+    ),
 )
 
 
