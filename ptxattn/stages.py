@@ -144,6 +144,13 @@ STAGES: tuple[Stage, ...] = (
         threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
         smem_bytes=10 * 16384 + 128 + 1024,
     ),
+    Stage(
+        number=14, name="persistent", arch="sm_90a", file="sm90/14_persistent.ptx",
+        idea="grid = SM count, static tile scheduler, next tile's Q loaded under the epilogue",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B, persistent=True,
+        # Q 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 10 mbarriers + alignment slack
+        smem_bytes=12 * 16384 + 128 + 1024,
+    ),
 )
 
 

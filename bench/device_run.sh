@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The one script the lead runs on the remote H200, in one call, from the repository root:
+#
+#   bash bench/device_run.sh            (the run tool sets $OUT; carry .whl with the pcpp wheel)
+#
+# The device has Python 3.12, torch, cuda-bindings, numpy, ml_dtypes, click, pytest, ptxas,
+# nvdisasm, cuobjdump, but not pcpp (a wheel in .whl/) and not ptxattn (used from $PWD).
+#
+# Switches (environment): STAGES=1,2,5 (default all)  SHAPES=4k,8k,16k,1k  LAYOUT=bhld
+#   REPS=20 ROUNDS=5  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (needs matplotlib)
+#
+# $OUT gets at most 7 files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt,
+# <date>-h200.json, bench.txt (and progression.png with PLOT=1). The short table prints LAST.
+set -euo pipefail
+
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+SHAPES=${SHAPES:-4k,8k,16k,1k}
+STAGES=${STAGES:-}
+LAYOUT=${LAYOUT:-bhld}
+REPS=${REPS:-20}
+ROUNDS=${ROUNDS:-5}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1
+
+section() { printf '\n===== %s =====\n' "$*"; }
+status=0   # the worst exit code of the steps that must not stop the script
+
+section "GPU and toolkit"
+{
+    nvidia-smi || true
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
+        --format=csv || true
+    python3 -m ptxattn info
+} 2>&1 | tee "$OUT/device.txt"
+
+if [[ -z ${SKIP_SASS:-} ]]; then
+    section "SASS summaries (offline ptxas)"
+    stage_numbers=${STAGES//,/ }
+    if [[ -z $stage_numbers ]]; then
+        stage_numbers=$(python3 -c \
+            'from ptxattn.stages import all_stages; print(*(s.number for s in all_stages()))')
+    fi
+    : > "$OUT/sass.txt"
+    for s in $stage_numbers; do
+        python3 -m ptxattn sass "$s" --summary 2>&1 | tee -a "$OUT/sass.txt" || status=1
+        echo | tee -a "$OUT/sass.txt"
+    done
+fi
+
+if [[ -z ${SKIP_TESTS:-} ]]; then
+    section "GPU tests"
+    set +e
+    python3 -m pytest -q -m gpu -x 2>&1 | tee "$OUT/pytest-gpu.txt"
+    rc=${PIPESTATUS[0]}
+    set -e
+    echo "pytest -m gpu exit code: $rc" | tee -a "$OUT/pytest-gpu.txt"
+    (( rc == 0 )) || status=$rc
+fi
+
+if [[ -z ${SKIP_RUN:-} ]]; then
+    section "ptxattn run stage1 --shape 4k"
+    set +e
+    python3 -m ptxattn run stage1 --shape 4k --layout "$LAYOUT" 2>&1 | tee "$OUT/run-stage1.txt"
+    rc=${PIPESTATUS[0]}
+    set -e
+    (( rc == 0 )) || status=$rc
+fi
+
+if [[ -z ${SKIP_BENCH:-} ]]; then
+    section "benchmark: stages ${STAGES:-all}, shapes $SHAPES, $LAYOUT"
+    args=(--shapes "$SHAPES" --layout "$LAYOUT" --reps "$REPS" --rounds "$ROUNDS" --out "$OUT")
+    [[ -n $STAGES ]] && args+=(--stages "$STAGES")
+    [[ -n ${PLOT:-} ]] && args+=(--plot "$OUT/progression.png")
+    set +e
+    python3 -m ptxattn bench "${args[@]}" > /dev/null   # the table is in $OUT/bench.txt
+    rc=$?
+    set -e
+    (( rc == 0 )) || status=$rc
+fi
+
+section "files in \$OUT"
+ls -la "$OUT"
+if [[ -f $OUT/bench.txt ]]; then
+    section "benchmark (same-run % of cuDNN)"
+    cat "$OUT/bench.txt"
+fi
+echo "device_run.sh: exit status $status"
+exit "$status"

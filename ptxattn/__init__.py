@@ -1,0 +1,59 @@
+"""ptxattn: hand-written PTX FlashAttention kernels, driven from Python.
+
+Importing the package is free: the CUDA bindings and the driver are loaded
+on first use (PEP 562 lazy attributes), so `import ptxattn` works on a
+machine without a GPU and `ptxattn.attention_reference` never needs one.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "prepare": "attention",
+    "PreparedAttention": "attention",
+    "attention_reference": "reference",
+    "error_metrics": "reference",
+    "passes": "reference",
+    "random_qkv": "reference",
+    "DeviceArray": "tensors",
+    "as_device_array": "tensors",
+    "from_numpy": "tensors",
+    "empty": "tensors",
+    "device_info": "driver",
+    "synchronize": "driver",
+    "Stream": "driver",
+    "get_stage": "stages",
+    "all_stages": "stages",
+    "Stage": "stages",
+    "PtxattnError": "errors",
+    "NoGpuError": "errors",
+    "CudaError": "errors",
+    "JitError": "errors",
+}
+_SUBMODULES = ("attention", "driver", "errors", "ptx", "reference", "stages", "tensors", "tma")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+# `attention` is the submodule ptxattn/attention.py, which is callable
+# (ptxattn.attention(q, k, v)): a function of the same name would be shadowed
+# by the submodule as soon as anything imported `ptxattn.attention`.
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'ptxattn' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,413 @@
+"""attention(q, k, v): validate, pick a stage, build tensor maps, launch.
+
+Everything about the arguments is checked before the first driver call, so
+bad input gets a ValueError/TypeError naming the argument on any machine,
+and nothing is ever written to the caller's `out` when an error is raised.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import tma
+from .stages import ENTRY, Stage, all_stages, get_stage
+from .tensors import BF16, DeviceArray, as_device_array, to_bf16
+
+LAYOUTS = ("bhld", "bshd")
+_AXES = {"bhld": "(batch, heads, seq, head_dim)", "bshd": "(batch, seq, heads, head_dim)"}
+
+
+@dataclass
+class _Plan:
+    """What validation learned: everything needed to launch, nothing on the GPU yet."""
+    host: bool                       # NumPy in -> NumPy out
+    q: object                        # np.ndarray (host) or DeviceArray
+    k: object
+    v: object
+    out: object                      # None, np.ndarray (host) or DeviceArray
+    layout: str
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    stage: Stage                     # the requested stage, or the best one ignoring arch
+    stage_requested: bool
+    scale: float
+    stream: int
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        return tma.layout_shape(self.layout, self.batch, self.heads, self.seq_q, self.head_dim)
+
+
+# --------------------------------------------------------------------------- validation
+
+def _classify(name: str, obj, stream: int):
+    """(is_host, array): NumPy stays on the host, anything else is imported zero-copy."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype != BF16 and obj.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{name}: expected dtype bfloat16 (ml_dtypes.bfloat16; float32 and "
+                            f"float64 are rounded to bfloat16), got {obj.dtype}")
+        return True, obj
+    if isinstance(obj, DeviceArray) or hasattr(obj, "__dlpack__") or \
+            hasattr(obj, "__cuda_array_interface__"):
+        return False, as_device_array(obj, name=name, stream=stream)
+    raise TypeError(f"{name}: expected a NumPy array or a CUDA array (DLPack or "
+                    f"__cuda_array_interface__), got {type(obj).__name__}")
+
+
+def _bhld(name: str, shape, layout: str) -> tuple[int, int, int, int]:
+    """(batch, heads, seq, head_dim) of an array in `layout`."""
+    if len(shape) != 4:
+        raise ValueError(f"{name}: expected a rank-4 array {_AXES[layout]} for layout "
+                         f"{layout!r}, got rank {len(shape)} (shape {tuple(shape)})")
+    b, x, y, d = (int(n) for n in shape)
+    return (b, x, y, d) if layout == "bhld" else (b, y, x, d)
+
+
+def _arch_ok(arch: str, cc: tuple[int, int]) -> bool:
+    """sm_90a runs only on compute capability 9.0; plain sm_XY on XY and newer."""
+    digits = arch.removeprefix("sm_").rstrip("af")
+    want = (int(digits[:-1]), int(digits[-1]))
+    return cc == want if arch[-1] in "af" else cc >= want
+
+
+def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None) -> Stage:
+    """The requested stage, checked; or the highest-numbered one that takes the shape
+    (and, once the device is known, runs on its compute capability)."""
+    q_len = seq_q or None  # an empty query never launches: only head dim and keys matter
+
+    def why_not(s: Stage):
+        return s.unsupported(head_dim, q_len or s.block_m, seq_k)
+
+    def argument(why: str) -> str:
+        return "k" if why.startswith("key") else "q"
+
+    def takers(exclude):
+        ok = [s for s in all_stages() if s is not exclude and why_not(s) is None
+              and (cc is None or _arch_ok(s.arch, cc))]
+        if not ok:
+            return "no registered stage takes this shape"
+        return ", ".join(f"{s.label} ({s.name})" for s in ok) + " would take it"
+
+    if stage is not None:
+        chosen = get_stage(stage)
+        why = why_not(chosen)
+        if why:
+            raise ValueError(f"{argument(why)}: {chosen.label} ({chosen.name}) does not take "
+                             f"{why}; {takers(chosen)}")
+        if cc is not None and not _arch_ok(chosen.arch, cc):
+            raise ValueError(f"stage: {chosen.label} ({chosen.name}) is built for {chosen.arch}, "
+                             f"which this GPU (compute capability {cc[0]}.{cc[1]}) cannot run; "
+                             f"{takers(chosen)}")
+        return chosen
+    candidates = [s for s in sorted(all_stages(), key=lambda s: -s.number)
+                  if cc is None or _arch_ok(s.arch, cc)]
+    for s in candidates:
+        if why_not(s) is None:
+            return s
+    if not candidates:
+        raise ValueError(f"stage: no registered stage runs on compute capability {cc[0]}.{cc[1]}")
+    grouped: dict[str, list[str]] = {}
+    for s in candidates:
+        grouped.setdefault(why_not(s), []).append(s.label)
+    reasons = "; ".join(f"{', '.join(labels)} cannot run {why}" for why, labels in grouped.items())
+    raise ValueError(f"{argument(why_not(candidates[0]))}: no registered stage takes this shape: "
+                     f"{reasons}")
+
+
+def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
+    (a0, a1), (b0, b1) = a.span(), b.span()
+    return a0 < b1 and b0 < a1
+
+
+def _self_overlapping(shape, strides) -> bool:
+    """True when two different indices of the view share an element."""
+    extent = 1
+    for s, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if s < extent:
+            return True
+        extent = s * (n - 1) + extent
+    return False
+
+
+def _check_device_geometry(name: str, arr: DeviceArray, plan: _Plan, seq: int, rows: int) -> None:
+    """Last-dim stride 1, positive strides, and what TMA needs (16-byte base and strides)."""
+    tma.check_base(arr.ptr, name)
+    tma.map_geometry(plan.layout, plan.batch, plan.heads, seq, plan.head_dim, rows,
+                     plan.stage.tma_chunk, arr.strides, name)
+
+
+def _check_out(plan: _Plan, out_obj):
+    expected = plan.out_shape
+    if plan.host:
+        if not isinstance(out_obj, np.ndarray):
+            raise ValueError(f"out: q, k, v are NumPy (host) arrays, so out must be a NumPy array "
+                             f"too, got {type(out_obj).__name__}")
+        out = out_obj
+        if out.dtype != BF16:
+            raise TypeError(f"out: expected dtype bfloat16 (ml_dtypes.bfloat16), got {out.dtype}")
+    else:
+        if isinstance(out_obj, np.ndarray):
+            raise ValueError("out: q, k, v are device arrays, so out must be a device array "
+                             "too, got a NumPy (host) array")
+        _, out = _classify("out", out_obj, plan.stream)
+    if tuple(out.shape) != expected:
+        raise ValueError(f"out: expected shape {expected}, i.e. {_AXES[plan.layout]} for layout "
+                         f"{plan.layout!r}, got {tuple(out.shape)}")
+    for name in ("q", "k", "v"):
+        x = getattr(plan, name)
+        overlap = (np.may_share_memory(out, x) if plan.host else _overlaps(out, x))
+        if overlap:
+            raise ValueError(f"out: overlaps {name}; the output must not alias an input")
+    if plan.host:
+        if not out.flags.writeable:
+            raise ValueError("out: the NumPy array is read-only")
+        return out
+    if out.readonly:
+        raise ValueError("out: the device array is exported read-only")
+    if out.device is not None and plan.q.device is not None and out.device != plan.q.device:
+        raise ValueError(f"out: on CUDA device {out.device}, but q is on device {plan.q.device}")
+    if _self_overlapping(out.shape, out.strides):
+        raise ValueError(f"out: strides {out.strides} make elements overlap; the output needs "
+                         "one element per index")
+    if plan.seq_q:
+        _check_device_geometry("out", out, plan, plan.seq_q, plan.stage.q_box_rows)
+    return out
+
+
+def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
+    from .driver import stream_handle
+    if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
+        raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
+                         f"(batch, seq, heads, head_dim), got {layout!r}")
+    layout = layout.lower()
+    handle = stream_handle(stream)
+
+    kinds = {}
+    arrays = {}
+    for name, obj in (("q", q), ("k", k), ("v", v)):
+        kinds[name], arrays[name] = _classify(name, obj, handle)
+    if len(set(kinds.values())) > 1:
+        where = ", ".join(f"{n} is {'a NumPy (host) array' if h else 'a device array'}"
+                          for n, h in kinds.items())
+        raise ValueError(f"q, k, v: expected all NumPy (host) arrays or all device arrays; {where}")
+    host = kinds["q"]
+
+    dims = {n: _bhld(n, a.shape, layout) for n, a in arrays.items()}
+    if dims["k"] != dims["v"]:
+        raise ValueError(f"v: expected the same shape as k, {tuple(arrays['k'].shape)}, "
+                         f"got {tuple(arrays['v'].shape)}")
+    (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
+    for label, mine, theirs in (("batch", bk, b), ("heads", hk, h), ("head dim", dk, d)):
+        if mine != theirs:
+            raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
+                             f"(layout {layout!r}: {_AXES[layout]})")
+    if lk == 0:
+        raise ValueError("k: key length is 0; attention over no keys is undefined "
+                         "(softmax of an empty row)")
+    if not host:
+        devices = {n: a.device for n, a in arrays.items() if a.device is not None}
+        if len(set(devices.values())) > 1:
+            raise ValueError("q, k, v: expected arrays on one device, got "
+                             + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
+
+    chosen = _pick_stage(stage, d, lq, lk)
+    if scale is None:
+        scale_value = 1.0 / math.sqrt(d)
+    else:
+        try:
+            if isinstance(scale, (str, bytes)):
+                raise TypeError
+            scale_value = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
+        if not math.isfinite(scale_value):
+            raise ValueError(f"scale: expected a finite number, got {scale_value}")
+
+    plan = _Plan(host, arrays["q"], arrays["k"], arrays["v"], None, layout, b, h, lq, lk, d,
+                 chosen, stage is not None, scale_value, handle)
+    if not host and lq:
+        _check_device_geometry("q", plan.q, plan, lq, chosen.q_box_rows)
+        _check_device_geometry("k", plan.k, plan, lk, chosen.block_n)
+        _check_device_geometry("v", plan.v, plan, lk, chosen.block_n)
+    if out is not None:
+        plan.out = _check_out(plan, out)
+    return plan
+
+
+# --------------------------------------------------------------------------- launch
+
+class PreparedAttention:
+    """One attention call with device buffers, tensor maps and parameters built.
+
+    `launch()` only enqueues cuLaunchKernelEx (what a benchmark times between
+    events); `out` is the DeviceArray the kernel writes.
+    """
+
+    def __init__(self, plan: _Plan, stage: Stage, out: DeviceArray, spec=None, keep=()):
+        self.plan = plan
+        self.stage = stage
+        self.out = out
+        self.host = plan.host
+        self.stream = plan.stream
+        self._spec = spec
+        self._keep = keep                     # inputs, staging copies, tensor maps
+        self.grid = spec.grid if spec else (0, 1, 1)
+        self.block = spec.block if spec else (stage.threads, 1, 1)
+        self.cluster = spec.cluster if spec else stage.cluster
+        self.smem_bytes = spec.smem_bytes if spec else stage.smem_bytes
+        self.function = spec.function if spec else None
+
+    def launch(self) -> None:
+        if self._spec is not None:
+            self._spec()
+
+    @property
+    def flops(self) -> int:
+        p = self.plan
+        return 4 * p.batch * p.heads * p.seq_q * p.seq_k * p.head_dim
+
+
+_KERNELS: dict[tuple[int, str], object] = {}
+
+
+def kernel(stage: Stage, defines: dict | None = None):
+    """The stage's ptxattn_fwd, JIT-compiled once per (device, defines), smem opt-in once."""
+    from . import driver, ptx
+    ctx = driver.context()
+    key = (ctx.ordinal, stage.file, tuple(sorted((defines or {}).items())))
+    if key not in _KERNELS:
+        label = stage.label + "".join(f" -D{k}={v}" for k, v in sorted((defines or {}).items()))
+        module = driver.load_module(ptx.source(stage, defines), label, stage=stage,
+                                    defines=defines)
+        function = module.function(ENTRY)
+        function.set_max_dynamic_smem(stage.smem_bytes)
+        _KERNELS[key] = function
+    return _KERNELS[key]
+
+
+def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
+    from . import driver, tensors
+    from .errors import PtxattnError
+
+    if plan.seq_q == 0:   # nothing to compute: an empty output, no launch, no driver
+        out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
+            0, plan.out_shape, device=None if plan.host else plan.q.device)
+        return PreparedAttention(plan, plan.stage, out)
+
+    ctx = driver.context()
+    stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
+                        plan.seq_q, plan.seq_k, ctx.compute_capability)
+    if stage.smem_bytes > ctx.max_smem_optin:
+        raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
+                           f"CTA; this GPU allows {ctx.max_smem_optin}")
+    stream = plan.stream
+
+    if plan.host:
+        q, k, v = (tensors.from_numpy(to_bf16(x), stream=stream) for x in (plan.q, plan.k, plan.v))
+        out = tensors.empty(plan.out_shape, stream=stream)
+    else:
+        q, k, v = plan.q, plan.k, plan.v
+        out = plan.out if plan.out is not None else tensors.empty(plan.out_shape, stream=stream)
+        for name, arr in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if arr.device is None:              # __cuda_array_interface__ does not say
+                arr.device = driver.pointer_device(arr.ptr)
+            if arr.device != ctx.ordinal:
+                raise ValueError(f"{name}: on CUDA device {arr.device}, but ptxattn runs on "
+                                 f"device {ctx.ordinal} (set PTXATTN_DEVICE={arr.device})")
+            # Pending writes on another stream: CAI v3 names the producer's stream, and
+            # our own DeviceArrays remember the stream that last wrote them. (DLPack
+            # producers already synchronised to our stream in __dlpack__.)
+            pending = arr.producer_stream if arr.producer_stream is not None else arr.stream
+            if pending is not None and pending != stream:
+                driver.stream_wait(stream, pending)
+    out.stream = stream
+
+    function = kernel(stage, defines)
+    B, H, Lq, Lk, D = plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim
+
+    def tmap(name, arr, seq, rows):
+        return tma.encode_qkvo_map(arr.ptr, plan.layout, B, H, seq, D, rows, stage.swizzle,
+                                   stage.tma_chunk, arr.strides, name=name)
+
+    # Q and O boxes are one consumer warpgroup's rows (q_box_rows, 64), not the
+    # CTA's block_m: stages with two consumers load Q (and store O) as 2 boxes.
+    maps = (tmap("q", q, Lq, stage.q_box_rows), tmap("k", k, Lk, stage.block_n),
+            tmap("v", v, Lk, stage.block_n), tmap("out", out, Lq, stage.q_box_rows))
+    o_batch, o_head, o_row, _ = tma.bhl_strides(plan.layout, out.shape, out.strides, "out")
+    values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale)
+    types = (driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64,
+                                      driver.U32, driver.U32, driver.U32, driver.U32, driver.F32)
+    # Parameters a build variant adds after the ABI's (e.g. trace_buf with PTXATTN_TRACE).
+    values += tuple(value for value, _ in extra_params)
+    types += tuple(ctype for _, ctype in extra_params)
+    grid = stage.grid(B, H, Lq, ctx.sm_count)
+    spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
+                             (values, types), cluster=stage.cluster, stream=stream)
+    return PreparedAttention(plan, stage, out, spec, keep=(q, k, v, maps))
+
+
+def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
+            stream=None, defines: dict | None = None, extra_params=()) -> PreparedAttention:
+    """Validate, pick the stage, copy NumPy inputs in, build maps and parameters.
+
+    Arguments as for `attention`. Call `.launch()` to enqueue the kernel (as
+    often as wanted: it always reads the same inputs and writes `.out`).
+    For build variants (tools, not users): `defines` go to the preprocessor
+    (e.g. {"PTXATTN_TRACE": 1}) and `extra_params`, (value, ctypes type)
+    pairs, follow the ABI's parameters (e.g. ((trace_ptr, ctypes.c_void_p),)).
+    """
+    return _build(_validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out,
+                            stream=stream), defines, tuple(extra_params))
+
+
+def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None):
+    """softmax(scale * q k^T) v, dense, non-causal, bf16 in and out, fp32 accumulation.
+
+    q: (B, H, Lq, D), k and v: (B, H, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
+    Inputs are either all NumPy arrays or all CUDA arrays:
+
+    - NumPy in -> NumPy out (ml_dtypes.bfloat16): copied in and out, synchronised.
+      float32 and float64 inputs are accepted and rounded to bfloat16 first
+      (float64 through float32); other dtypes raise TypeError.
+    - Any DLPack (torch, cupy, jax) or __cuda_array_interface__ object in ->
+      zero-copy, launched asynchronously on `stream` (an int handle or an object
+      with .cuda_stream/.handle/.ptr; None = the legacy default stream), and a
+      DeviceArray out, itself a DLPack producer; or the caller's `out=`, returned.
+      The dtype must be bfloat16; the head dim must have stride 1 and the base
+      address and other strides must be 16-byte multiples (TMA).
+
+    stage: a stage number/name from ptxattn.stages (default: the highest-numbered
+    stage that takes the shape and runs on this GPU). scale defaults to 1/sqrt(D).
+    An empty query (Lq == 0) gives an empty output without a launch; Lk == 0 is an
+    error. Nothing is written to `out` when an error is raised.
+    """
+    prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream)
+    prepared.launch()
+    if prepared.host:
+        result = prepared.out.to_numpy()          # waits for the launch stream
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    return out if out is not None else prepared.out
+
+
+# `ptxattn.attention` names both this module and the function. Whichever is
+# imported first, a package attribute would end up shadowing the other (the
+# import system rebinds the package attribute to the submodule). So the
+# package exports the module itself, and the module is callable:
+# ptxattn.attention(q, k, v) and ptxattn.attention.prepare(...) both work.
+class _CallableModule(types.ModuleType):
+    def __call__(self, q, k, v, **kwargs):
+        return attention(q, k, v, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,574 @@
+"""Thin layer over cuda.bindings.driver.
+
+Every call is checked (`check`), every resource is owned by an object that
+releases it, and nothing touches the driver until it is first needed: the
+bindings are imported by `cu()`, the context is made by `context()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import os
+import threading
+
+from .errors import CudaError, JitError, NoGpuError
+
+_NO_GPU = "ptxattn: no CUDA GPU available"
+_JIT_LOG_BYTES = 1 << 20          # big enough for a verbose log of a whole-program JIT
+_DEFAULT_DYNAMIC_SMEM = 48 * 1024  # above this a kernel must opt in per function
+
+# Kernel parameter types for the tuple form of kernelParams: ((values...), (types...)).
+# A CUtensorMap goes by value with type None; a device pointer as a Python int
+# with c_void_p (a CUdeviceptr object there is the address of the Python
+# wrapper, which the H200 answered with CUDA_ERROR_ILLEGAL_ADDRESS).
+BY_VALUE = None
+PTR = ctypes.c_void_p
+U64 = ctypes.c_uint64
+U32 = ctypes.c_uint32
+F32 = ctypes.c_float
+
+_cu_module = None
+
+
+def cu():
+    """cuda.bindings.driver, imported on first use."""
+    global _cu_module
+    if _cu_module is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:
+            raise NoGpuError(f"{_NO_GPU} (cuda-python is not installed: {e})") from None
+        _cu_module = driver
+    return _cu_module
+
+
+def check(result, call: str):
+    """Unpack a binding's (CUresult, *values) tuple; raise CudaError unless success."""
+    err = int(result[0])
+    if err != 0:
+        raise CudaError(err, call)
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else tuple(result[1:])
+
+
+# --------------------------------------------------------------------------- context
+
+class Context:
+    """The primary context of one device, retained and made current on demand.
+
+    The primary context is the one PyTorch, CuPy and the runtime API use, so
+    memory and streams they made work here unchanged (and vice versa).
+    """
+
+    def __init__(self, ordinal: int):
+        d = cu()
+        self.ordinal = ordinal
+        self.device = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.handle = check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.alive = True
+        self.make_current()
+        attr = d.CUdevice_attribute
+        self.compute_capability = (
+            self.attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            self.attribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        )
+        self.sm_count = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.max_smem_optin = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+    def make_current(self) -> None:
+        # Cheap when it already is (the usual case, also when torch/cupy made
+        # this same primary context current): one cuCtxGetCurrent.
+        if not self.alive:
+            raise NoGpuError(f"{_NO_GPU} (the CUDA context was released at interpreter exit)")
+        d = cu()
+        current = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(current) != int(self.handle):
+            check(d.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
+
+    def attribute(self, attr) -> int:
+        return int(check(cu().cuDeviceGetAttribute(attr, self.device), "cuDeviceGetAttribute"))
+
+    @property
+    def arch(self) -> str:
+        """The PTX target with arch-specific features: sm_90a on Hopper, sm_100a on B200."""
+        major, minor = self.compute_capability
+        suffix = "a" if major >= 9 else ""
+        return f"sm_{major}{minor}{suffix}"
+
+
+_CONTEXT: Context | None = None
+_CONTEXT_LOCK = threading.Lock()
+
+
+def _open_context() -> Context:
+    d = cu()
+    try:
+        result = d.cuInit(0)
+    except Exception as e:  # cuda-bindings raises when libcuda.so cannot be loaded at all
+        raise NoGpuError(f"{_NO_GPU} (the CUDA driver library libcuda could not be loaded: "
+                         f"{type(e).__name__})") from None
+    if int(result[0]) != 0:
+        raise NoGpuError(f"{_NO_GPU} (cuInit returned {_result_name(result[0])})")
+    count = int(check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
+    if count == 0:
+        raise NoGpuError(f"{_NO_GPU} (the driver reports no devices)")
+    text = os.environ.get("PTXATTN_DEVICE", "0").strip() or "0"
+    try:
+        ordinal = int(text)
+    except ValueError:
+        raise NoGpuError(f"{_NO_GPU} (PTXATTN_DEVICE={text!r} is not a device number)") from None
+    if not 0 <= ordinal < count:
+        raise NoGpuError(f"{_NO_GPU} (PTXATTN_DEVICE={ordinal}, but the driver reports "
+                         f"{count} device(s))")
+    return Context(ordinal)
+
+
+def context() -> Context:
+    """The process-wide context, created on first use and made current on this thread."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        with _CONTEXT_LOCK:
+            if _CONTEXT is None:
+                _CONTEXT = _open_context()
+                atexit.register(_at_exit, _CONTEXT)
+    _CONTEXT.make_current()
+    return _CONTEXT
+
+
+def _at_exit(ctx: Context) -> None:
+    # Objects freed during interpreter teardown must not call into a driver that
+    # may be unloading: the process exit releases their memory anyway.
+    ctx.alive = False
+
+
+def gpu_available() -> bool:
+    try:
+        context()
+        return True
+    except NoGpuError:
+        return False
+
+
+def _reset_for_tests() -> None:
+    """Forget the context (tests that monkeypatch cuInit)."""
+    global _CONTEXT
+    _CONTEXT = None
+    _MODULES.clear()
+
+
+def _result_name(err) -> str:
+    try:
+        return cu().CUresult(int(err)).name
+    except Exception:
+        return f"CUresult {int(err)}"
+
+
+def device_info() -> dict:
+    """What a benchmark record needs to say which GPU and driver it ran on."""
+    ctx = context()
+    d = cu()
+    attr = d.CUdevice_attribute
+
+    def maybe(a):
+        # Some attributes (clock rates) are deprecated in recent toolkits: report None.
+        try:
+            return ctx.attribute(a)
+        except Exception:
+            return None
+
+    name = check(d.cuDeviceGetName(256, ctx.device), "cuDeviceGetName")
+    version = int(check(d.cuDriverGetVersion(), "cuDriverGetVersion"))
+    return {
+        "name": bytes(name).split(b"\0", 1)[0].decode(errors="replace"),
+        "device": ctx.ordinal,
+        "compute_capability": ctx.compute_capability,
+        "arch": ctx.arch,
+        "sm_count": ctx.sm_count,
+        "max_smem_optin": ctx.max_smem_optin,
+        "l2_bytes": maybe(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        "total_memory": int(check(d.cuDeviceTotalMem(ctx.device), "cuDeviceTotalMem")),
+        "driver_version": version,
+        "driver_version_str": f"{version // 1000}.{version % 1000 // 10}",
+        "clock_khz": maybe(attr.CU_DEVICE_ATTRIBUTE_CLOCK_RATE),
+        "memory_clock_khz": maybe(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+        "memory_bus_bits": maybe(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+    }
+
+
+# --------------------------------------------------------------------------- modules
+
+class Function:
+    """A kernel of a loaded module."""
+
+    def __init__(self, module: "Module", name: str, handle):
+        self.module = module
+        self.name = name
+        self.handle = handle
+        self._dynamic_smem = _DEFAULT_DYNAMIC_SMEM
+
+    def attribute(self, attr) -> int:
+        return int(check(cu().cuFuncGetAttribute(attr, self.handle), "cuFuncGetAttribute"))
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        """Opt in to more than 48 KiB of dynamic shared memory (once per size)."""
+        if nbytes > self._dynamic_smem:
+            a = cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu().cuFuncSetAttribute(self.handle, a, int(nbytes)),
+                  f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}) for {self.name}")
+            self._dynamic_smem = nbytes
+
+    @property
+    def num_regs(self) -> int:
+        return self.attribute(cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.attribute(cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+
+    @property
+    def static_smem(self) -> int:
+        return self.attribute(cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+
+    @property
+    def max_threads(self) -> int:
+        return self.attribute(cu().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)
+
+
+class Module:
+    """A JIT-compiled PTX module; `jit_log` is the info log ("Used N registers")."""
+
+    def __init__(self, handle, label: str, jit_log: str, sha256: str):
+        self.handle = handle
+        self.label = label
+        self.jit_log = jit_log
+        self.sha256 = sha256
+        self._functions: dict[str, Function] = {}
+
+    def function(self, name: str = "ptxattn_fwd") -> Function:
+        if name not in self._functions:
+            handle = check(cu().cuModuleGetFunction(self.handle, name.encode()),
+                           f"cuModuleGetFunction({name!r}) in {self.label}")
+            self._functions[name] = Function(self, name, handle)
+        return self._functions[name]
+
+
+_MODULES: dict[tuple[int, str], Module] = {}
+
+
+def load_module(ptx_text: str, label: str, stage=None, defines: dict | None = None) -> Module:
+    """JIT-compile PTX with the driver (whole program, keeps setmaxnreg).
+
+    Cached in-process by (device, sha256 of the text). The driver has its own
+    disk cache: a hit there returns an empty info log (CUDA_CACHE_DISABLE=1
+    forces a fresh compile when the register report is wanted).
+    """
+    ctx = context()
+    sha = hashlib.sha256(ptx_text.encode()).hexdigest()
+    key = (ctx.ordinal, sha)
+    if key in _MODULES:
+        return _MODULES[key]
+
+    d = cu()
+    opt = d.CUjit_option
+    info_log, error_log = bytearray(_JIT_LOG_BYTES), bytearray(_JIT_LOG_BYTES)
+    options = [opt.CU_JIT_INFO_LOG_BUFFER, opt.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+               opt.CU_JIT_ERROR_LOG_BUFFER, opt.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+               opt.CU_JIT_LOG_VERBOSE]
+    values = [info_log, _JIT_LOG_BYTES, error_log, _JIT_LOG_BYTES, 1]
+    image = ptx_text.encode() + b"\0"   # the JIT reads PTX as a NUL-terminated string
+    result = d.cuModuleLoadDataEx(image, len(options), options, values)
+    if int(result[0]) != 0:
+        log = _c_string(error_log) or _c_string(info_log)
+        annotated, where = log, []
+        if stage is not None:
+            try:
+                from . import ptx
+                annotated, where = ptx.annotate(ptx.expand(stage, defines), log)
+            except Exception:
+                pass  # a log without source lines beats no error at all
+        raise JitError(label, _result_name(result[0]), log, annotated, where)
+    module = Module(result[1], label, _c_string(info_log), sha)
+    _MODULES[key] = module
+    return module
+
+
+def _c_string(buf: bytearray) -> str:
+    return bytes(buf).split(b"\0", 1)[0].decode(errors="replace").strip()
+
+
+# --------------------------------------------------------------------------- launch
+
+class LaunchSpec:
+    """A launch with everything built up front, so `launch()` only enqueues.
+
+    `params` is the tuple form ((values...), (types...)) of kernelParams.
+    """
+
+    def __init__(self, function: Function, grid, block, smem_bytes: int, params,
+                 *, cluster=(1, 1, 1), stream=0):
+        d = cu()
+        grid, block, cluster = _dim3(grid), _dim3(block), _dim3(cluster)
+        config = d.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = int(smem_bytes)
+        config.hStream = d.CUstream(stream_handle(stream))
+        self._attrs = []
+        if cluster != (1, 1, 1):
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            self._attrs.append(attr)
+        config.attrs = self._attrs
+        config.numAttrs = len(self._attrs)
+        self.function, self.grid, self.block, self.cluster = function, grid, block, cluster
+        self.smem_bytes, self.params, self.config = int(smem_bytes), params, config
+        self._launch = d.cuLaunchKernelEx
+        self._what = (f"cuLaunchKernelEx({function.module.label}.{function.name}, grid={grid}, "
+                      f"block={block}, cluster={cluster}, smem={self.smem_bytes})")
+
+    def __call__(self) -> None:
+        # The hot path of a benchmark: one binding call, one integer check.
+        result = self._launch(self.config, self.function.handle, self.params, 0)
+        if int(result[0]) != 0:
+            raise CudaError(int(result[0]), self._what)
+
+
+def launch(function: Function, grid, block, smem_bytes: int, params, *,
+           cluster=(1, 1, 1), stream=0) -> None:
+    LaunchSpec(function, grid, block, smem_bytes, params, cluster=cluster, stream=stream)()
+
+
+def _dim3(v) -> tuple[int, int, int]:
+    v = (v,) if isinstance(v, int) else tuple(v)
+    return tuple(int(x) for x in v) + (1,) * (3 - len(v))
+
+
+# --------------------------------------------------------------------------- streams, events
+
+def stream_handle(stream) -> int:
+    """The raw CUstream of None (legacy default stream: 0), an int, a Stream, or
+    a foreign stream object: torch/cupy `.cuda_stream`, cupy `.ptr`,
+    cuda.core `__cuda_stream__()` or `.handle`. Pure Python: no driver call."""
+    if stream is None:
+        return 0
+    if isinstance(stream, bool):
+        raise TypeError(f"stream: expected a stream or an int handle, got {stream!r}")
+    if isinstance(stream, int):
+        if stream < 0:
+            raise ValueError(f"stream: expected a non-negative handle, got {stream}")
+        return stream
+    if isinstance(stream, Stream):
+        return stream.handle
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    for name in ("cuda_stream", "handle", "ptr"):
+        value = getattr(stream, name, None)
+        if value is not None:
+            return int(value)
+    if hasattr(stream, "getPtr"):       # a cuda.bindings CUstream
+        return int(stream)
+    raise TypeError("stream: expected None, an int handle or a stream object with "
+                    f".cuda_stream/.handle/.ptr, got {type(stream).__name__}")
+
+
+class Stream:
+    """A CUDA stream: created (and destroyed) here, or a borrowed handle."""
+
+    def __init__(self, handle: int | None = None, *, non_blocking: bool = True):
+        if handle is None:
+            context()
+            flags = cu().CUstream_flags.CU_STREAM_NON_BLOCKING if non_blocking else 0
+            self.handle = int(check(cu().cuStreamCreate(int(flags)), "cuStreamCreate"))
+            self.owned = True
+        else:
+            self.handle = stream_handle(handle)
+            self.owned = False
+
+    @classmethod
+    def wrap(cls, stream) -> "Stream":
+        return stream if isinstance(stream, Stream) else cls(stream_handle(stream))
+
+    def synchronize(self) -> None:
+        context()
+        check(cu().cuStreamSynchronize(cu().CUstream(self.handle)), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, 0
+        if self.owned and handle and _CONTEXT is not None and _CONTEXT.alive:
+            _CONTEXT.make_current()
+            check(cu().cuStreamDestroy(cu().CUstream(handle)), "cuStreamDestroy")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __int__(self) -> int:
+        return self.handle
+
+    @property
+    def cuda_stream(self) -> int:
+        return self.handle
+
+
+class Event:
+    def __init__(self, timing: bool = True):
+        context()
+        flags = 0 if timing else int(cu().CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self.handle = check(cu().cuEventCreate(flags), "cuEventCreate")
+
+    def record(self, stream=None) -> "Event":
+        check(cu().cuEventRecord(self.handle, cu().CUstream(stream_handle(stream))), "cuEventRecord")
+        return self
+
+    def synchronize(self) -> None:
+        check(cu().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None and _CONTEXT is not None and _CONTEXT.alive:
+            check(cu().cuEventDestroy(handle), "cuEventDestroy")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def elapsed_ms(start: Event, end: Event) -> float:
+    end.synchronize()
+    return float(check(cu().cuEventElapsedTime(start.handle, end.handle), "cuEventElapsedTime"))
+
+
+class EventPair:
+    """start() ... stop() around work on one stream; elapsed_ms() waits for stop."""
+
+    def __init__(self):
+        self.begin, self.end = Event(), Event()
+
+    def start(self, stream=None) -> None:
+        self.begin.record(stream)
+
+    def stop(self, stream=None) -> None:
+        self.end.record(stream)
+
+    def elapsed_ms(self) -> float:
+        return elapsed_ms(self.begin, self.end)
+
+
+def stream_wait(consumer, producer) -> None:
+    """Make `consumer` wait for the work enqueued so far on `producer`."""
+    c, p = stream_handle(consumer), stream_handle(producer)
+    if c == p:
+        return
+    event = Event(timing=False).record(p)
+    check(cu().cuStreamWaitEvent(cu().CUstream(c), event.handle, 0), "cuStreamWaitEvent")
+    event.close()  # safe: the driver frees it once the recorded work completes
+
+
+def synchronize(stream=None) -> None:
+    """Wait for a stream, or for the whole context when stream is None."""
+    context()
+    if stream is None:
+        check(cu().cuCtxSynchronize(), "cuCtxSynchronize")
+    else:
+        check(cu().cuStreamSynchronize(cu().CUstream(stream_handle(stream))), "cuStreamSynchronize")
+
+
+# --------------------------------------------------------------------------- memory
+
+class DeviceBuffer:
+    """cuMemAlloc'd bytes, freed by close() or when collected (while the context lives)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.ptr = 0
+        self._ctx = None
+        if self.nbytes:
+            self._ctx = context()
+            self.ptr = int(check(cu().cuMemAlloc(self.nbytes), f"cuMemAlloc({self.nbytes})"))
+
+    def close(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr and self._ctx is not None and self._ctx.alive:
+            self._ctx.make_current()
+            check(cu().cuMemFree(cu().CUdeviceptr(ptr)), "cuMemFree")
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+
+
+def memcpy_htod(dst: int, src, stream=None) -> None:
+    """Copy a C-contiguous NumPy array to device address dst (async on a stream if given).
+
+    An async copy from pageable memory is staged before the call returns, and is
+    ordered before later work on the same stream.
+    """
+    if src.nbytes == 0:
+        return
+    context()
+    d = cu()
+    if stream is None:
+        check(d.cuMemcpyHtoD(d.CUdeviceptr(dst), src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
+    else:
+        check(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), src.ctypes.data, src.nbytes,
+                                  d.CUstream(stream_handle(stream))), "cuMemcpyHtoDAsync")
+
+
+def memcpy_dtoh(dst, src: int, stream=None) -> None:
+    """Copy into a C-contiguous NumPy array; with a stream, waits for that stream."""
+    if dst.nbytes == 0:
+        return
+    context()
+    d = cu()
+    if stream is None:
+        check(d.cuMemcpyDtoH(dst.ctypes.data, d.CUdeviceptr(src), dst.nbytes), "cuMemcpyDtoH")
+    else:
+        s = d.CUstream(stream_handle(stream))
+        check(d.cuMemcpyDtoHAsync(dst.ctypes.data, d.CUdeviceptr(src), dst.nbytes, s),
+              "cuMemcpyDtoHAsync")
+        check(d.cuStreamSynchronize(s), "cuStreamSynchronize")
+
+
+def memset_u16(ptr: int, value: int, count: int, stream=None) -> None:
+    """Fill `count` 16-bit words (0xFFFF is a bf16 NaN: used to poison outputs)."""
+    if count == 0:
+        return
+    context()
+    d = cu()
+    if stream is None:
+        check(d.cuMemsetD16(d.CUdeviceptr(ptr), value, count), "cuMemsetD16")
+    else:
+        check(d.cuMemsetD16Async(d.CUdeviceptr(ptr), value, count,
+                                 d.CUstream(stream_handle(stream))), "cuMemsetD16Async")
+
+
+def memset_u8(ptr: int, value: int, count: int, stream=None) -> None:
+    if count == 0:
+        return
+    context()
+    d = cu()
+    if stream is None:
+        check(d.cuMemsetD8(d.CUdeviceptr(ptr), value, count), "cuMemsetD8")
+    else:
+        check(d.cuMemsetD8Async(d.CUdeviceptr(ptr), value, count,
+                                d.CUstream(stream_handle(stream))), "cuMemsetD8Async")
+
+
+def pointer_device(ptr: int) -> int:
+    """Ordinal of the device that owns a device address (for __cuda_array_interface__)."""
+    d = cu()
+    attr = d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(check(d.cuPointerGetAttribute(attr, d.CUdeviceptr(ptr)), "cuPointerGetAttribute"))

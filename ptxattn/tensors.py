@@ -1,0 +1,415 @@
+"""Device arrays, NumPy copies, and DLPack in both directions (with ctypes).
+
+DeviceArray is the library's only device tensor: a bf16 strided view of
+device memory that it owns (a DeviceBuffer) or borrows (an imported DLPack
+tensor or __cuda_array_interface__ object, kept alive by `owner`).
+
+DLPack rules followed here (https://dmlc.github.io/dlpack/latest/python_spec.html):
+- a producer returns a PyCapsule named "dltensor" (DLManagedTensor) or, when
+  the consumer asked with max_version >= (1, 0), "dltensor_versioned"
+  (DLManagedTensorVersioned);
+- a consumer renames the capsule "used_dltensor[_versioned]" and calls the
+  tensor's deleter when done with it; a capsule that dies still unused calls the
+  deleter from its destructor;
+- `stream` is the consumer's stream: the producer makes its pending work
+  visible there (None = legacy default stream, -1 = no synchronisation).
+
+Every struct field is written and read here with ctypes; only the capsule
+object and its destructor/deleter come from NumPy's C code (see make_capsule:
+a Python-level destructor cannot keep an exception that is in flight).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, Structure, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+kDLInt, kDLUInt, kDLFloat, kDLBfloat = 0, 1, 2, 4
+DLPACK_FLAG_READ_ONLY = 1
+DLPACK_VERSION = (1, 0)
+_DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan",
+                 8: "Metal", 10: "ROCm", 13: "CUDA managed", 14: "oneAPI"}
+
+
+# --------------------------------------------------------------------------- C structs
+
+class DLDevice(Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+
+class DLDataType(Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(Structure):
+    _fields_ = [("data", c_void_p), ("device", DLDevice), ("ndim", c_int32),
+                ("dtype", DLDataType), ("shape", POINTER(c_int64)),
+                ("strides", POINTER(c_int64)), ("byte_offset", c_uint64)]
+
+
+class DLManagedTensor(Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", c_void_p), ("deleter", c_void_p)]
+
+
+class DLPackVersion(Structure):
+    _fields_ = [("major", c_uint32), ("minor", c_uint32)]
+
+
+class DLManagedTensorVersioned(Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", c_void_p), ("deleter", c_void_p),
+                ("flags", c_uint64), ("dl_tensor", DLTensor)]
+
+
+# --------------------------------------------------------------------------- capsule API
+
+# Private prototypes (PYFUNCTYPE: called with the GIL held, Python errors
+# raised) so that we never change argtypes on the shared ctypes.pythonapi.
+# Capsules are passed by address (id()).
+_api = ctypes.pythonapi
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, c_void_p, ctypes.c_char_p)(("PyCapsule_IsValid", _api))
+_capsule_get_pointer = ctypes.PYFUNCTYPE(c_void_p, c_void_p, ctypes.c_char_p)(("PyCapsule_GetPointer", _api))
+_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, c_void_p, c_void_p)(("PyCapsule_SetName", _api))
+
+_NAME = {False: b"dltensor", True: b"dltensor_versioned"}
+# PyCapsule_SetName keeps the pointer: the new names must live forever.
+_USED_NAME_BUFFERS = {v: ctypes.create_string_buffer(b"used_" + n) for v, n in _NAME.items()}
+_USED_NAME = {v: ctypes.addressof(b) for v, b in _USED_NAME_BUFFERS.items()}
+
+
+class _Keep(ctypes.c_uint16 * 1):
+    """What an exported capsule keeps alive: the producer object and the shape
+    and strides arrays its DLTensor points at. Being a ctypes array it has a
+    buffer, so a NumPy array can be built on it and hold it as its base."""
+
+
+def make_capsule(data: int, shape, strides, dtype: tuple[int, int, int],
+                 device: tuple[int, int], owner, *, versioned: bool = False,
+                 readonly: bool = False):
+    """A DLPack capsule over any memory: device=(kDLCUDA, id) for device arrays,
+    (kDLCPU, 0) for host memory. `strides` in elements; `owner` is kept alive
+    until the consumer calls the deleter (or the capsule dies unconsumed).
+
+    Why the capsule is NumPy's: a capsule often dies while an exception is in
+    flight (a consumer that rejects it, e.g. for bf16, drops it and returns
+    the error). Its destructor must then save and restore that exception,
+    which C can do and a ctypes callback cannot (the callback's return clears
+    it). So NumPy's C code makes the capsule, with its exception-safe
+    destructor and a deleter that takes the GIL from any thread, over a
+    one-element placeholder array whose base is `keep`; then we point every
+    DLTensor field (data, device, dtype, shape, strides, flags) at ours. NumPy's
+    deleter only frees its struct and drops the placeholder, which drops `keep`.
+    """
+    ndim = len(shape)
+    keep = _Keep()
+    keep.owner = owner
+    keep.dims = (c_int64 * max(2 * ndim, 1))(*shape, *strides)
+    placeholder = np.frombuffer(keep, np.uint16).reshape((1,) * ndim)
+    capsule = None
+    if versioned:
+        try:
+            capsule = placeholder.__dlpack__(max_version=DLPACK_VERSION)
+        except TypeError:
+            pass                      # NumPy < 2.1: legacy capsules only, which DLPack allows
+    if capsule is None:
+        capsule = placeholder.__dlpack__()
+    versioned = bool(_capsule_is_valid(id(capsule), _NAME[True]))
+    address = _capsule_get_pointer(id(capsule), _NAME[versioned])
+    managed = (DLManagedTensorVersioned if versioned else DLManagedTensor).from_address(address)
+    if versioned:
+        managed.flags = DLPACK_FLAG_READ_ONLY if readonly else 0
+    t = managed.dl_tensor
+    t.data = data or None
+    t.byte_offset = 0
+    t.device.device_type, t.device.device_id = device
+    t.ndim = ndim
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype
+    base = ctypes.addressof(keep.dims)
+    t.shape = ctypes.cast(base, POINTER(c_int64))
+    t.strides = ctypes.cast(base + 8 * ndim, POINTER(c_int64))
+    return capsule
+
+
+# --------------------------------------------------------------------------- import
+
+class _Imported:
+    """Owns a consumed DLPack tensor: calls its deleter when collected."""
+
+    def __init__(self, capsule, address: int, deleter: int | None, producer):
+        self.capsule = capsule      # renamed "used_...": kept only so it is visibly alive
+        self.address = address
+        self.deleter = deleter
+        self.producer = producer
+
+    def __del__(self):
+        deleter, self.deleter = self.deleter, None
+        if deleter:
+            try:
+                ctypes.PYFUNCTYPE(None, c_void_p)(deleter)(self.address)
+            except Exception:
+                pass
+
+
+def _dtype_name(code: int, bits: int, lanes: int) -> str:
+    base = {kDLInt: "int", kDLUInt: "uint", kDLFloat: "float", kDLBfloat: "bfloat"}.get(code)
+    name = f"{base}{bits}" if base else f"DLPack type code {code}, {bits} bits"
+    return name if lanes == 1 else f"{name}x{lanes}"
+
+
+def _device_name(device_type: int) -> str:
+    return _DEVICE_NAMES.get(device_type, f"DLPack device type {device_type}")
+
+
+def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
+    addr = id(capsule)
+    for versioned in (True, False):
+        if _capsule_is_valid(addr, _NAME[versioned]):
+            break
+    else:
+        raise TypeError(f"{name}: __dlpack__ did not return an unused DLPack capsule")
+    address = _capsule_get_pointer(addr, _NAME[versioned])
+    managed = (DLManagedTensorVersioned if versioned else DLManagedTensor).from_address(address)
+    _capsule_set_name(addr, _USED_NAME[versioned])
+    # From here on we own the tensor: the holder calls its deleter, also on errors below.
+    holder = _Imported(capsule, address, managed.deleter, producer)
+    if versioned and managed.version.major > DLPACK_VERSION[0]:
+        raise BufferError(f"{name}: DLPack version {managed.version.major}.{managed.version.minor} "
+                          "is newer than the 1.x this library reads")
+    t = managed.dl_tensor
+    dev = (t.device.device_type, t.device.device_id)
+    if dev[0] not in (kDLCUDA, kDLCUDAManaged):
+        raise TypeError(f"{name}: expected a CUDA device array, got one on "
+                        f"{_device_name(dev[0])} memory (pass host data as a NumPy array)")
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (kDLBfloat, 16, 1):
+        raise TypeError(f"{name}: expected dtype bfloat16, got "
+                        f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)}")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = (tuple(t.strides[i] for i in range(t.ndim)) if t.strides
+               else _contiguous(shape))
+    readonly = bool(versioned and managed.flags & DLPACK_FLAG_READ_ONLY)
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, device=dev[1],
+                       owner=holder, readonly=readonly)
+
+
+def _dlpack_stream_arg(stream: int) -> int:
+    # DLPack names CUDA's legacy default stream 1 (0 is disallowed as ambiguous).
+    return 1 if stream == 0 else stream
+
+
+def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
+    """Zero-copy view of a CUDA array from DLPack or __cuda_array_interface__.
+
+    `stream` (an int handle, default: legacy default stream) is where the
+    array will be used; a DLPack producer makes its pending writes visible
+    there. Raises TypeError for host arrays and non-bf16 dtypes.
+    """
+    from .driver import stream_handle
+    if isinstance(obj, DeviceArray):
+        return obj
+    handle = stream_handle(stream)
+    if hasattr(obj, "__dlpack__"):
+        if hasattr(obj, "__dlpack_device__"):
+            dev_type, _ = obj.__dlpack_device__()
+            if int(dev_type) not in (kDLCUDA, kDLCUDAManaged):
+                raise TypeError(f"{name}: expected a CUDA device array, got one on "
+                                f"{_device_name(int(dev_type))} memory "
+                                "(pass host data as a NumPy array)")
+        s = _dlpack_stream_arg(handle)
+        try:
+            capsule = obj.__dlpack__(stream=s, max_version=DLPACK_VERSION)
+        except TypeError:       # a producer from before DLPack 1.0
+            capsule = obj.__dlpack__(stream=s)
+        return _consume_capsule(capsule, obj, name)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(cai, obj, name)
+    raise TypeError(f"{name}: expected a NumPy array or a CUDA array (DLPack or "
+                    f"__cuda_array_interface__), got {type(obj).__name__}")
+
+
+def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
+    typestr = cai.get("typestr", "")
+    # NumPy has no bf16 typestr: the only one a producer can write is ml_dtypes'
+    # "<V2" (what np.dtype(ml_dtypes.bfloat16).str says).
+    if typestr != BF16.str:
+        raise TypeError(f"{name}: expected dtype bfloat16 (typestr {BF16.str!r}), "
+                        f"got {_describe_typestr(typestr)}")
+    if cai.get("mask") is not None:
+        raise TypeError(f"{name}: masked __cuda_array_interface__ arrays are not supported")
+    shape = tuple(int(n) for n in cai["shape"])
+    ptr, readonly = cai["data"]
+    if cai.get("strides") is None:
+        strides = _contiguous(shape)
+    else:
+        byte_strides = tuple(int(s) for s in cai["strides"])
+        if any(s % BF16.itemsize for s in byte_strides):
+            raise ValueError(f"{name}: strides {byte_strides} (bytes) are not whole bf16 elements")
+        strides = tuple(s // BF16.itemsize for s in byte_strides)
+    # The producer's stream (v3): its pending writes must be waited for before use.
+    # 1 and 2 name the legacy and per-thread default streams; handle 1 is really 0.
+    producer_stream = cai.get("stream")
+    if producer_stream == 1:
+        producer_stream = 0
+    return DeviceArray(int(ptr or 0), shape, strides, device=None, owner=obj,
+                       readonly=bool(readonly), producer_stream=producer_stream)
+
+
+def _describe_typestr(typestr: str) -> str:
+    try:
+        return f"{np.dtype(typestr)} (typestr {typestr!r})"
+    except TypeError:
+        return repr(typestr)
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+# --------------------------------------------------------------------------- DeviceArray
+
+class DeviceArray:
+    """A bf16 strided view of device memory (strides in elements).
+
+    `stream` is the stream of the last write enqueued by this library; readers
+    on another stream (DLPack consumers, to_numpy) are ordered after it.
+    """
+
+    dtype = BF16
+
+    def __init__(self, ptr: int, shape, strides=None, *, device: int | None = 0, owner=None,
+                 readonly: bool = False, stream: int | None = None,
+                 producer_stream: int | None = None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = tuple(int(s) for s in strides) if strides is not None else _contiguous(self.shape)
+        self.device = device
+        self.owner = owner
+        self.readonly = readonly
+        self.stream = stream
+        self.producer_stream = producer_stream
+
+    # -- shape facts
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * BF16.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        return all(s == c for n, s, c in zip(self.shape, self.strides, _contiguous(self.shape))
+                   if n != 1)
+
+    def span(self) -> tuple[int, int]:
+        """[first, last+1) byte addresses this view can touch."""
+        if self.size == 0:
+            return (self.ptr, self.ptr)
+        lo = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        hi = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        return (self.ptr + lo * BF16.itemsize, self.ptr + (hi + 1) * BF16.itemsize)
+
+    def __repr__(self) -> str:
+        return (f"DeviceArray(shape={self.shape}, strides={self.strides}, dtype=bfloat16, "
+                f"device={self.device}, ptr=0x{self.ptr:x})")
+
+    # -- copies
+    def to_numpy(self) -> np.ndarray:
+        """Copy to the host as an ml_dtypes.bfloat16 array (waits for pending writes)."""
+        from . import driver
+        if self.size == 0:
+            return np.empty(self.shape, BF16)
+        driver.context()
+        if self.is_contiguous:
+            host = np.empty(self.shape, BF16)
+            driver.memcpy_dtoh(host, self.ptr, stream=self.stream)
+            return host
+        lo, hi = self.span()
+        raw = np.empty((hi - lo) // BF16.itemsize, BF16)
+        driver.memcpy_dtoh(raw, lo, stream=self.stream)
+        offset = (self.ptr - lo) // BF16.itemsize
+        view = np.lib.stride_tricks.as_strided(
+            raw[offset:], self.shape, tuple(s * BF16.itemsize for s in self.strides))
+        return np.ascontiguousarray(view)
+
+    def fill_u16(self, value: int, stream=None) -> None:
+        """Set every element's 16 bits (0xFFFF = NaN poison); contiguous arrays only."""
+        from . import driver
+        if not self.is_contiguous:
+            raise ValueError("fill_u16 needs a contiguous array")
+        driver.memset_u16(self.ptr, value, self.size, stream=stream)
+        if stream is not None:
+            self.stream = driver.stream_handle(stream)
+
+    # -- DLPack export
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (kDLCUDA, self.device or 0)
+
+    def __dlpack__(self, stream=None, *, max_version=None, dl_device=None, copy=None):
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"DeviceArray lives on {self.__dlpack_device__()}, "
+                              f"cannot export to {tuple(dl_device)}")
+        if copy:
+            raise BufferError("DeviceArray exports views only (copy=True is not supported)")
+        # The consumer's stream: None and 1 both mean the legacy default stream
+        # (handle 0); -1 asks for no synchronisation.
+        if stream != -1 and self.stream is not None:
+            from . import driver
+            consumer = 0 if stream in (None, 1) else int(stream)
+            if consumer != self.stream:
+                driver.context()
+                driver.stream_wait(consumer, self.stream)
+        versioned = max_version is not None and tuple(max_version) >= DLPACK_VERSION
+        return make_capsule(self.ptr, self.shape, self.strides, (kDLBfloat, 16, 1),
+                            self.__dlpack_device__(), self, versioned=versioned,
+                            readonly=self.readonly)
+
+
+def empty(shape, *, stream=None) -> DeviceArray:
+    """An uninitialised contiguous bf16 device array."""
+    from . import driver
+    shape = tuple(int(n) for n in shape)
+    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    buf = driver.DeviceBuffer(size * BF16.itemsize)
+    device = driver.context().ordinal
+    return DeviceArray(buf.ptr, shape, device=device, owner=buf,
+                       stream=None if stream is None else driver.stream_handle(stream))
+
+
+def to_bf16(array: np.ndarray, name: str = "array") -> np.ndarray:
+    """bf16 as is; float32 rounded to bf16 (float64 through float32); else TypeError."""
+    if array.dtype == BF16:
+        return array
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    if array.dtype == np.float32:
+        return array.astype(BF16)
+    raise TypeError(f"{name}: expected dtype bfloat16 (or float32/float64, rounded to bfloat16), "
+                    f"got {array.dtype}")
+
+
+def from_numpy(array: np.ndarray, *, stream=None) -> DeviceArray:
+    """Copy a NumPy array (bf16, or float32/float64 rounded to bf16) to the device.
+
+    With a stream the copy is asynchronous on it and ordered before later work there.
+    """
+    from . import driver
+    host = np.ascontiguousarray(to_bf16(np.asarray(array)))
+    out = empty(host.shape, stream=stream)
+    driver.memcpy_htod(out.ptr, host, stream=stream)
+    out.staging = host    # an async copy from pageable memory is staged, but keep it anyway
+    return out

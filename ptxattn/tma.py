@@ -1,0 +1,116 @@
+"""Tensor maps (cuTensorMapEncodeTiled) for Q, K, V and O.
+
+Contract (ptx/sm90/README.md, "Tensor maps"): every map is 5-D over
+(d_inner, row, d_outer, head, batch), d_inner = `chunk` elements of the head
+dim, d_outer = D / chunk. Byte strides of dims 1..4 are (row stride, 2*chunk,
+head stride, batch stride), taken from the array's real strides, so BHLD, BSHD
+and strided views differ only in strides. The box is (chunk, rows, D/chunk, 1, 1)
+and lands in shared memory as [d_outer][row][chunk].
+"""
+
+from __future__ import annotations
+
+from .stages import SWIZZLE_128B, SWIZZLE_NONE
+
+ELEMENT_BYTES = 2            # bf16
+_TMA_ALIGN = 16              # base address and every global stride, in bytes
+_MAX_BOX = 256               # TMA box dims are 1..256 elements
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+def layout_shape(layout: str, batch: int, heads: int, seq: int, head_dim: int) -> tuple:
+    return (batch, heads, seq, head_dim) if layout == "bhld" else (batch, seq, heads, head_dim)
+
+
+def bhl_strides(layout: str, shape, strides=None, name: str = "tensor") -> tuple[int, int, int, int]:
+    """Element strides (batch, head, row, dim) of a 4-D array in `layout` order.
+
+    A stride of a size-1 dim never addresses anything and frameworks report
+    arbitrary values there: it is replaced by the contiguous one.
+    """
+    strides = tuple(int(s) for s in (strides if strides is not None else contiguous_strides(shape)))
+    if len(strides) != 4:
+        raise ValueError(f"{name}: expected 4 strides, got {len(strides)}")
+    strides = tuple(c if n == 1 else s for n, s, c in zip(shape, strides, contiguous_strides(shape)))
+    if layout == "bhld":
+        return strides[0], strides[1], strides[2], strides[3]
+    return strides[0], strides[2], strides[1], strides[3]
+
+
+def map_geometry(layout: str, batch: int, heads: int, seq: int, head_dim: int, rows: int,
+                 chunk: int, strides=None, name: str = "tensor") -> dict:
+    """Dims, byte strides, box and element strides of one map, as plain ints.
+
+    `strides` are element strides in the array's own axis order (layout order);
+    None means contiguous. Raises ValueError (naming `name`) when TMA cannot
+    address the array.
+    """
+    layout = layout.lower()
+    if layout not in ("bhld", "bshd"):
+        raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
+    if chunk <= 0 or head_dim % chunk:
+        raise ValueError(f"{name}: head dim {head_dim} is not a multiple of the TMA chunk {chunk}")
+    if not 1 <= rows <= _MAX_BOX or head_dim // chunk > _MAX_BOX:
+        raise ValueError(f"{name}: TMA box ({chunk}, {rows}, {head_dim // chunk}) exceeds 256")
+    shape = layout_shape(layout, batch, heads, seq, head_dim)
+    s_batch, s_head, s_row, s_dim = bhl_strides(layout, shape, strides, name)
+    if s_dim != 1:
+        raise ValueError(f"{name}: last (head) dim must have stride 1 for TMA, got stride {s_dim}")
+
+    dims = (chunk, seq, head_dim // chunk, heads, batch)
+    byte_strides = (s_row * ELEMENT_BYTES, chunk * ELEMENT_BYTES,
+                    s_head * ELEMENT_BYTES, s_batch * ELEMENT_BYTES)
+    for label, n, s in (("row", seq, s_row), ("head", heads, s_head), ("batch", batch, s_batch)):
+        if n > 1 and s <= 0:
+            raise ValueError(f"{name}: {label} stride must be positive for TMA, got {s} elements")
+        if (s * ELEMENT_BYTES) % _TMA_ALIGN:
+            raise ValueError(f"{name}: {label} stride of {s} elements ({s * ELEMENT_BYTES} bytes) "
+                             f"is not a multiple of {_TMA_ALIGN} bytes, which TMA requires")
+    return {
+        "dims": dims,
+        "strides": byte_strides,
+        "box": (chunk, rows, head_dim // chunk, 1, 1),
+        "element_strides": (1, 1, 1, 1, 1),
+    }
+
+
+def check_base(ptr: int, name: str = "tensor") -> None:
+    if ptr % _TMA_ALIGN:
+        raise ValueError(f"{name}: base address 0x{ptr:x} is not {_TMA_ALIGN}-byte aligned, "
+                         "which TMA requires")
+
+
+def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, head_dim: int,
+                    rows: int, swizzle: str, chunk: int, strides=None, name: str = "tensor"):
+    """A bf16 CUtensorMap for one of Q, K, V, O (pass it by value, type None)."""
+    from .driver import check, cu  # driver only when a map is actually built
+
+    check_base(ptr, name)
+    g = map_geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name)
+    if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
+        raise ValueError(f"swizzle: expected {SWIZZLE_NONE!r} or {SWIZZLE_128B!r}, got {swizzle!r}")
+    if swizzle == SWIZZLE_128B and chunk * ELEMENT_BYTES > 128:
+        raise ValueError(f"{name}: a 128B-swizzled box row is at most 128 bytes, got {chunk * 2}")
+    d = cu()
+    sw = (d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle == SWIZZLE_128B
+          else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
+    return check(d.cuTensorMapEncodeTiled(
+        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        5,
+        int(ptr),
+        [d.cuuint64_t(x) for x in g["dims"]],
+        [d.cuuint64_t(x) for x in g["strides"]],
+        [d.cuuint32_t(x) for x in g["box"]],
+        [d.cuuint32_t(x) for x in g["element_strides"]],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        sw,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    ), f"cuTensorMapEncodeTiled({name}: dims={g['dims']}, strides={g['strides']}, box={g['box']})")

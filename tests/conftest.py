@@ -1,0 +1,55 @@
+"""Shared test setup: GPU tests (marked `gpu`) are skipped unless a GPU is usable.
+
+"Usable" means cuInit(0) succeeds and the driver reports at least one device.
+The probe talks to cuda.bindings directly (not through ptxattn), so a bug in
+ptxattn.driver cannot hide GPU tests, and it runs only when gpu tests are
+collected.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_status() -> tuple[bool, str]:
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        return False, f"cuda-python is not importable ({e})"
+    try:
+        (err,) = cu.cuInit(0)
+    except Exception as e:           # libcuda.so cannot be loaded
+        return False, f"no CUDA driver library ({type(e).__name__})"
+    if int(err) != 0:
+        return False, f"cuInit returned {cu.CUresult(int(err)).name}"
+    err, count = cu.cuDeviceGetCount()
+    if int(err) != 0 or count == 0:
+        return False, "the driver reports no CUDA device"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    usable, why = gpu_status()
+    if usable:
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU: {why}")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def no_driver(monkeypatch):
+    """Fail loudly if a test reaches the CUDA driver (validation must not)."""
+    from ptxattn import driver
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CUDA driver was touched")
+
+    monkeypatch.setattr(driver, "context", refuse)
+    monkeypatch.setattr(driver, "cu", refuse)

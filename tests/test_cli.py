@@ -1,0 +1,245 @@
+"""The CLI through click's CliRunner, on a machine without a GPU (ptxas from the tools extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ptxattn import driver, sass, stages
+from ptxattn.cli import main
+from ptxattn.errors import NoGpuError
+
+SYNTHETIC = Path(__file__).parent / "fixtures" / "bench_synthetic.json"
+FIRST = stages.all_stages()[0]
+LAST = stages.all_stages()[-1]
+
+needs_sass = pytest.mark.skipif(
+    sass.locate("ptxas") is None or not (sass.locate("nvdisasm") or sass.locate("cuobjdump")),
+    reason="no ptxas/nvdisasm (pip install 'ptxattn[tools]')")
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_clean_error(result, *needles):
+    """Exit code != 0, one `Error: ...` line, no traceback."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    for needle in needles:
+        assert needle in errors[0], result.output
+    return errors[0]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Make the driver say 'no GPU' whatever machine this is."""
+    def fail():
+        raise NoGpuError("ptxattn: no CUDA GPU available (test)")
+    monkeypatch.setattr(driver, "device_info", fail)
+
+
+def test_list_shows_every_stage():
+    result = cli("list")
+    assert result.exit_code == 0, result.output
+    for s in stages.all_stages():
+        assert any(line.split()[:3] == [str(s.number), s.name, s.arch]
+                   for line in result.output.splitlines())
+    assert f"Lq%{FIRST.block_m}" in result.output
+
+
+def test_info_without_gpu_says_so(no_gpu):
+    result = cli("info")
+    assert result.exit_code == 0, result.output
+    assert "no GPU" in result.output
+    for tool in ("ptxas", "nvdisasm", "cuobjdump"):
+        assert tool in result.output
+
+
+@pytest.mark.skipif(driver.gpu_available(), reason="this machine has a GPU")
+def test_info_on_this_machine_without_gpu():
+    result = cli("info")
+    assert result.exit_code == 0 and "no GPU" in result.output
+
+
+def test_ptx_is_expanded():
+    result = cli("ptx", FIRST.label)
+    assert result.exit_code == 0, result.output
+    assert f".entry {stages.ENTRY}(" in result.output
+    assert "#include" not in result.output and "#define" not in result.output
+
+
+@pytest.mark.parametrize("alias", ["stage1", "stage01", "1", "baseline"])
+def test_stage_aliases_select_stage_1(alias):
+    assert cli("ptx", alias).output == cli("ptx", "1").output
+
+
+@pytest.mark.parametrize("command", ["run", "ptx", "sass"])
+def test_bad_stage_name(command):
+    one_clean_error(cli(command, "nope"), "unknown stage 'nope'", "stage01")
+
+
+def test_run_without_gpu_is_one_clean_error(no_gpu):
+    one_clean_error(cli("run", "stage1", "--shape", "4k"), "no CUDA GPU")
+
+
+@pytest.mark.skipif(driver.gpu_available(), reason="this machine has a GPU")
+def test_run_on_this_machine_without_gpu():
+    one_clean_error(cli("run", "1", "--shape", "512"), "no CUDA GPU")
+
+
+def test_run_rejects_a_shape_the_stage_cannot_take(no_gpu):
+    one_clean_error(cli("run", "1", "-L", "100"), "cannot run", "query length 100")
+
+
+def test_run_rejects_an_unknown_shape():
+    one_clean_error(cli("run", "1", "--shape", "huge"), "shape")
+
+
+@needs_sass
+def test_sass_summary():
+    result = cli("sass", FIRST.label, "--summary")
+    assert result.exit_code == 0, result.output
+    assert "registers" in result.output and "HGMMA" in result.output
+    assert f"{FIRST.smem_bytes} B dynamic" in result.output
+
+
+@needs_sass
+def test_sass_json():
+    result = cli("sass", "1", "--json", "--grep", "HGMMA")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["stage"] == "stage01" and data["spill_bytes"] == 0
+    assert data["classes"]["HGMMA"] == data["grep"]["count"] > 0
+
+
+@needs_sass
+def test_sass_grep_and_full_listing():
+    result = cli("sass", "1", "--grep", "mufu.ex2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[-1].endswith("x MUFU.EX2") and len(lines) == int(lines[-1].split()[0]) + 1
+    assert all("MUFU.EX2" in line for line in lines[:-1])
+    full = cli("sass", "1")
+    assert full.exit_code == 0 and "HGMMA" in full.output and "EXIT" in full.output
+
+
+def test_diff_ptx_of_a_stage_with_itself():
+    result = cli("diff", "1", "stage01", "--ptx")
+    assert result.exit_code == 0, result.output
+    assert "no difference" in result.output
+
+
+@pytest.mark.skipif(len(stages.all_stages()) < 2, reason="one stage registered")
+def test_diff_ptx_of_two_stages():
+    result = cli("diff", FIRST.label, LAST.label)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"--- {FIRST.label} ")
+    assert f"+++ {LAST.label} " in result.output and "\n@@ " in result.output
+
+
+@needs_sass
+def test_diff_sass():
+    result = cli("diff", FIRST.label, LAST.label, "--sass")
+    assert result.exit_code == 0, result.output
+    header, *rows = result.output.splitlines()
+    assert header.split() == [FIRST.label, LAST.label, "delta"]
+    assert any(r.startswith("registers") for r in rows) and any(r.startswith("HGMMA") for r in rows)
+
+
+def test_bench_without_gpu_is_one_clean_error(no_gpu):
+    one_clean_error(cli("bench", "--shapes", "4k"), "no CUDA GPU")
+
+
+def test_bench_from_json_prints_the_table():
+    result = cli("bench", "--from-json", SYNTHETIC)
+    assert result.exit_code == 0, result.output
+    assert "stage01 baseline" in result.output and "% cuDNN" in result.output
+
+
+def test_bench_plot_from_json(tmp_path):
+    out = tmp_path / "progression.png"
+    result = cli("bench", "--from-json", SYNTHETIC, "--plot", out)
+    if importlib.util.find_spec("matplotlib") is None:
+        one_clean_error(result, "pip install 'ptxattn[plot]'")
+    else:
+        assert result.exit_code == 0, result.output
+        assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_python_dash_m_ptxattn():
+    proc = subprocess.run([sys.executable, "-m", "ptxattn", "list"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert FIRST.name in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [FIRST.label, LAST.label])
+def test_run_on_the_gpu(stage):
+    result = cli("run", stage, "--shape", "2x2x512x128", "--reps", "3", "--layout", "bshd")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "PASS"
+    assert "TFLOP/s" in result.output and "NaN 0" in result.output
+
+
+def test_run_with_a_fake_gpu_prints_figures_and_passes(monkeypatch):
+    import fake_gpu
+    launches = fake_gpu.install(monkeypatch, {1: 0.5})
+    result = cli("run", "stage1", "--shape", "1x2x128x128", "--layout", "bshd", "--reps", "4")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "stage01 baseline on Fake GPU: 1x2x128x128 (B=1 H=2 L=128 D=128, bshd)"
+    assert lines[1].split()[:3] == ["time", "0.500", "ms"]
+    assert f"{bench_tflops(1, 2, 128, 128, 128, 0.5):.1f} TFLOP/s" in lines[1]
+    assert lines[2].startswith("check   rel_l2 ") and "NaN 0" in lines[2]
+    assert lines[-1] == "PASS"
+    assert launches == {1: 2}                  # the checked launch + one in the fake timing
+
+
+def test_run_with_a_fake_gpu_fails_on_a_wrong_result(monkeypatch):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {1: 0.5}, wrong={1})
+    result = cli("run", "1", "-b", "1", "-H", "1", "-L", "128")
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == "FAIL"
+    no_check = cli("run", "1", "-b", "1", "-H", "1", "-L", "128", "--no-check")
+    assert no_check.exit_code == 0 and "skipped (--no-check)" in no_check.output
+
+
+def test_bench_with_a_fake_gpu_writes_results(monkeypatch, tmp_path):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {s.number: 1.0 + s.number for s in stages.all_stages()})
+    result = cli("bench", "--shapes", "1x1x128x128", "--stages", "1", "--reps", "2",
+                 "--rounds", "2", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and "bench.txt" in files
+    [json_file] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert json_file.name.endswith("-fake-gpu.json")
+    data = json.loads(json_file.read_text())
+    assert data["results"][0]["ms"] == 2.0 and data["results"][0]["pass"]
+    assert (tmp_path / "bench.txt").read_text().strip() in result.output
+
+
+def bench_tflops(*args):
+    from ptxattn import bench
+    return bench.tflops(*args)
+
+
+@needs_sass
+def test_assembly_error_is_one_line_and_verbose_shows_the_mapped_log():
+    # sm_90a-only wgmma cannot be assembled for sm_100a: ptxas fails on a known line
+    one_clean_error(cli("sass", "1", "--arch", "sm_100a"), "ptxas failed on stage01 (sm_100a)",
+                    "ptx/sm90/01_baseline.ptx:", "ptxattn -v")
+    verbose = CliRunner().invoke(main, ["-v", "sass", "1", "--arch", "sm_100a"])
+    assert verbose.exit_code == 1 and "Traceback" not in verbose.output
+    assert "    -> ptx/sm90/" in verbose.output       # every log line mapped to its source

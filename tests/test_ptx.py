@@ -1,0 +1,177 @@
+"""Preprocessing of stage sources, line mapping, and JIT log annotation (CPU only)."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import re
+import textwrap
+
+import pytest
+
+from ptxattn import ptx, stages
+from ptxattn.errors import PtxattnError
+
+DIRECTIVE = re.compile(r"^\s*#", re.M)
+
+
+@pytest.mark.parametrize("stage", stages.all_stages(), ids=lambda s: s.label)
+def test_every_stage_expands_to_plain_ptx(stage):
+    if not (stages.ptx_root() / stage.file).is_file():
+        pytest.skip(f"{stage.file} is not written yet")
+    text = ptx.source(stage)
+    assert not DIRECTIVE.search(text), "a preprocessor directive survived expansion"
+    assert re.search(r"\.entry\s+ptxattn_fwd\b", text)
+    assert ".target sm_90a" in text or stage.arch != "sm_90a"
+    # every expanded line maps back to a real line of a real file
+    exp = ptx.expand(stage)
+    assert len(exp.line_map) == len(text.splitlines())
+    for file, line in exp.line_map:
+        assert file.startswith("ptx/") and line >= 1
+    assert ptx.source(stage) is text        # cached per (stage, defines)
+
+
+HEADER = textwrap.dedent("""\
+    // helpers shared by stages
+    #pragma once
+    #define WAIT(bar, phase) \\
+        mbarrier.try_wait.parity.shared::cta.b64 %p_done, [bar], phase;
+
+    .func helper_func()
+    {
+        ret;
+    }
+    """)
+
+KERNEL = textwrap.dedent("""\
+    // a tiny stage: the one change is nothing at all
+    .version 8.0
+    .target sm_90a
+    .address_size 64
+
+    #include "helpers.ptxh"
+    #include "helpers.ptxh"
+    #define BLOCK_M 64
+
+    .visible .entry ptxattn_fwd(
+        .param .u64 o_ptr
+    )
+    {
+        .reg .pred %p_done;
+        .reg .b32 %r<2>;
+        mov.u32 %r1, BLOCK_M;
+    #ifdef TRACE
+        mov.u32 %r1, TRACE;
+    #endif
+    $L_wait:
+        WAIT(%r1, 0)
+        @!%p_done bra $L_wait;
+        ret;
+    }
+    """)
+
+
+@pytest.fixture
+def tiny_stage(tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "helpers.ptxh").write_text(HEADER)
+    (tmp_path / "99_tiny.ptx").write_text(KERNEL)
+    base = stages.get_stage(1)
+    # stage.file is joined to ptx/; an absolute path stays absolute
+    return dataclasses.replace(base, number=99, name="tiny", file=str(tmp_path / "99_tiny.ptx"))
+
+
+def line_of(text, needle):
+    return next(i for i, l in enumerate(text.splitlines(), 1) if needle in l)
+
+
+def test_includes_macros_and_conditionals_expand(tiny_stage):
+    text = ptx.source(tiny_stage)
+    assert not DIRECTIVE.search(text)
+    assert text.count(".func helper_func()") == 1          # pragma once honoured
+    assert "mov.u32 %r1, 64;" in text
+    assert "mbarrier.try_wait.parity.shared::cta.b64 %p_done, [%r1], 0;" in text
+    assert "TRACE" not in text
+    traced = ptx.source(tiny_stage, defines={"TRACE": 7})
+    assert "mov.u32 %r1, 7;" in traced and "mov.u32 %r1, 7;" not in text
+    assert ptx.source(tiny_stage, defines={"TRACE": True}).count("mov.u32 %r1, 1;") == 1
+
+
+def test_line_map_points_into_the_include(tiny_stage, tmp_path):
+    text = ptx.source(tiny_stage)
+    n = line_of(text, ".func helper_func()")
+    file, line = ptx.map_line(tiny_stage, n)
+    assert file == str(tmp_path / "include" / "helpers.ptxh") and line == 6
+    file, line = ptx.map_line(tiny_stage, line_of(text, "bra $L_wait"))
+    assert file.endswith("99_tiny.ptx") and line == 22
+    file, line = ptx.map_line(tiny_stage, line_of(text, "mov.u32 %r1, 64"))
+    assert line == 16
+    traced = ptx.source(tiny_stage, defines={"TRACE": 3})
+    assert ptx.map_line(tiny_stage, line_of(traced, "mov.u32 %r1, 3"), defines={"TRACE": 3})[1] == 18
+    assert ptx.map_line(tiny_stage, 10_000) is None
+
+
+def test_annotate_log_appends_file_line_and_source(tiny_stage, tmp_path):
+    text = ptx.source(tiny_stage)
+    n = line_of(text, "mbarrier.try_wait")
+    log = (f"ptxas application ptx input, line {n}; error   : Arguments mismatch for instruction "
+           f"'mbarrier'\nptxas fatal   : Ptx assembly aborted due to errors")
+    out = ptx.annotate_log(tiny_stage, log)
+    assert f"line {n}; error" in out
+    assert f"-> {tmp_path / '99_tiny.ptx'}:21: WAIT(%r1, 0)" in out
+    assert out.splitlines()[-1] == "ptxas fatal   : Ptx assembly aborted due to errors"
+
+
+def test_repository_paths_are_shown_relative(monkeypatch, tmp_path):
+    root = tmp_path / "repo" / "ptx"
+    (root / "sm90" / "include").mkdir(parents=True)
+    (root / "sm90" / "include" / "helpers.ptxh").write_text(HEADER)
+    (root / "sm90" / "99_tiny.ptx").write_text(KERNEL)
+    monkeypatch.setattr(ptx, "ptx_root", lambda: root)
+    stage = dataclasses.replace(stages.get_stage(1), number=99, name="tiny", file="sm90/99_tiny.ptx")
+    text = ptx.expand_file(root / stage.file, [root / "sm90" / "include"]).text
+    exp = ptx.expand_file(root / stage.file, [root / "sm90" / "include"])
+    assert exp.map_line(line_of(text, ".func helper_func()")) == ("ptx/sm90/include/helpers.ptxh", 6)
+    log = f"ptxas application ptx input, line {line_of(text, '.func helper_func()')}; error : x"
+    annotated, where = ptx.annotate(exp, log)
+    assert "-> ptx/sm90/include/helpers.ptxh:6: .func helper_func()" in annotated
+    assert where == [("ptx/sm90/include/helpers.ptxh", 6, ".func helper_func()")]
+
+
+def test_preprocessor_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.ptx"
+    bad.write_text('.version 8.0\n#include "missing.ptxh"\n')
+    with pytest.raises(PtxattnError, match=r"bad\.ptx:2.*missing\.ptxh"):
+        ptx.expand_file(bad)
+    err = tmp_path / "err.ptx"
+    err.write_text(".version 8.0\n#error stage needs TRACE\n")
+    with pytest.raises(PtxattnError, match="stage needs TRACE"):
+        ptx.expand_file(err)
+    unknown = tmp_path / "unknown.ptx"
+    unknown.write_text(".version 8.0\n#pragma unroll\n")
+    with pytest.raises(PtxattnError, match="unsupported directive #pragma"):
+        ptx.expand_file(unknown)
+
+
+def test_missing_stage_file_is_a_clear_error(tmp_path):
+    stage = dataclasses.replace(stages.get_stage(1), file=str(tmp_path / "nope.ptx"))
+    with pytest.raises(FileNotFoundError, match="nope.ptx"):
+        ptx.source(stage)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
+def test_a_real_ptxas_error_maps_back_to_the_include(tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "h.ptxh").write_text("// helper\n.func broken()\n{\n    bogus.op;\n"
+                                                 "    ret;\n}\n")
+    (tmp_path / "k.ptx").write_text('.version 8.4\n.target sm_90a\n.address_size 64\n'
+                                    '#include "h.ptxh"\n.visible .entry ptxattn_fwd()\n{\n'
+                                    '    ret;\n}\n')
+    stage = dataclasses.replace(stages.get_stage(1), file=str(tmp_path / "k.ptx"))
+    expanded = tmp_path / "expanded.ptx"
+    expanded.write_text(ptx.source(stage))
+    run = subprocess.run(["ptxas", "-arch=sm_90a", str(expanded), "-o", os.devnull],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "line" in run.stderr
+    out = ptx.annotate_log(stage, run.stderr)
+    assert f"-> {tmp_path / 'include' / 'h.ptxh'}:4: bogus.op;" in out

@@ -1,0 +1,319 @@
+"""Every bad argument is refused before any driver call, naming the argument (CPU only).
+
+The `no_driver` fixture makes any driver call fail the test, so these also prove
+that validation runs on a machine without a GPU. Device inputs are fakes that
+describe CUDA memory (DLPack capsules or __cuda_array_interface__) never read.
+"""
+
+import contextlib
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+from fakes import FAKE_BASE, FakeCAI, FakeDLPack, LegacyDLPack
+
+from ptxattn import attention as attn
+from ptxattn import stages
+from ptxattn.tensors import BF16, DeviceArray
+
+pytestmark = pytest.mark.usefixtures("no_driver")
+
+B, H, L, D = 2, 3, 128, 128
+MiB = 1 << 20
+
+
+def host(shape=(B, H, L, D), dtype=BF16):
+    return np.ones(shape, np.float32).astype(dtype)
+
+
+def dev(shape=(B, H, L, D), slot=0, **kw):
+    """A fake CUDA array at its own 16-byte aligned address (slot MiB apart)."""
+    return FakeDLPack(shape, ptr=FAKE_BASE + slot * 64 * MiB, **kw)
+
+
+def qkv_dev(shape=(B, H, L, D), kv_shape=None, **kw):
+    kv_shape = kv_shape or shape
+    return dev(shape, 0, **kw), dev(kv_shape, 1, **kw), dev(kv_shape, 2, **kw)
+
+
+def call(q, k, v, **kw):
+    return attn.attention(q, k, v, **kw)
+
+
+@contextlib.contextmanager
+def raises(exc, *words):
+    """pytest.raises that also checks every word appears in the message."""
+    with pytest.raises(exc) as info:
+        yield info
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
+
+
+# --------------------------------------------------------------------------- kinds and dtypes
+
+def test_non_arrays_are_type_errors():
+    with raises(TypeError, "q:", "list"):
+        call([[1.0]], host(), host())
+    with raises(TypeError, "v:", "NoneType"):
+        call(host(), host(), None)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.int8, np.complex64])
+def test_numpy_dtypes_other_than_bf16_f32_f64_are_type_errors(dtype):
+    with raises(TypeError, "k:", "bfloat16", np.dtype(dtype).name):
+        call(host(), host(dtype=dtype), host())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
+def test_float_numpy_inputs_are_accepted(dtype):
+    plan = attn._validate(host(dtype=dtype), host(dtype=dtype), host(dtype=dtype), stage=None,
+                          scale=None, layout="bhld", out=None, stream=None)
+    assert plan.host and plan.seq_q == L and plan.head_dim == D
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int32"])
+def test_device_dtype_is_read_from_the_capsule(dtype):
+    with raises(TypeError, "q:", "bfloat16", dtype):
+        call(dev(dtype=dtype), dev(slot=1), dev(slot=2))
+
+
+def test_cai_dtype_is_read_from_typestr():
+    with raises(TypeError, "k:", "bfloat16", "float16"):
+        call(FakeCAI((B, H, L, D)), FakeCAI((B, H, L, D), typestr="<f2"), FakeCAI((B, H, L, D)))
+
+
+def test_host_dlpack_devices_are_refused():
+    cpu = dev(device_type=1)
+    with raises(TypeError, "q:", "CPU"):
+        call(cpu, dev(slot=1), dev(slot=2))
+
+
+def test_host_device_mix():
+    with raises(ValueError, "q is a NumPy (host) array", "k is a device array"):
+        call(host(), dev(), host())
+
+
+def test_different_devices():
+    with raises(ValueError, "device 0", "device 1"):
+        call(dev(slot=0, device=0), dev(slot=1, device=1), dev(slot=2, device=0))
+
+
+# --------------------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_rank(layout):
+    with raises(ValueError, "q:", "rank-4", "rank 3", layout):
+        call(host((H, L, D)), host(), host(), layout=layout)
+
+
+def test_layout_name():
+    with raises(ValueError, "layout:", "'bhld'", "'bshd'", "'blhd'"):
+        call(host(), host(), host(), layout="blhd")
+
+
+def test_batch_heads_and_head_dim_must_match():
+    with raises(ValueError, "k:", "batch 1", "batch 2"):
+        call(host(), host((1, H, L, D)), host((1, H, L, D)))
+    with raises(ValueError, "k:", "heads 4", "heads 3"):
+        call(host(), host((B, 4, L, D)), host((B, 4, L, D)))
+    with raises(ValueError, "k:", "head dim 64", "head dim 128"):
+        call(host(), host((B, H, L, 64)), host((B, H, L, 64)))
+
+
+def test_bshd_reads_heads_from_axis_2():
+    # (B, L, H, D): k has 4 heads on axis 2, q has 3
+    with raises(ValueError, "k:", "heads 4"):
+        call(host((B, L, H, D)), host((B, L, 4, D)), host((B, L, 4, D)), layout="bshd")
+
+
+def test_k_and_v_shapes_must_match():
+    with raises(ValueError, "v:", "same shape as k", str((B, H, 64, D))):
+        call(host(), host(), host((B, H, 64, D)))
+
+
+def test_head_dim_not_supported():
+    with raises(ValueError, "q:", "head dim 64", "takes 128", "no registered stage"):
+        call(host((B, H, L, 64)), host((B, H, L, 64)), host((B, H, L, 64)))
+
+
+def test_query_length_not_supported_names_what_the_stage_takes():
+    with raises(ValueError, "q:", "query length 100", "multiples of 64"):
+        call(host((B, H, 100, D)), host(), host())
+    with raises(ValueError, "q:", "stage05", "query length 64", "multiples of 128",
+                "stage01 (baseline)"):
+        call(host((B, H, 64, D)), host(), host(), stage=5)
+
+
+def test_key_length_not_supported():
+    with raises(ValueError, "k:", "key length 100", "multiples of 64"):
+        call(host(), host((B, H, 100, D)), host((B, H, 100, D)), stage=1)
+
+
+def test_another_stage_that_would_take_it_is_named(monkeypatch):
+    base = stages.get_stage(1)
+    small = dataclasses.replace(base, number=2, name="small_tiles", block_m=32, block_n=32)
+    monkeypatch.setattr(stages, "STAGES", (base, small))
+    with raises(ValueError, "q:", "stage01 (baseline)", "query length 96",
+                "stage02 (small_tiles) would take it"):
+        call(host((B, H, 96, D)), host(), host(), stage=1)
+    plan = attn._validate(host((B, H, 96, D)), host(), host(), stage=None, scale=None,
+                          layout="bhld", out=None, stream=None)
+    assert plan.stage is small            # stage=None: the highest-numbered that takes it
+
+
+def test_default_stage_is_the_highest_that_takes_the_shape():
+    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                          out=None, stream=None)
+    takers = [s for s in stages.all_stages() if s.unsupported(D, L, L) is None]
+    assert plan.stage == max(takers, key=lambda s: s.number)
+
+
+def test_unknown_stage():
+    with raises(ValueError, "stage:", "unknown stage", "'fastest'"):
+        call(host(), host(), host(), stage="fastest")
+
+
+def test_empty_keys_are_an_error():
+    with raises(ValueError, "k:", "key length is 0"):
+        call(host(), host((B, H, 0, D)), host((B, H, 0, D)))
+
+
+def test_empty_queries_give_an_empty_output_without_a_launch():
+    out = call(host((B, H, 0, D)), host(), host())
+    assert isinstance(out, np.ndarray) and out.shape == (B, H, 0, D) and out.dtype == BF16
+    out = call(host((B, 0, H, D)), host((B, L, H, D)), host((B, L, H, D)), layout="bshd")
+    assert out.shape == (B, 0, H, D)
+    q, k, v = qkv_dev((B, H, 0, D), (B, H, L, D))
+    out = call(q, k, v)
+    assert isinstance(out, DeviceArray) and out.shape == (B, H, 0, D)
+
+
+# --------------------------------------------------------------------------- scale, stream
+
+def test_scale():
+    with raises(ValueError, "scale:", "finite", "nan"):
+        call(host(), host(), host(), scale=float("nan"))
+    with raises(TypeError, "scale:", "str"):
+        call(host(), host(), host(), scale="0.1")
+    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                          out=None, stream=None)
+    assert plan.scale == pytest.approx(1 / np.sqrt(D))
+    plan = attn._validate(host(), host(), host(), stage=None, scale=np.float32(0.25),
+                          layout="bhld", out=None, stream=None)
+    assert plan.scale == 0.25
+
+
+def test_stream():
+    with raises(TypeError, "stream:"):
+        call(host(), host(), host(), stream="default")
+
+    class TorchLike:
+        cuda_stream = 0xABC0
+    q, k, v = qkv_dev()
+    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=TorchLike())
+    # the stream goes to the producer, as DLPack wants; the legacy default stream is 1
+    assert q.calls[-1]["stream"] == 0xABC0
+    q, k, v = qkv_dev()
+    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+    assert q.calls[-1] == {"stream": 1, "max_version": (1, 0)}
+
+
+# --------------------------------------------------------------------------- strides and alignment
+
+def test_device_inputs_validate_without_a_gpu():
+    for make in (lambda s, i: dev(s, i), lambda s, i: LegacyDLPack(s, ptr=FAKE_BASE + i * 64 * MiB),
+                 lambda s, i: FakeCAI(s, ptr=FAKE_BASE + i * 64 * MiB)):
+        q, k, v = make((B, H, L, D), 0), make((B, H, 256, D), 1), make((B, H, 256, D), 2)
+        plan = attn._validate(q, k, v, stage=1, scale=None, layout="bhld", out=None, stream=None)
+        assert not plan.host and (plan.seq_q, plan.seq_k) == (L, 256)
+
+
+def test_last_dim_stride_must_be_one():
+    shape = (B, H, L, D)
+    strided = dev(shape, strides=(H * L * D * 2, L * D * 2, D * 2, 2))
+    with raises(ValueError, "q:", "stride 1", "stride 2"):
+        call(strided, dev(slot=1), dev(slot=2))
+
+
+def test_base_address_must_be_16_byte_aligned():
+    with raises(ValueError, "v:", "16-byte aligned", hex(FAKE_BASE + 2 * 64 * MiB + 8)):
+        call(dev(slot=0), dev(slot=1), FakeDLPack((B, H, L, D), ptr=FAKE_BASE + 2 * 64 * MiB + 8))
+
+
+def test_strides_must_be_multiples_of_16_bytes():
+    # rows 132 elements apart = 264 bytes
+    strides = (H * L * 132, L * 132, 132, 1)
+    with raises(ValueError, "k:", "row stride", "264 bytes", "multiple of 16"):
+        call(dev(slot=0), dev(slot=1, strides=strides), dev(slot=2))
+    cai = FakeCAI((B, H, L, D), strides_bytes=(H * L * 264, L * 264, 264, 2))
+    with raises(ValueError, "q:", "row stride"):
+        call(cai, dev(slot=1), dev(slot=2))
+
+
+def test_strided_views_and_size_one_dims_are_fine():
+    # a head-dim slice of a wider tensor (rows 256 elements apart), and a batch of 1 whose
+    # batch stride is garbage (frameworks report anything for size-1 dims)
+    q = dev((1, H, L, D), strides=(7, L * 256, 256, 1))
+    k = dev((1, H, L, D), slot=1, strides=(3, L * 256, 256, 1))
+    v = dev((1, H, L, D), slot=2)
+    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+
+
+# --------------------------------------------------------------------------- out=
+
+def test_out_host_checks_and_untouched_on_error():
+    sentinel = np.full((B, H, L, D), 7, np.float32).astype(BF16)
+    out = sentinel.copy()
+    with raises(ValueError, "out:", "expected shape", str((B, H, L, D)), str((B, L, H, D))):
+        call(host(), host(), host(), out=host((B, L, H, D)))    # bshd-shaped out for bhld
+    with raises(TypeError, "out:", "bfloat16", "float32"):
+        call(host(), host(), host(), out=host(dtype=np.float32))
+    ro = host()
+    ro.flags.writeable = False
+    with raises(ValueError, "out:", "read-only"):
+        call(host(), host(), host(), out=ro)
+    with raises(ValueError, "out:", "must be a NumPy array"):
+        call(host(), host(), host(), out=dev())
+    # an error elsewhere leaves out alone
+    with raises(ValueError, "q:", "query length 100"):
+        call(host((B, H, 100, D)), host(), host(), out=out)
+    np.testing.assert_array_equal(out.view(np.uint16), sentinel.view(np.uint16))
+
+
+def test_out_must_not_alias_inputs():
+    q, k, v = host(), host(), host()
+    with raises(ValueError, "out:", "overlaps q"):
+        call(q, k, v, out=q)
+    big = host((B, H, 2 * L, D))
+    with raises(ValueError, "out:", "overlaps v"):
+        call(q, k, big[:, :, :L], out=big[:, :, L:])   # conservative: same buffer
+    dq, dk, dv = qkv_dev()
+    with raises(ValueError, "out:", "overlaps k"):
+        call(dq, dk, dv, out=FakeDLPack((B, H, L, D), ptr=dk.ptr + 4096))
+
+
+def test_out_device_checks():
+    q, k, v = qkv_dev()
+    with raises(ValueError, "out:", "expected shape"):
+        call(q, k, v, out=dev((B, H, L, 64), slot=3))
+    with raises(TypeError, "out:", "bfloat16", "float32"):
+        call(*qkv_dev(), out=dev(slot=3, dtype="float32"))
+    with raises(ValueError, "out:", "device 1", "device 0"):
+        call(*qkv_dev(), out=dev(slot=3, device=1))
+    with raises(ValueError, "out:", "must be a device array"):
+        call(*qkv_dev(), out=host())
+    with raises(ValueError, "out:", "read-only"):
+        call(*qkv_dev(), out=dev(slot=3, readonly=True))
+    with raises(ValueError, "out:", "16-byte aligned"):
+        call(*qkv_dev(), out=FakeDLPack((B, H, L, D), ptr=FAKE_BASE + 3 * 64 * MiB + 2))
+    with raises(ValueError, "out:", "overlap"):
+        call(*qkv_dev(), out=dev(slot=3, strides=(0, 0, D, 1)))
+    with raises(ValueError, "out:", "stride 1"):
+        call(*qkv_dev(), out=dev(slot=3, strides=(H * L * D * 2, L * D * 2, D * 2, 2)))
+
+
+def test_out_layout_bshd():
+    q, k, v = (dev((B, L, H, D), slot=i) for i in range(3))
+    with raises(ValueError, "out:", str((B, L, H, D)), "'bshd'"):
+        call(q, k, v, layout="bshd", out=dev((B, H, L, D), slot=3))
