@@ -8,7 +8,9 @@ and nothing is ever written to the caller's `out` when an error is raised.
 from __future__ import annotations
 
 import math
+import os
 import sys
+import threading
 import types
 from dataclasses import dataclass
 
@@ -20,6 +22,9 @@ from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
 LAYOUTS = ("bhld", "bshd")
 _AXES = {"bhld": "(batch, heads, seq, head_dim)", "bshd": "(batch, seq, heads, head_dim)"}
+# A testing knob: cap the grid of persistent stages (e.g. 2), so that each CTA walks several
+# tiles even at a small shape (compute-sanitizer runs, bench/sanitize.sh). Read by prepare().
+PERSISTENT_CTAS_ENV = "PTXATTN_PERSISTENT_CTAS"
 
 
 @dataclass
@@ -40,10 +45,16 @@ class _Plan:
     stage_requested: bool
     scale: float
     stream: int
+    stream_object: object = None     # what the caller passed as `stream` (kept alive by outputs)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
         return tma.layout_shape(self.layout, self.batch, self.heads, self.seq_q, self.head_dim)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute (no query rows, heads or batches): no launch, no driver."""
+        return self.seq_q == 0 or self.heads == 0 or self.batch == 0
 
 
 # --------------------------------------------------------------------------- validation
@@ -177,9 +188,39 @@ def _check_out(plan: _Plan, out_obj):
     if _self_overlapping(out.shape, out.strides):
         raise ValueError(f"out: strides {out.strides} make elements overlap; the output needs "
                          "one element per index")
-    if plan.seq_q:
+    if not plan.empty:
         _check_device_geometry("out", out, plan, plan.seq_q, plan.stage.q_box_rows)
     return out
+
+
+def _framework_stream(obj):
+    """The current stream object of the framework that made `obj`: PyTorch's
+    torch.cuda.current_stream(device), CuPy's get_current_stream(); None otherwise.
+
+    Read from the framework module the caller already imported (never imported
+    here): ptxattn has no dependency on either.
+    """
+    package = type(obj).__module__.partition(".")[0]
+    if package == "torch":
+        torch = sys.modules.get("torch")
+        if torch is not None and getattr(obj, "is_cuda", False):
+            return torch.cuda.current_stream(obj.device)
+    elif package == "cupy":
+        cupy = sys.modules.get("cupy")
+        if cupy is not None:
+            return cupy.cuda.get_current_stream()
+    return None
+
+
+def _caller_stream(arrays):
+    """stream=None: the current stream of the first torch/CuPy array among the
+    arguments, else None (the legacy default stream)."""
+    for obj in arrays:
+        if obj is not None and not isinstance(obj, np.ndarray):
+            current = _framework_stream(obj)
+            if current is not None:
+                return current
+    return None
 
 
 def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
@@ -188,6 +229,8 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
                          f"(batch, seq, heads, head_dim), got {layout!r}")
     layout = layout.lower()
+    if stream is None:
+        stream = _caller_stream((q, k, v, out))
     handle = stream_handle(stream)
 
     kinds = {}
@@ -218,7 +261,8 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
             raise ValueError("q, k, v: expected arrays on one device, got "
                              + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
 
-    chosen = _pick_stage(stage, d, lq, lk)
+    empty = lq == 0 or h == 0 or b == 0
+    chosen = _pick_stage(stage, d, 0 if empty else lq, lk)
     if scale is None:
         scale_value = 1.0 / math.sqrt(d)
     else:
@@ -232,8 +276,8 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
             raise ValueError(f"scale: expected a finite number, got {scale_value}")
 
     plan = _Plan(host, arrays["q"], arrays["k"], arrays["v"], None, layout, b, h, lq, lk, d,
-                 chosen, stage is not None, scale_value, handle)
-    if not host and lq:
+                 chosen, stage is not None, scale_value, handle, stream)
+    if not host and not plan.empty:
         _check_device_geometry("q", plan.q, plan, lq, chosen.q_box_rows)
         _check_device_geometry("k", plan.k, plan, lk, chosen.block_n)
         _check_device_geometry("v", plan.v, plan, lk, chosen.block_n)
@@ -264,9 +308,14 @@ class PreparedAttention:
         self.cluster = spec.cluster if spec else stage.cluster
         self.smem_bytes = spec.smem_bytes if spec else stage.smem_bytes
         self.function = spec.function if spec else None
+        self._thread = threading.get_ident()
 
     def launch(self) -> None:
         if self._spec is not None:
+            if threading.get_ident() != self._thread:
+                # another thread than the one that prepared it: make the context current here
+                from . import driver
+                driver.context()
             self._spec()
 
     @property
@@ -276,6 +325,9 @@ class PreparedAttention:
 
 
 _KERNELS: dict[tuple[int, str], object] = {}
+# Held while a kernel is looked up or JIT-compiled: threads asking for the same stage at once
+# compile it once, and none sees a function before its shared-memory opt-in is done.
+_KERNELS_LOCK = threading.RLock()
 
 
 def kernel(stage: Stage, defines: dict | None = None):
@@ -283,25 +335,45 @@ def kernel(stage: Stage, defines: dict | None = None):
     from . import driver, ptx
     ctx = driver.context()
     key = (ctx.ordinal, stage.file, tuple(sorted((defines or {}).items())))
-    if key not in _KERNELS:
-        label = stage.label + "".join(f" -D{k}={v}" for k, v in sorted((defines or {}).items()))
-        module = driver.load_module(ptx.source(stage, defines), label, stage=stage,
-                                    defines=defines)
-        function = module.function(ENTRY)
-        function.set_max_dynamic_smem(stage.smem_bytes)
-        _KERNELS[key] = function
-    return _KERNELS[key]
+    function = _KERNELS.get(key)
+    if function is not None:
+        return function
+    with _KERNELS_LOCK:
+        if key not in _KERNELS:
+            label = stage.label + "".join(f" -D{k}={v}" for k, v in sorted((defines or {}).items()))
+            module = driver.load_module(ptx.source(stage, defines), label, stage=stage,
+                                        defines=defines)
+            function = module.function(ENTRY)
+            function.set_max_dynamic_smem(stage.smem_bytes)
+            _KERNELS[key] = function
+        return _KERNELS[key]
+
+
+def persistent_ctas() -> int | None:
+    """The PTXATTN_PERSISTENT_CTAS cap on a persistent stage's grid, or None (no cap)."""
+    text = os.environ.get(PERSISTENT_CTAS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{PERSISTENT_CTAS_ENV}: expected a positive number of CTAs (a testing "
+                         f"knob that caps the persistent grid), got {text!r}")
+    return value
 
 
 def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     from . import driver, tensors
     from .errors import PtxattnError
 
-    if plan.seq_q == 0:   # nothing to compute: an empty output, no launch, no driver
+    if plan.empty:   # nothing to compute: an empty output, no launch, no driver
         out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
             0, plan.out_shape, device=None if plan.host else plan.q.device)
         return PreparedAttention(plan, plan.stage, out)
 
+    cap = persistent_ctas()
     ctx = driver.context()
     stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
                         plan.seq_q, plan.seq_k, ctx.compute_capability)
@@ -329,6 +401,9 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
             if pending is not None and pending != stream:
                 driver.stream_wait(stream, pending)
     out.stream = stream
+    # A stream object the caller passed (driver.Stream, cupy) must outlive the handle that
+    # the output remembers for later readers (to_numpy, DLPack export).
+    out.stream_owner = plan.stream_object
 
     function = kernel(stage, defines)
     B, H, Lq, Lk, D = plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim
@@ -345,13 +420,22 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale)
     types = (driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64,
                                       driver.U32, driver.U32, driver.U32, driver.U32, driver.F32)
+    keep = [q, k, v, maps]
+    if stage.dynamic_tiles:
+        # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
+        # the kernel's last CTA resets them, so every later launch of this object finds zeros
+        counter = driver.DeviceBuffer(8)
+        driver.memset_u8(counter.ptr, 0, 8, stream=stream)
+        values += (counter.ptr,)
+        types += (driver.PTR,)
+        keep.append(counter)
     # Parameters a build variant adds after the ABI's (e.g. trace_buf with PTXATTN_TRACE).
     values += tuple(value for value, _ in extra_params)
     types += tuple(ctype for _, ctype in extra_params)
-    grid = stage.grid(B, H, Lq, ctx.sm_count)
+    grid = stage.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (values, types), cluster=stage.cluster, stream=stream)
-    return PreparedAttention(plan, stage, out, spec, keep=(q, k, v, maps))
+    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep))
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
@@ -379,15 +463,22 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
       (float64 through float32); other dtypes raise TypeError.
     - Any DLPack (torch, cupy, jax) or __cuda_array_interface__ object in ->
       zero-copy, launched asynchronously on `stream` (an int handle or an object
-      with .cuda_stream/.handle/.ptr; None = the legacy default stream), and a
-      DeviceArray out, itself a DLPack producer; or the caller's `out=`, returned.
-      The dtype must be bfloat16; the head dim must have stride 1 and the base
-      address and other strides must be 16-byte multiples (TMA).
+      with .cuda_stream/.handle/.ptr, e.g. torch.cuda.Stream, cupy.cuda.Stream,
+      ptxattn.Stream). stream=None is the caller's stream: the current stream of
+      PyTorch or CuPy when the inputs are theirs, else the legacy default stream.
+      Producers make their pending writes visible on that stream (the DLPack
+      `stream` argument). Out comes a DeviceArray, itself a DLPack producer whose
+      consumers are ordered after the launch; or the caller's `out=`, returned
+      (written in stream order on `stream`).
+      The dtype must be bfloat16 (device arrays are never converted); the head
+      dim must have stride 1 and the base address and other strides must be
+      16-byte multiples (TMA).
 
     stage: a stage number/name from ptxattn.stages (default: the highest-numbered
     stage that takes the shape and runs on this GPU). scale defaults to 1/sqrt(D).
-    An empty query (Lq == 0) gives an empty output without a launch; Lk == 0 is an
-    error. Nothing is written to `out` when an error is raised.
+    An empty output (Lq, H or B == 0) comes back without a launch; Lk == 0 is an
+    error. Nothing is written to `out` when an error is raised. Thread-safe: see
+    README, "Threading".
     """
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream)
     prepared.launch()

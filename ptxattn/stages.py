@@ -32,6 +32,7 @@ class Stage:
     swizzle: str = SWIZZLE_NONE
     cluster: tuple[int, int, int] = (1, 1, 1)
     persistent: bool = False   # grid = SM count, tiles scheduled in-kernel
+    dynamic_tiles: bool = False  # tiles taken from a global counter: one more kernel parameter
     head_dims: tuple[int, ...] = (128,)
     q_box_rows: int = 64       # rows of one Q (and O) TMA box: one consumer warpgroup's share
 
@@ -145,10 +146,25 @@ STAGES: tuple[Stage, ...] = (
         smem_bytes=10 * 16384 + 128 + 1024,
     ),
     Stage(
+        number=13, name="uniform_descriptors", arch="sm_90a",
+        file="sm90/13_uniform_descriptors.ptx",
+        idea="descriptors stepped in fresh registers, warpgroup index shuffled: all descriptor "
+             "math on the uniform datapath (replaces early PV, see bench/README.md)",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
+        smem_bytes=10 * 16384 + 128 + 1024,
+    ),
+    Stage(
         number=14, name="persistent", arch="sm_90a", file="sm90/14_persistent.ptx",
         idea="grid = SM count, static tile scheduler, next tile's Q loaded under the epilogue",
         threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B, persistent=True,
         # Q 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 10 mbarriers + alignment slack
+        smem_bytes=12 * 16384 + 128 + 1024,
+    ),
+    Stage(
+        number=15, name="dynamic_scheduler", arch="sm_90a", file="sm90/15_dynamic_scheduler.ptx",
+        idea="persistent CTAs take tiles from a global counter (atom.add), fetched a tile ahead",
+        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B, persistent=True,
+        dynamic_tiles=True,
         smem_bytes=12 * 16384 + 128 + 1024,
     ),
 )

@@ -63,7 +63,7 @@ def gpu(monkeypatch):
     record("cuMemAlloc", alloc)
     for name in ("cuMemFree", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuStreamSynchronize",
                  "cuFuncSetAttribute", "cuLaunchKernelEx", "cuEventRecord", "cuStreamWaitEvent",
-                 "cuEventDestroy", "cuMemsetD16"):
+                 "cuEventDestroy", "cuMemsetD16", "cuMemsetD8", "cuMemsetD8Async"):
         record(name, (OK,))
     record("cuEventCreate", (OK, "event"))
     record("cuModuleLoadDataEx", (OK, "module"))
@@ -246,3 +246,81 @@ def test_build_variants_get_defines_and_extra_params(gpu):
     assert b"trace_buf" in traced and b"trace_buf" not in plain
     config, function, (values, types), extra = gpu["cuLaunchKernelEx"][-1]
     assert values[-1] == 0xCAFE00 and types[-1] is ctypes.c_void_p and types[:-1] == PARAM_TYPES
+
+
+# --------------------------------------------------------------------------- persistent grid, threads
+
+def test_persistent_grid_cap_for_testing(gpu, monkeypatch):
+    stage = next(s for s in stages.all_stages() if s.persistent)
+    tiles = (512 // stage.block_m) * 2 * 2
+    q, k, v = (dev((2, 2, 512, 128), i) for i in range(3))
+    assert attn.prepare(q, k, v, stage=stage.number).grid == (min(132, tiles), 1, 1)
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
+    p = attn.prepare(*(dev((2, 2, 512, 128), i) for i in range(3)), stage=stage.number)
+    assert p.grid == (2, 1, 1)
+    p.launch()
+    config, _ = launched(gpu)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (2, 1, 1)
+    # the knob leaves the other stages' grids alone
+    p = attn.prepare(*(dev((2, 2, 512, 128), i) for i in range(3)), stage=1)
+    assert p.grid == (512 // 64, 2, 2)
+
+
+def test_threads_preparing_at_once_compile_each_stage_once(gpu, monkeypatch):
+    import threading
+    import time
+
+    real = cu.cuModuleLoadDataEx
+
+    def slow_jit(*args):                     # widen the window in which threads could race
+        time.sleep(0.05)
+        return real(*args)
+    monkeypatch.setattr(cu, "cuModuleLoadDataEx", slow_jit)
+    start = threading.Barrier(8)
+    errors = []
+
+    def worker(i):
+        try:
+            start.wait()
+            q, k, v = (dev((1, 1, 128, 128), 3 * i + j) for j in range(3))
+            attn.prepare(q, k, v, stage=1 + i % 2)
+        except Exception as e:               # surfaced below: a thread's exception is lost
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(gpu["cuModuleLoadDataEx"]) == 2            # stages 1 and 2, once each
+    assert len(gpu["cuFuncSetAttribute"]) == 2
+
+
+def test_launch_from_another_thread_makes_the_context_current(gpu, monkeypatch):
+    import threading
+
+    p = attn.prepare(*(dev((1, 1, 64, 128), i) for i in range(3)), stage=1)
+    made_current = []
+    monkeypatch.setattr(driver, "context", lambda: made_current.append(1) or gpu["ctx"])
+    p.launch()                                # same thread: no extra driver call
+    assert made_current == []
+    t = threading.Thread(target=p.launch)
+    t.start()
+    t.join()
+    assert made_current == [1] and len(gpu["cuLaunchKernelEx"]) == 2
+
+
+def test_the_output_keeps_the_callers_stream_object_alive(gpu):
+    import weakref
+
+    class Stream:
+        cuda_stream = 0x4400
+    s = Stream()
+    ref = weakref.ref(s)
+    out = attn.attention(*(dev((1, 1, 64, 128), i) for i in range(3)), stage=1, stream=s)
+    del s
+    gc.collect()
+    assert ref() is not None and out.stream == 0x4400     # its handle stays valid for readers
+    del out
+    gc.collect()
+    assert ref() is None
