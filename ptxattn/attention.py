@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tma
-from .stages import ENTRY, Stage, all_stages, get_stage
+from .stages import ENTRY, Stage, all_stages, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
 LAYOUTS = ("bhld", "bshd")
@@ -90,8 +90,8 @@ def _arch_ok(arch: str, cc: tuple[int, int]) -> bool:
 
 
 def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None) -> Stage:
-    """The requested stage, checked; or the highest-numbered one that takes the shape
-    (and, once the device is known, runs on its compute capability)."""
+    """The requested stage, checked; or the fastest one (stages.by_speed) that takes the
+    shape (and, once the device is known, runs on its compute capability)."""
     q_len = seq_q or None  # an empty query never launches: only head dim and keys matter
 
     def why_not(s: Stage):
@@ -118,8 +118,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None) -> Stage:
                              f"which this GPU (compute capability {cc[0]}.{cc[1]}) cannot run; "
                              f"{takers(chosen)}")
         return chosen
-    candidates = [s for s in sorted(all_stages(), key=lambda s: -s.number)
-                  if cc is None or _arch_ok(s.arch, cc)]
+    candidates = [s for s in by_speed() if cc is None or _arch_ok(s.arch, cc)]
     for s in candidates:
         if why_not(s) is None:
             return s
@@ -474,8 +473,8 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
       dim must have stride 1 and the base address and other strides must be
       16-byte multiples (TMA).
 
-    stage: a stage number/name from ptxattn.stages (default: the highest-numbered
-    stage that takes the shape and runs on this GPU). scale defaults to 1/sqrt(D).
+    stage: a stage number/name from ptxattn.stages (default: the fastest measured
+    stage, stages.by_speed(), that takes the shape and runs on this GPU). scale defaults to 1/sqrt(D).
     An empty output (Lq, H or B == 0) comes back without a launch; Lk == 0 is an
     error. Nothing is written to `out` when an error is raised. Thread-safe: see
     README, "Threading".

@@ -159,14 +159,20 @@ def test_another_stage_that_would_take_it_is_named(monkeypatch):
         call(host((B, H, 96, D)), host(), host(), stage=1)
     plan = attn._validate(host((B, H, 96, D)), host(), host(), stage=None, scale=None,
                           layout="bhld", out=None, stream=None)
-    assert plan.stage is small            # stage=None: the highest-numbered that takes it
+    assert plan.stage is small            # stage=None: the only one that takes it
 
 
-def test_default_stage_is_the_highest_that_takes_the_shape():
+def test_default_stage_is_the_fastest_that_takes_the_shape():
     plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
                           out=None, stream=None)
-    takers = [s for s in stages.all_stages() if s.unsupported(D, L, L) is None]
-    assert plan.stage == max(takers, key=lambda s: s.number)
+    takers = [s for s in stages.by_speed() if s.unsupported(D, L, L) is None]
+    assert plan.stage == takers[0]
+
+
+def test_speed_order_lists_every_stage_once():
+    order = [s.number for s in stages.by_speed()]
+    assert sorted(order) == sorted(s.number for s in stages.all_stages())
+    assert order[0] == stages.FASTEST_FIRST[0]
 
 
 def test_unknown_stage():
@@ -317,3 +323,120 @@ def test_out_layout_bshd():
     q, k, v = (dev((B, L, H, D), slot=i) for i in range(3))
     with raises(ValueError, "out:", str((B, L, H, D)), "'bshd'"):
         call(q, k, v, layout="bshd", out=dev((B, H, L, D), slot=3))
+
+
+# --------------------------------------------------------------------------- nothing written on error
+
+def _sentinel(shape=(B, H, L, D)):
+    return np.full(shape, 7, np.float32).astype(BF16)
+
+
+BAD_CALLS = {
+    "dtype": lambda out: call(host(), host(dtype=np.float16), host(), out=out),
+    "rank": lambda out: call(host(), host((H, L, D)), host(), out=out),
+    "head dim": lambda out: call(host(), host((B, H, L, 64)), host((B, H, L, 64)), out=out),
+    "batch": lambda out: call(host(), host((1, H, L, D)), host((1, H, L, D)), out=out),
+    "heads": lambda out: call(host(), host((B, 1, L, D)), host((B, 1, L, D)), out=out),
+    "kv shapes": lambda out: call(host(), host(), host((B, H, 64, D)), out=out),
+    "key length": lambda out: call(host(), host((B, H, 100, D)), host((B, H, 100, D)), stage=1,
+                                   out=out),
+    "no keys": lambda out: call(host(), host((B, H, 0, D)), host((B, H, 0, D)), out=out),
+    "host/device mix": lambda out: call(host(), dev(), host(), out=out),
+    "layout": lambda out: call(host(), host(), host(), layout="lbhd", out=out),
+    "stage": lambda out: call(host(), host(), host(), stage="fastest", out=out),
+    "scale": lambda out: call(host(), host(), host(), scale=float("inf"), out=out),
+    "stream": lambda out: call(host(), host(), host(), stream=-3, out=out),
+    "out aliases q": lambda out: call(out, host(), host(), out=out),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_CALLS))
+def test_nothing_is_written_to_out_on_any_error(what):
+    out = _sentinel()
+    with pytest.raises((ValueError, TypeError)):
+        BAD_CALLS[what](out)
+    np.testing.assert_array_equal(out.view(np.uint16), _sentinel().view(np.uint16))
+
+
+def test_persistent_grid_knob_is_checked_before_anything_runs(monkeypatch):
+    persistent = next(s for s in stages.all_stages() if s.persistent)
+    out = _sentinel((B, H, 256, D))
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", bad)
+        with raises(ValueError, "PTXATTN_PERSISTENT_CTAS", repr(bad)):
+            call(host((B, H, 256, D)), host(), host(), stage=persistent.number, out=out)
+    np.testing.assert_array_equal(out.view(np.uint16), _sentinel((B, H, 256, D)).view(np.uint16))
+
+
+# --------------------------------------------------------------------------- empty outputs
+
+@pytest.mark.parametrize("shape", [(0, H, L, D), (B, 0, L, D), (B, H, 0, D)])
+def test_any_empty_output_comes_back_without_a_launch(shape):
+    b, h, _, d = shape
+    kv = (b, h, L, d)
+    out = call(host(shape), host(kv), host(kv))
+    assert isinstance(out, np.ndarray) and out.shape == shape and out.dtype == BF16
+    q, k, v = dev(shape, 0), dev(kv, 1), dev(kv, 2)
+    out = call(q, k, v)
+    assert isinstance(out, DeviceArray) and out.shape == shape and out.size == 0
+    given = dev(shape, 3)
+    assert call(dev(shape, 0), dev(kv, 1), dev(kv, 2), out=given) is given
+    # an unsupported query length does not matter when there is nothing to compute
+    call(host((0, H, 100, D)), host((0, H, L, D)), host((0, H, L, D)), stage=1)
+
+
+# --------------------------------------------------------------------------- producers
+
+class RefusingProducer(FakeDLPack):
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+
+
+def test_a_producer_that_refuses_to_export_is_named():
+    with raises(ValueError, "k:", "refused", "RuntimeError", "detach()"):
+        call(dev(), RefusingProducer((B, H, L, D), ptr=FAKE_BASE + 64 * MiB), dev(slot=2))
+
+
+def test_device_dtype_errors_say_that_nothing_is_converted():
+    with raises(TypeError, "q:", "expected dtype bfloat16, got float32", "cast to bfloat16"):
+        call(dev(dtype="float32"), dev(slot=1), dev(slot=2))
+    with raises(TypeError, "v:", "got float16", "cast to bfloat16"):
+        call(FakeCAI((B, H, L, D)), FakeCAI((B, H, L, D)), FakeCAI((B, H, L, D), typestr="<f2"))
+
+
+# --------------------------------------------------------------------------- the caller's stream
+
+def _framework(monkeypatch, package: str, handle: int):
+    """A stand-in for torch or cupy in sys.modules, whose current stream is `handle`."""
+    import sys
+    import types
+
+    stream = types.SimpleNamespace(cuda_stream=handle, ptr=handle)
+    module = types.ModuleType(package)
+    if package == "torch":
+        module.cuda = types.SimpleNamespace(current_stream=lambda device=None: stream)
+    else:
+        module.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
+    monkeypatch.setitem(sys.modules, package, module)
+
+    class Tensor(FakeDLPack):
+        is_cuda = True
+        device = "cuda:0"
+    Tensor.__module__ = package
+    return Tensor
+
+
+@pytest.mark.parametrize("package", ["torch", "cupy"])
+def test_stream_none_is_the_frameworks_current_stream(monkeypatch, package):
+    Tensor = _framework(monkeypatch, package, 0x7A00)
+    q, k, v = (Tensor((B, H, L, D), ptr=FAKE_BASE + i * 64 * MiB) for i in range(3))
+    plan = attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+    assert plan.stream == 0x7A00
+    assert [a.calls[-1]["stream"] for a in (q, k, v)] == [0x7A00] * 3   # producers sync there
+    # a given stream wins; other producers (jax, fakes) keep the legacy default stream
+    plan = attn._validate(*(Tensor((B, H, L, D), ptr=FAKE_BASE + i * 64 * MiB) for i in range(3)),
+                          stage=None, scale=None, layout="bhld", out=None, stream=0x5100)
+    assert plan.stream == 0x5100
+    plan = attn._validate(*qkv_dev(), stage=None, scale=None, layout="bhld", out=None,
+                          stream=None)
+    assert plan.stream == 0
