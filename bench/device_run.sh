@@ -8,9 +8,12 @@
 #
 # Switches (environment): STAGES=1,2,5 (default all)  SHAPES=4k,8k,16k,1k  LAYOUT=bhld
 #   REPS=20 ROUNDS=5  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (needs matplotlib)
+#   TRACE=1,14 (timelines of those stages: trace-stageNN.svg/.json and trace.txt in $OUT)
+#   TRACE_SHAPE=1x16x2048x128
 #
 # $OUT gets at most 7 files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt,
-# <date>-h200.json, bench.txt (and progression.png with PLOT=1). The short table prints LAST.
+# <date>-h200.json, bench.txt (and progression.png with PLOT=1; trace.txt and trace-stageNN.svg/.json
+# with TRACE=...). The short table prints LAST.
 set -euo pipefail
 
 OUT=${OUT:-$PWD/device-out}
@@ -80,6 +83,17 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
     rc=$?
     set -e
     (( rc == 0 )) || status=$rc
+fi
+
+if [[ -n ${TRACE:-} ]]; then
+    section "timelines of one CTA: stages $TRACE"
+    : > "$OUT/trace.txt"
+    for s in ${TRACE//,/ }; do
+        label=$(printf 'stage%02d' "$s")
+        python3 -m ptxattn trace "$s" --shape "${TRACE_SHAPE:-1x16x2048x128}" --layout "$LAYOUT" \
+            --out "$OUT/trace-$label.svg" --json "$OUT/trace-$label.json" 2>&1 \
+            | tee -a "$OUT/trace.txt" || status=1
+    done
 fi
 
 section "files in \$OUT"

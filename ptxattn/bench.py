@@ -564,7 +564,9 @@ def plot_progression(result_json, path) -> Path:
         ax.axhline(100.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_ylim(bottom=0)                # progress reads against zero, not a zoomed band
     ax.set_xticks(range(len(stages_seen)))
-    ax.set_xticklabels([f"{n}\n{name}" for n, _, name in stages_seen], fontsize=7)
+    # names slanted, so that long ones (tma_store_epilogue) do not run into their neighbours
+    ax.set_xticklabels([f"{n} {name}" for n, _, name in stages_seen], fontsize=8, rotation=30,
+                       ha="right", rotation_mode="anchor")
     ax.set_xlabel("stage")
     ax.set_ylabel(ylabel)
     env = result.get("env", {})
@@ -575,6 +577,10 @@ def plot_progression(result_json, path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    # The same results give the same file (it is committed): no date, fixed SVG ids.
+    import matplotlib
+    svg = path.suffix.lower() == ".svg"
+    with matplotlib.rc_context({"svg.hashsalt": "ptxattn"}):
+        fig.savefig(path, metadata={"Date": None} if svg else None)
     return path
 

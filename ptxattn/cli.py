@@ -1,4 +1,4 @@
-"""`ptxattn` / `python -m ptxattn`: info, list, run, ptx, sass, diff, bench.
+"""`ptxattn` / `python -m ptxattn`: info, list, run, ptx, sass, diff, bench, trace.
 
 Every command is a few lines over the library (sass.py, bench.py, attention.py), so what the
 CLI prints a notebook can get from the same functions. Errors print one line, no traceback
@@ -307,3 +307,60 @@ def bench(stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, o
     if plot_file:
         click.echo(f"plot: {_bench.plot_progression(result, plot_file)}", err=True)
     click.echo(table)
+
+
+# --------------------------------------------------------------------------- trace
+
+@main.command()
+@click.argument("stage", required=False)
+@click.option("--shape", default=None,
+              help="4k, 8k, 16k, 1k, 512 or BxHxLxD (default 1x16x2048x128).")
+@click.option("-b", "--batch", type=int, help="Batch (overrides --shape).")
+@click.option("-H", "--heads", type=int, help="Heads (overrides --shape).")
+@click.option("-L", "--seq-len", type=int, help="Sequence length, queries and keys.")
+@click.option("-D", "--head-dim", type=int, help="Head dim (overrides --shape).")
+@click.option("--layout", type=click.Choice(["bhld", "bshd"]), default="bhld", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), required=True,
+              help="The timeline picture (.svg).")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), default=None,
+              help="Also write the events and intervals as JSON.")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Draw a trace saved with --json instead of running (no GPU).")
+def trace(stage, shape, batch, heads, seq_len, head_dim, layout, seed, out_file, json_file,
+          from_json):
+    """Timeline of one CTA of STAGE, measured on the GPU with clock64 (a PTXATTN_TRACE build)."""
+    from . import bench
+    from . import trace as _trace
+
+    if from_json:
+        if stage is not None or any(x is not None for x in (shape, batch, heads, seq_len,
+                                                             head_dim)):
+            raise click.UsageError("--from-json draws a saved trace: give no STAGE or shape")
+        recorded = _trace.Trace.read_json(from_json)
+    else:
+        if stage is None:
+            raise click.UsageError("missing STAGE (or --from-json FILE)")
+        st = _trace.check_traced(stage)
+        name, dims = bench.parse_shape(shape or "1x16x2048x128")
+        b, h, seq, d = (x if x is not None else y for x, y in
+                        zip((batch, heads, seq_len, head_dim), dims))
+        if (b, h, seq, d) != dims:
+            name = f"{b}x{h}x{seq}x{d}"
+        why = st.unsupported(d, seq, seq)
+        if why:
+            raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
+        recorded = _trace.record(st, batch=b, heads=h, seq_len=seq, head_dim=d, layout=layout,
+                                 seed=seed)
+    svg = Path(out_file)
+    _trace.render_svg(recorded, svg)
+    click.echo(_trace.summary(recorded))
+    if recorded.check is not None:
+        c = recorded.check
+        click.echo(f"check   rel_l2 {c['rel_l2']:.2e}  max_abs {c['max_abs']:.2e}  "
+                   f"{'PASS' if c['pass'] else 'FAIL'} (traced build)")
+    click.echo(f"svg     {svg}")
+    if json_file:
+        click.echo(f"json    {recorded.write_json(json_file)}")
+    if recorded.check is not None and not recorded.check["pass"]:
+        raise click.exceptions.Exit(1)

@@ -256,6 +256,7 @@ class Module:
 
 
 _MODULES: dict[tuple[int, str], Module] = {}
+_MODULES_LOCK = threading.RLock()   # one JIT per text, also when threads ask at once
 
 
 def load_module(ptx_text: str, label: str, stage=None, defines: dict | None = None) -> Module:
@@ -268,9 +269,13 @@ def load_module(ptx_text: str, label: str, stage=None, defines: dict | None = No
     ctx = context()
     sha = hashlib.sha256(ptx_text.encode()).hexdigest()
     key = (ctx.ordinal, sha)
-    if key in _MODULES:
+    with _MODULES_LOCK:
+        if key not in _MODULES:
+            _MODULES[key] = _jit(ptx_text, label, sha, stage, defines)
         return _MODULES[key]
 
+
+def _jit(ptx_text: str, label: str, sha: str, stage, defines) -> Module:
     d = cu()
     opt = d.CUjit_option
     info_log, error_log = bytearray(_JIT_LOG_BYTES), bytearray(_JIT_LOG_BYTES)
@@ -290,9 +295,7 @@ def load_module(ptx_text: str, label: str, stage=None, defines: dict | None = No
             except Exception:
                 pass  # a log without source lines beats no error at all
         raise JitError(label, _result_name(result[0]), log, annotated, where)
-    module = Module(result[1], label, _c_string(info_log), sha)
-    _MODULES[key] = module
-    return module
+    return Module(result[1], label, _c_string(info_log), sha)
 
 
 def _c_string(buf: bytearray) -> str:
@@ -565,6 +568,13 @@ def memset_u8(ptr: int, value: int, count: int, stream=None) -> None:
     else:
         check(d.cuMemsetD8Async(d.CUdeviceptr(ptr), value, count,
                                 d.CUstream(stream_handle(stream))), "cuMemsetD8Async")
+
+
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes of device memory, as cuMemGetInfo reports them."""
+    context()
+    free, total = check(cu().cuMemGetInfo(), "cuMemGetInfo")
+    return int(free), int(total)
 
 
 def pointer_device(ptr: int) -> int:

@@ -105,13 +105,14 @@ def expand_file(path: str | Path, include_dirs=(), defines: dict | None = None) 
         if m:
             next_line, file = int(m.group(1)), _display(m.group(2))
             continue
-        lines.append(text)
-        line_map.append((file, next_line))
+        # Blank lines are noise left by comments, #defines and macros that expand to
+        # nothing (TRACE(...) without PTXATTN_TRACE): drop them, and trailing blanks, so
+        # that the text is deterministic and a build variant only adds lines.
+        text = text.rstrip()
+        if text:
+            lines.append(text)
+            line_map.append((file, next_line))
         next_line += 1
-    # Leading blank lines are noise left by comments and #defines at the top.
-    while lines and not lines[0].strip():
-        lines.pop(0)
-        line_map.pop(0)
     return Expanded("\n".join(lines) + "\n", tuple(line_map))
 
 
@@ -131,7 +132,8 @@ def expand(stage: Stage | str | int, defines: dict | None = None) -> Expanded:
 
 
 def source(stage: Stage | str | int, defines: dict | None = None) -> str:
-    """Plain PTX for a stage: includes, macros and conditionals expanded, no '#' lines."""
+    """Plain PTX for a stage: includes, macros and conditionals expanded, no '#' lines,
+    no blank lines and no trailing whitespace (the text is for ptxas and the JIT)."""
     return expand(stage, defines).text
 
 

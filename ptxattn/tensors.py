@@ -187,7 +187,8 @@ def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
                         f"{_device_name(dev[0])} memory (pass host data as a NumPy array)")
     if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (kDLBfloat, 16, 1):
         raise TypeError(f"{name}: expected dtype bfloat16, got "
-                        f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)}")
+                        f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)} (device arrays "
+                        "are used in place, never converted: cast to bfloat16 first)")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = (tuple(t.strides[i] for i in range(t.ndim)) if t.strides
                else _contiguous(shape))
@@ -221,9 +222,15 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
                                 "(pass host data as a NumPy array)")
         s = _dlpack_stream_arg(handle)
         try:
-            capsule = obj.__dlpack__(stream=s, max_version=DLPACK_VERSION)
-        except TypeError:       # a producer from before DLPack 1.0
-            capsule = obj.__dlpack__(stream=s)
+            try:
+                capsule = obj.__dlpack__(stream=s, max_version=DLPACK_VERSION)
+            except TypeError:       # a producer from before DLPack 1.0
+                capsule = obj.__dlpack__(stream=s)
+        except Exception as e:
+            # e.g. torch: "Can't export tensors that require gradient, use tensor.detach()"
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"{name}: its __dlpack__ refused to export it: "
+                       f"{type(e).__name__}: {e}") from e
         return _consume_capsule(capsule, obj, name)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
@@ -238,7 +245,8 @@ def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
     # "<V2" (what np.dtype(ml_dtypes.bfloat16).str says).
     if typestr != BF16.str:
         raise TypeError(f"{name}: expected dtype bfloat16 (typestr {BF16.str!r}), "
-                        f"got {_describe_typestr(typestr)}")
+                        f"got {_describe_typestr(typestr)} (device arrays are used in place, "
+                        "never converted: cast to bfloat16 first)")
     if cai.get("mask") is not None:
         raise TypeError(f"{name}: masked __cuda_array_interface__ arrays are not supported")
     shape = tuple(int(n) for n in cai["shape"])
@@ -295,6 +303,7 @@ class DeviceArray:
         self.owner = owner
         self.readonly = readonly
         self.stream = stream
+        self.stream_owner = None      # keeps the object behind `stream` alive, if any
         self.producer_stream = producer_stream
 
     # -- shape facts
@@ -352,8 +361,7 @@ class DeviceArray:
         if not self.is_contiguous:
             raise ValueError("fill_u16 needs a contiguous array")
         driver.memset_u16(self.ptr, value, self.size, stream=stream)
-        if stream is not None:
-            self.stream = driver.stream_handle(stream)
+        self.stream = driver.stream_handle(stream)   # None: the legacy default stream, 0
 
     # -- DLPack export
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -411,5 +419,8 @@ def from_numpy(array: np.ndarray, *, stream=None) -> DeviceArray:
     host = np.ascontiguousarray(to_bf16(np.asarray(array)))
     out = empty(host.shape, stream=stream)
     driver.memcpy_htod(out.ptr, host, stream=stream)
+    # Without a stream the copy went to the legacy default stream (a pageable copy may
+    # still be in flight when cuMemcpyHtoD returns): readers on other streams wait for it.
+    out.stream = driver.stream_handle(stream)
     out.staging = host    # an async copy from pageable memory is staged, but keep it anyway
     return out

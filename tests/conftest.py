@@ -9,8 +9,13 @@ collected.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
+
+# JAX (imported by some GPU tests) takes 75% of GPU memory at its first use unless told not to;
+# this must be set before jax is imported anywhere in the session.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.lru_cache(maxsize=1)

@@ -248,7 +248,7 @@ def test_build_variants_get_defines_and_extra_params(gpu):
     assert values[-1] == 0xCAFE00 and types[-1] is ctypes.c_void_p and types[:-1] == PARAM_TYPES
 
 
-# --------------------------------------------------------------------------- persistent grid, threads
+# --------------------------------------------------------------------------- grid cap, threads
 
 def test_persistent_grid_cap_for_testing(gpu, monkeypatch):
     stage = next(s for s in stages.all_stages() if s.persistent)

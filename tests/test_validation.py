@@ -325,7 +325,7 @@ def test_out_layout_bshd():
         call(q, k, v, layout="bshd", out=dev((B, H, L, D), slot=3))
 
 
-# --------------------------------------------------------------------------- nothing written on error
+# --------------------------------------------------------------------------- nothing written
 
 def _sentinel(shape=(B, H, L, D)):
     return np.full(shape, 7, np.float32).astype(BF16)

@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# compute-sanitizer on every registered stage: memcheck, racecheck, synccheck and initcheck.
+#
+#   bash bench/sanitize.sh              (on the GPU machine, from the repository root; carry .whl
+#                                        for pcpp; the run tool sets $OUT)
+#
+# Each sanitizer invocation runs ONE stage ONCE at a small shape through bench/sanitize_case.py
+# (random inputs, NaN-poisoned output, one launch, a check against the float64 reference, every
+# buffer freed and the context released). The cases come from the stage registry
+# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256; stages with BLOCK_M
+# 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent stages also at B=2 H=2
+# L=512 with PTXATTN_PERSISTENT_CTAS=2, so each of the 2 CTAs walks 8 tiles (at these shapes a
+# grid of 132 CTAs would give each CTA one tile at most).
+#
+# Tools and options:
+#   memcheck   --leak-check full              out-of-bounds/misaligned accesses, leaks
+#   racecheck  --racecheck-report analysis    shared-memory hazards (slow: smallest shapes)
+#   synccheck                                 invalid barrier use (bar.sync, named barriers)
+#   initcheck                                 reads of uninitialised global memory. Run on every
+#              stage: the inputs are copied in and the output is memset (NaN) before the launch,
+#              so whether or not the tool tracks TMA (bulk tensor) stores as writes, the host's
+#              copy of O back cannot be flagged; an unwritten tile shows as NaN in the check.
+#
+# Switches (environment): TOOLS="memcheck racecheck synccheck initcheck"  STAGES=1,5,14
+#   JOBS=8 (sanitizer processes at once; they share the GPU)  CASE_TIMEOUT=300 (seconds per
+#   invocation)  DRY_RUN=1 (print the commands, run nothing)  COMPUTE_SANITIZER=/path/to/it
+#   PYTHON=python3  CUDA_CACHE_DISABLE=0 (default: the plain warm-up run fills the driver's JIT
+#   cache, so each sanitizer invocation loads its stage from the cache)
+#
+# $OUT gets one file, sanitizer-<date>.txt: the exact commands, tool and driver versions, each
+# invocation's result lines (ERROR SUMMARY / RACECHECK SUMMARY / the case line) and, for any
+# invocation that is not clean, the first lines of its log. The summary table prints LAST.
+# Exit status: 0 when every invocation is clean, 1 otherwise, 3 when the sanitizer cannot run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/device-out}
+PYTHON=${PYTHON:-python3}
+TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
+STAGES=${STAGES:-}
+JOBS=${JOBS:-8}
+CASE_TIMEOUT=${CASE_TIMEOUT:-300}
+DRY_RUN=${DRY_RUN:-}
+export CUDA_CACHE_DISABLE=${CUDA_CACHE_DISABLE:-0}
+export PYTHONUNBUFFERED=1
+ERROR_EXIT=86
+
+if [[ -z $DRY_RUN ]] && ! "$PYTHON" -c 'import pcpp' 2>/dev/null; then
+    if compgen -G '.whl/*.whl' > /dev/null; then
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 3
+    fi
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+find_sanitizer() {
+    local c
+    for c in "${COMPUTE_SANITIZER:-}" "$(command -v compute-sanitizer 2>/dev/null)" \
+             "${CUDA_HOME:+$CUDA_HOME/bin/compute-sanitizer}" \
+             /usr/local/cuda/bin/compute-sanitizer \
+             /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+             $(ls -d /usr/local/cuda-*/bin/compute-sanitizer 2>/dev/null | sort -V -r); do
+        if [[ -n $c && -x $c ]]; then echo "$c"; return 0; fi
+    done
+    return 1
+}
+SAN=$(find_sanitizer) || SAN=""
+if [[ -z $SAN ]]; then
+    if [[ -z $DRY_RUN ]]; then
+        echo "sanitize.sh: compute-sanitizer not found (PATH, \$CUDA_HOME, /usr/local/cuda*);" \
+             "set COMPUTE_SANITIZER=/path/to/compute-sanitizer" >&2
+        exit 3
+    fi
+    SAN=compute-sanitizer
+fi
+
+tool_options() {
+    case $1 in
+        memcheck)  echo "--tool memcheck --leak-check full" ;;
+        racecheck) echo "--tool racecheck --racecheck-report analysis" ;;
+        synccheck) echo "--tool synccheck" ;;
+        initcheck) echo "--tool initcheck" ;;
+        *) echo "sanitize.sh: unknown tool '$1' (memcheck, racecheck, synccheck, initcheck)" >&2
+           return 1 ;;
+    esac
+}
+
+# ---- the cases and the commands ------------------------------------------------------------
+mapfile -t CASES < <("$PYTHON" bench/sanitize_case.py --list --stages "$STAGES") || exit 3
+(( ${#CASES[@]} )) || { echo "sanitize.sh: no cases (STAGES=$STAGES)" >&2; exit 3; }
+
+case_env() {   # CTAS -> the environment a case needs, as VAR=value words for env(1)
+    local words="CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
+    if (( $1 )); then words+=" PTXATTN_PERSISTENT_CTAS=$1"; fi
+    echo "$words"
+}
+case_args() { echo "--stage $1 -b $2 -H $3 -L $4"; }
+case_name() {
+    local name
+    name=$(printf 'stage%02d %sx%sx%s' "$1" "$2" "$3" "$4")
+    if (( $5 )); then name+=" ctas=$5"; fi
+    echo "$name"
+}
+
+CMDS=() CMD_CASE=() CMD_TOOL=()
+for tool in $TOOLS; do
+    opts=$(tool_options "$tool") || exit 2
+    for i in "${!CASES[@]}"; do
+        read -r stage b h l ctas <<< "${CASES[$i]}"
+        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l")")
+        CMD_CASE+=("$i")
+        CMD_TOOL+=("$tool")
+    done
+done
+
+if [[ -n $DRY_RUN ]]; then
+    for i in "${!CASES[@]}"; do
+        read -r stage b h l ctas <<< "${CASES[$i]}"
+        echo "env $(case_env "$ctas") $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l")"
+    done
+    printf '%s\n' "${CMDS[@]}"
+    exit 0
+fi
+
+mkdir -p "$OUT"
+REPORT=$OUT/sanitizer-$(date -u +%Y-%m-%d).txt
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+started=$SECONDS
+
+{
+    echo "ptxattn compute-sanitizer report, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "repository: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+    echo "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"
+    echo "compute-sanitizer: $SAN"
+    "$SAN" --version 2>&1 | sed 's/^/    /'
+    echo "python: $("$PYTHON" -c 'import sys; print(sys.version.split()[0])')," \
+         "cuda-bindings $("$PYTHON" -c 'from importlib.metadata import version as v; print(v("cuda-bindings"))' 2>/dev/null || echo '?')"
+    echo "settings: TOOLS='$TOOLS' STAGES='${STAGES:-all}' JOBS=$JOBS CASE_TIMEOUT=$CASE_TIMEOUT" \
+         "CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
+    echo "cases: ${#CASES[@]} (STAGE B H L CTAS: ${CASES[*]/%/;})"
+    echo
+} > "$REPORT"
+cat "$REPORT"
+
+run_logged() {   # INDEX-NAME COMMAND...: run with a timeout, log, exit code and seconds in $LOGS
+    local key=$1; shift
+    local t0=$SECONDS
+    timeout -k 15 "$CASE_TIMEOUT" "$@" > "$LOGS/$key.log" 2>&1
+    echo $? > "$LOGS/$key.rc"
+    echo $((SECONDS - t0)) > "$LOGS/$key.s"
+}
+
+throttle() { while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done; }
+
+# ---- 1. plain runs: the JIT cache is filled and every case is checked without a sanitizer ----
+echo "== plain runs (no sanitizer) ==" | tee -a "$REPORT"
+for i in "${!CASES[@]}"; do
+    read -r stage b h l ctas <<< "${CASES[$i]}"
+    throttle
+    # shellcheck disable=SC2046
+    run_logged "plain-$i" env $(case_env "$ctas") "$PYTHON" bench/sanitize_case.py \
+        $(case_args "$stage" "$b" "$h" "$l") &
+done
+wait
+worst=0
+PLAIN=()
+for i in "${!CASES[@]}"; do
+    line=$(grep -m1 '^case ' "$LOGS/plain-$i.log" || tail -n 1 "$LOGS/plain-$i.log")
+    echo "  [exit $(cat "$LOGS/plain-$i.rc")] $line" | tee -a "$REPORT"
+    if grep -q '^case .* PASS$' "$LOGS/plain-$i.log"; then PLAIN+=(PASS); else PLAIN+=(FAIL); worst=1; fi
+done
+
+# ---- 2. can the sanitizer run here at all? (gVisor machines answer "Device not supported") ----
+probe=$("$SAN" --tool memcheck --error-exitcode $ERROR_EXIT "$PYTHON" -c \
+    'from ptxattn import tensors; tensors.empty((64,)).fill_u16(0)' 2>&1)
+probe_rc=$?
+if (( probe_rc != 0 )) || grep -q "Device not supported" <<< "$probe"; then
+    {
+        echo
+        echo "compute-sanitizer cannot run on this machine (exit $probe_rc):"
+        sed 's/^/    /' <<< "$probe" | head -n 20
+    } | tee -a "$REPORT"
+    exit 3
+fi
+
+# ---- 3. every tool on every case ----------------------------------------------------------
+echo | tee -a "$REPORT"
+echo "== ${#CMDS[@]} sanitizer invocations, $JOBS at a time ==" | tee -a "$REPORT"
+for k in "${!CMDS[@]}"; do
+    throttle
+    # shellcheck disable=SC2086
+    run_logged "san-$k" ${CMDS[$k]} &
+done
+wait
+
+declare -A CELL
+for k in "${!CMDS[@]}"; do
+    log=$LOGS/san-$k.log
+    rc=$(cat "$LOGS/san-$k.rc")
+    secs=$(cat "$LOGS/san-$k.s")
+    summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^case ' "$log")
+    errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | grep -oE '[0-9]+$' | tail -n 1)
+    warnings=$(grep -oE '\(([0-9]+) errors?, ([0-9]+) warnings?\)' "$log" | grep -oE '[0-9]+ warn' \
+               | grep -oE '[0-9]+' | tail -n 1)
+    if (( rc == 124 || rc == 137 )); then
+        cell="TIMEOUT"
+    elif grep -q '^case .* FAIL$' "$log"; then
+        cell="WRONG"
+    elif (( rc == ERROR_EXIT )) || [[ -n $errors && $errors != 0 ]]; then
+        cell="${errors:-?} err"
+    elif (( rc != 0 )); then
+        cell="FAIL rc=$rc"
+    elif ! grep -q '^case .* PASS$' "$log"; then
+        cell="NO CASE"
+    else
+        cell="ok"
+        [[ -n $warnings && $warnings != 0 ]] && cell="ok, $warnings warn"
+    fi
+    [[ $cell == ok* ]] || worst=1
+    CELL["${CMD_CASE[$k]},${CMD_TOOL[$k]}"]=$cell
+    {
+        echo
+        echo "\$ ${CMDS[$k]}"
+        echo "exit $rc after ${secs}s: $cell"
+        sed 's/^/    /' <<< "$summary"
+        if [[ $cell != ok* ]]; then
+            echo "    --- first lines of the log ---"
+            grep -v '^========= *$' "$log" | head -n 60 | sed 's/^/    | /'
+        fi
+    } >> "$REPORT"
+done
+
+# ---- 4. the table, last ------------------------------------------------------------------
+table() {
+    printf '\n%-26s %-8s' "case" "plain"
+    for tool in $TOOLS; do printf ' %-14s' "$tool"; done
+    printf '\n'
+    for i in "${!CASES[@]}"; do
+        read -r stage b h l ctas <<< "${CASES[$i]}"
+        printf '%-26s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas")" "${PLAIN[$i]}"
+        for tool in $TOOLS; do printf ' %-14s' "${CELL[$i,$tool]}"; done
+        printf '\n'
+    done
+    printf '\n%d invocations in %ds; report: %s\n' "${#CMDS[@]}" $((SECONDS - started)) "$REPORT"
+    echo "sanitize.sh: $( ((worst)) && echo 'NOT CLEAN' || echo 'all clean')"
+}
+table | tee -a "$REPORT"
+exit "$worst"

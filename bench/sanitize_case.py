@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""One stage, one launch, one small shape: what bench/sanitize.sh runs under compute-sanitizer.
+
+    python3 bench/sanitize_case.py --list [--stages 1,14]
+        the cases, one a line: STAGE B H L CTAS (CTAS 0: the stage's own grid; else the
+        PTXATTN_PERSISTENT_CTAS cap the script sets for that case)
+    python3 bench/sanitize_case.py --stage N -b B -H H -L L [--layout bhld] [--seed S]
+        random normal bf16 inputs copied in, the output poisoned with NaN (a memset, so it is
+        initialised memory as far as initcheck is concerned and an unwritten tile shows as
+        NaN), one prepare + launch, a check against the float64 reference, then every
+        buffer freed and the primary context released, so that memcheck's leak check sees
+        the context end with nothing left allocated. Prints one line "case ...: PASS|FAIL".
+        Exit status 0: PASS, 1: FAIL, 2: bad arguments.
+
+Cases: every stage at B=1 H=2 L=256; a stage with BLOCK_M 128 also at L=512 (4 or 8 K/V
+tiles: the 2-slot K/V ring wraps); a persistent stage also at B=2 H=2 L=512 with its grid
+capped at 2 CTAs (16 tiles: 8 per CTA, so the multi-tile path with its carried barrier
+phases runs). At those shapes a 132-SM grid would give every CTA at most one tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+SMALL = (1, 2, 256)
+RING = (1, 2, 512)
+PERSISTENT = (2, 2, 512)
+PERSISTENT_CTAS = 2
+
+
+def cases(stage_filter=None):
+    from ptxattn import stages
+    for s in stages.all_stages():
+        if stage_filter and s.number not in stage_filter:
+            continue
+        yield (s.number, *SMALL, 0)
+        if s.block_m == 128:
+            yield (s.number, *RING, 0)
+        if s.persistent:
+            yield (s.number, *PERSISTENT, PERSISTENT_CTAS)
+
+
+def run(stage_key, b, h, length, layout, seed) -> bool:
+    from ptxattn import attention as attn
+    from ptxattn import driver, reference, stages, tensors
+
+    stage = stages.get_stage(stage_key)
+    q, k, v = reference.random_qkv(b, h, length, length, 128, layout, seed=seed)
+    qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
+    out = tensors.empty(q.shape)
+    out.fill_u16(0xFFFF)                        # bf16 NaN on the legacy stream, like the launch
+    prepared = attn.prepare(qd, kd, vd, stage=stage, layout=layout, out=out)
+    prepared.launch()
+    driver.synchronize()
+    got = out.to_numpy()
+    m = reference.error_metrics(got, reference.attention_reference(q, k, v, layout=layout))
+    ok = reference.passes(m)
+    cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
+    print(f"case {stage.label} B={b} H={h} L={length} {layout} grid={prepared.grid} "
+          f"block={prepared.block} smem={prepared.smem_bytes}"
+          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}: rel_l2={m['rel_l2']:.2e} "
+          f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+
+    # Free everything, then end the context: memcheck --leak-check reports what is still
+    # allocated when the context is destroyed (the primary context lives until released).
+    del prepared, qd, kd, vd, out
+    gc.collect()
+    ctx = driver.context()
+    driver.synchronize()
+    ctx.alive = False                           # later destructors must not call the driver
+    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--stages", default="", help="with --list: only these stage numbers (1,14)")
+    ap.add_argument("--stage", help="the stage to run (number or name)")
+    ap.add_argument("-b", "--batch", type=int, default=SMALL[0])
+    ap.add_argument("-H", "--heads", type=int, default=SMALL[1])
+    ap.add_argument("-L", "--seq-len", type=int, default=SMALL[2])
+    ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.list:
+        wanted = {int(x) for x in args.stages.replace(",", " ").split()} or None
+        for case in cases(wanted):
+            print(*case)
+        return 0
+    if args.stage is None:
+        ap.error("--stage is required (or --list)")
+    return 0 if run(args.stage, args.batch, args.heads, args.seq_len, args.layout,
+                    args.seed) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

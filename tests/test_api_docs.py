@@ -1,0 +1,91 @@
+"""The README's framework examples and the sanitizer script, checked without a GPU.
+
+The GPU side (tests/test_gpu_api.py) runs the README blocks; here they must at least exist,
+compile, and import only what the test knows how to skip.
+"""
+
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from readme_blocks import imported_packages, python_blocks
+
+from ptxattn import stages
+
+ROOT = Path(__file__).resolve().parent.parent
+SANITIZE = ROOT / "bench" / "sanitize.sh"
+CASE = ROOT / "bench" / "sanitize_case.py"
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+def test_readme_has_one_compiling_example_per_framework():
+    blocks = python_blocks()
+    assert len(blocks) == 3
+    frameworks = [next(p for p in imported_packages(b) if p in ("torch", "jax", "cupy"))
+                  for b in blocks]
+    assert frameworks == ["torch", "jax", "cupy"]
+    for block in blocks:
+        compile(block, "README.md", "exec")
+        assert "ptxattn" in imported_packages(block)
+        known = {"torch", "jax", "cupy", "ptxattn", "numpy", "ml_dtypes", "os"}
+        assert set(imported_packages(block)) <= known, imported_packages(block)
+
+
+def test_readme_documents_threading_and_the_grid_knob():
+    text = (ROOT / "README.md").read_text()
+    assert "\n## Threading\n" in text and "PTXATTN_PERSISTENT_CTAS" in text
+
+
+def test_sanitize_script_is_executable_and_parses():
+    assert SANITIZE.stat().st_mode & stat.S_IXUSR, "bench/sanitize.sh is not executable"
+    subprocess.run(["bash", "-n", str(SANITIZE)], check=True)
+    text = SANITIZE.read_text()
+    for tool in TOOLS:
+        assert f"{tool}" in text
+    assert "--racecheck-report analysis" in text and "ERROR SUMMARY" in text
+    compile(CASE.read_text(), str(CASE), "exec")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_sanitizer_cases_cover_every_stage():
+    out = subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True, text=True,
+                         check=True, env=_env(), cwd=ROOT).stdout
+    cases = [line.split() for line in out.splitlines() if line.strip()]
+    # each line: STAGE B H L CTAS  (CTAS 0 = the stage's own grid)
+    by_stage = {}
+    for number, b, h, l, ctas in cases:
+        by_stage.setdefault(int(number), []).append((int(b), int(h), int(l), int(ctas)))
+    for stage in stages.all_stages():
+        shapes = by_stage[stage.number]
+        assert (1, 2, 256, 0) in shapes, stage.label
+        if stage.block_m == 128:
+            assert (1, 2, 512, 0) in shapes, stage.label     # several K/V tiles, the ring wraps
+        if stage.persistent:
+            b, h, l, ctas = next(s for s in shapes if s[3])
+            tiles = (l // stage.block_m) * h * b
+            assert ctas == 2 and tiles >= 4 * ctas, (stage.label, tiles)   # tiles per CTA > 1
+
+
+def test_sanitize_dry_run_names_every_command(tmp_path):
+    env = _env() | {"DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SANITIZE)], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stdout.splitlines() if "sanitize_case.py" in l]
+    n_cases = len(subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True,
+                                 text=True, check=True, env=_env(), cwd=ROOT).stdout.split("\n")
+                  ) - 1
+    for tool in TOOLS:
+        mine = [l for l in lines if f"--tool {tool}" in l]
+        assert len(mine) == n_cases, (tool, len(mine), n_cases)
+    assert any("PTXATTN_PERSISTENT_CTAS=2" in l for l in lines)
+    assert all(re.search(r"--stage \d+ ", l) for l in lines)
+    assert not list(tmp_path.iterdir())            # a dry run writes no report
