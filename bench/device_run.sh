@@ -9,7 +9,7 @@
 # Switches (environment): STAGES=1,2,5 (default all)  SHAPES=4k,8k,16k,1k  LAYOUT=bhld
 #   REPS=20 ROUNDS=5  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (needs matplotlib)
 #   TRACE=1,14 (timelines of those stages: trace-stageNN.svg/.json and trace.txt in $OUT)
-#   TRACE_SHAPE=1x16x2048x128
+#   TRACE_SHAPE=1x16x2048x128  PYTEST_ARGS="--maxfail=10" (default -x)
 #
 # $OUT gets at most 7 files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt,
 # <date>-h200.json, bench.txt (and progression.png with PLOT=1; trace.txt and trace-stageNN.svg/.json
@@ -57,7 +57,7 @@ fi
 if [[ -z ${SKIP_TESTS:-} ]]; then
     section "GPU tests"
     set +e
-    python3 -m pytest -q -m gpu -x 2>&1 | tee "$OUT/pytest-gpu.txt"
+    python3 -m pytest -q -m gpu -rs ${PYTEST_ARGS:--x} 2>&1 | tee "$OUT/pytest-gpu.txt"
     rc=${PIPESTATUS[0]}
     set -e
     echo "pytest -m gpu exit code: $rc" | tee -a "$OUT/pytest-gpu.txt"
