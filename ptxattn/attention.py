@@ -294,7 +294,8 @@ class PreparedAttention:
     events); `out` is the DeviceArray the kernel writes.
     """
 
-    def __init__(self, plan: _Plan, stage: Stage, out: DeviceArray, spec=None, keep=()):
+    def __init__(self, plan: _Plan, stage: Stage, out: DeviceArray, spec=None, keep=(),
+                 owned=()):
         self.plan = plan
         self.stage = stage
         self.out = out
@@ -302,6 +303,7 @@ class PreparedAttention:
         self.stream = plan.stream
         self._spec = spec
         self._keep = keep                     # inputs, staging copies, tensor maps
+        self._owned = owned                   # arrays this object allocated (close() frees)
         self.grid = spec.grid if spec else (0, 1, 1)
         self.block = spec.block if spec else (stage.threads, 1, 1)
         self.cluster = spec.cluster if spec else stage.cluster
@@ -316,6 +318,27 @@ class PreparedAttention:
                 from . import driver
                 driver.context()
             self._spec()
+
+    def close(self) -> None:
+        """Free the device memory this object allocated (NumPy inputs' copies, an output it
+        made, the tile counter) now rather than at garbage collection; the caller's own
+        arrays are never touched. Synchronizes first: a queued launch may still use it."""
+        from . import driver
+        if self._spec is None:
+            return
+        driver.synchronize(self.stream)
+        for item in self._keep:
+            if isinstance(item, driver.DeviceBuffer):
+                item.close()
+        for array in self._owned:
+            array.free()
+        self._spec = None
+
+    def __enter__(self) -> "PreparedAttention":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def flops(self) -> int:
@@ -384,9 +407,11 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     if plan.host:
         q, k, v = (tensors.from_numpy(to_bf16(x), stream=stream) for x in (plan.q, plan.k, plan.v))
         out = tensors.empty(plan.out_shape, stream=stream)
+        owned = (q, k, v, out)
     else:
         q, k, v = plan.q, plan.k, plan.v
         out = plan.out if plan.out is not None else tensors.empty(plan.out_shape, stream=stream)
+        owned = () if plan.out is not None else (out,)
         for name, arr in (("q", q), ("k", k), ("v", v), ("out", out)):
             if arr.device is None:              # __cuda_array_interface__ does not say
                 arr.device = driver.pointer_device(arr.ptr)
@@ -434,7 +459,7 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     grid = stage.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (values, types), cluster=stage.cluster, stream=stream)
-    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep))
+    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned)
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
@@ -483,6 +508,7 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     prepared.launch()
     if prepared.host:
         result = prepared.out.to_numpy()          # waits for the launch stream
+        prepared.close()                          # the device copies are ours: free them now
         if out is None:
             return result
         out[...] = result

@@ -306,6 +306,15 @@ class DeviceArray:
         self.stream_owner = None      # keeps the object behind `stream` alive, if any
         self.producer_stream = producer_stream
 
+    def free(self) -> None:
+        """Release the device memory now, if this array owns it (arrays from empty() and
+        from_numpy()); views of other producers' memory are left alone. Later use of the
+        array is an error the caller owns; the finalizer would free the same memory."""
+        from .driver import DeviceBuffer
+        if isinstance(self.owner, DeviceBuffer):
+            self.owner.close()
+            self.ptr = 0
+
     # -- shape facts
     @property
     def ndim(self) -> int:

@@ -324,3 +324,22 @@ def test_the_output_keeps_the_callers_stream_object_alive(gpu):
     del out
     gc.collect()
     assert ref() is None
+
+
+def test_close_frees_what_prepare_allocated_and_nothing_else(gpu):
+    # NumPy inputs: the four device copies are ours; a caller's device arrays are not.
+    q, k, v = (np.zeros((1, 1, 64, 128), np.float32) for _ in range(3))
+    p = attn.prepare(q, k, v, stage=1)
+    p.launch()
+    freed_before = len(gpu["cuMemFree"])
+    p.close()
+    assert len(gpu["cuMemFree"]) - freed_before == 4
+    assert p.out.ptr == 0
+    p.close()                                  # idempotent
+    assert len(gpu["cuMemFree"]) - freed_before == 4
+    qd, kd, vd = (dev((1, 1, 64, 128), i) for i in range(3))
+    with attn.prepare(qd, kd, vd, stage=1) as p2:
+        p2.launch()
+        theirs = qd.ptr
+    assert qd.ptr == theirs                     # the caller's input untouched
+    assert p2.out.ptr == 0                      # the output we made is freed
