@@ -545,29 +545,28 @@ def memcpy_dtoh(dst, src: int, stream=None) -> None:
         check(d.cuStreamSynchronize(s), "cuStreamSynchronize")
 
 
-def memset_u16(ptr: int, value: int, count: int, stream=None) -> None:
-    """Fill `count` 16-bit words (0xFFFF is a bf16 NaN: used to poison outputs)."""
+def _memset(bits: int, ptr: int, value: int, count: int, stream) -> None:
+    """cuMemsetD8/D16 (synchronous on the legacy stream) or its Async form on `stream`."""
     if count == 0:
         return
     context()
     d = cu()
+    name = f"cuMemsetD{bits}"
     if stream is None:
-        check(d.cuMemsetD16(d.CUdeviceptr(ptr), value, count), "cuMemsetD16")
+        check(getattr(d, name)(d.CUdeviceptr(ptr), value, count), name)
     else:
-        check(d.cuMemsetD16Async(d.CUdeviceptr(ptr), value, count,
-                                 d.CUstream(stream_handle(stream))), "cuMemsetD16Async")
+        check(getattr(d, name + "Async")(d.CUdeviceptr(ptr), value, count,
+                                         d.CUstream(stream_handle(stream))), name + "Async")
+
+
+def memset_u16(ptr: int, value: int, count: int, stream=None) -> None:
+    """Fill `count` 16-bit words (0xFFFF is a bf16 NaN: used to poison outputs)."""
+    _memset(16, ptr, value, count, stream)
 
 
 def memset_u8(ptr: int, value: int, count: int, stream=None) -> None:
-    if count == 0:
-        return
-    context()
-    d = cu()
-    if stream is None:
-        check(d.cuMemsetD8(d.CUdeviceptr(ptr), value, count), "cuMemsetD8")
-    else:
-        check(d.cuMemsetD8Async(d.CUdeviceptr(ptr), value, count,
-                                d.CUstream(stream_handle(stream))), "cuMemsetD8Async")
+    """Fill `count` bytes."""
+    _memset(8, ptr, value, count, stream)
 
 
 def mem_get_info() -> tuple[int, int]:

@@ -68,105 +68,68 @@ class Stage:
         return (tiles, heads, batch)
 
 
+def _sm90(number: int, name: str, idea: str, **geometry) -> Stage:
+    """A Hopper stage: ptx/sm90/NN_name.ptx, built for sm_90a."""
+    return Stage(number=number, name=name, idea=idea, arch="sm_90a",
+                 file=f"sm90/{number:02d}_{name}.ptx", **geometry)
+
+
+# Stages 5 on: a producer warpgroup and two consumer warpgroups of 64 query rows each.
+_TWO_CONSUMERS = dict(threads=384, block_m=128, swizzle=SWIZZLE_128B)
+_KV16 = 16384                  # one 64-row bf16 tile of D = 128 (Q, K or V)
+
 STAGES: tuple[Stage, ...] = (
-    Stage(
-        number=1, name="baseline", arch="sm_90a", file="sm90/01_baseline.ptx",
-        idea="one warpgroup, 64 query rows; TMA without swizzle; wgmma SS for QK^T and PV; "
-             "P through shared memory; every step waited on",
-        threads=128, block_m=64, block_n=64,
-        # Q, K, V 16 KiB each + P 8 KiB + 2 mbarriers (64 B) + 1 KiB slack to align the base
-        smem_bytes=3 * 16384 + 8192 + 64 + 1024,
-    ),
-    Stage(
-        number=2, name="p_in_registers", arch="sm_90a", file="sm90/02_p_in_registers.ptx",
-        idea="PV as wgmma RS: P stays in registers as the A fragments",
-        threads=128, block_m=64, block_n=64,
-        smem_bytes=3 * 16384 + 64 + 1024,
-    ),
-    Stage(
-        number=3, name="swizzle", arch="sm_90a", file="sm90/03_swizzle.ptx",
-        idea="128-byte swizzled TMA boxes and wgmma descriptors",
-        threads=128, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=3 * 16384 + 64 + 1024,
-    ),
-    Stage(
-        number=4, name="warp_specialization", arch="sm_90a", file="sm90/04_warp_specialization.ptx",
-        idea="a producer warpgroup issues TMA, a consumer warpgroup computes; "
-             "mbarrier FULL/EMPTY; setmaxnreg",
-        threads=256, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=3 * 16384 + 64 + 1024,
-    ),
-    Stage(
-        number=5, name="two_q_tiles", arch="sm_90a", file="sm90/05_two_q_tiles.ptx",
-        idea="two consumer warpgroups (128 query rows) share every K/V tile",
-        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=4 * 16384 + 64 + 1024,
-    ),
-    Stage(
-        number=6, name="load_pipeline", arch="sm_90a", file="sm90/06_load_pipeline.ptx",
-        idea="2-stage K/V ring, K and V on separate FULL/EMPTY barriers",
-        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=6 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=7, name="compute_pipeline", arch="sm_90a", file="sm90/07_compute_pipeline.ptx",
-        idea="QK^T of tile i in flight during PV of tile i-1 and the softmax; "
-             "inter-warpgroup pingpong on named barriers",
-        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=6 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=8, name="hardware_exp2", arch="sm_90a", file="sm90/08_hardware_exp2.ptx",
-        idea="log2-domain softmax: scale folded into one FFMA, ex2.approx.ftz",
-        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=6 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=9, name="software_exp2", arch="sm_90a", file="sm90/09_software_exp2.ptx",
-        idea="a share of the exponentials as a degree-3 polynomial on the FMA pipe",
-        threads=384, block_m=128, block_n=64, swizzle=SWIZZLE_128B,
-        smem_bytes=6 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=10, name="register_budget", arch="sm_90a", file="sm90/10_register_budget.ptx",
-        idea="128-row K/V tiles: S 64 x 128 per consumer in the freed register budget",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
-        smem_bytes=10 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=11, name="skip_o_rescale", arch="sm_90a", file="sm90/11_skip_o_rescale.ptx",
-        idea="rebase the running max only when it grows by more than 2^8; skip the O rescale",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
-        smem_bytes=10 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=12, name="tma_store_epilogue", arch="sm_90a", file="sm90/12_tma_store_epilogue.ptx",
-        idea="O leaves through stmatrix -> shared (the dead Q tile) -> one TMA store",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
-        smem_bytes=10 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=13, name="uniform_descriptors", arch="sm_90a",
-        file="sm90/13_uniform_descriptors.ptx",
-        idea="descriptors stepped in fresh registers, warpgroup index shuffled: all descriptor "
-             "math on the uniform datapath (replaces early PV, see bench/README.md)",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B,
-        smem_bytes=10 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=14, name="persistent", arch="sm_90a", file="sm90/14_persistent.ptx",
-        idea="grid = SM count, static tile scheduler, next tile's Q loaded under the epilogue",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B, persistent=True,
-        # Q 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 10 mbarriers + alignment slack
-        smem_bytes=12 * 16384 + 128 + 1024,
-    ),
-    Stage(
-        number=15, name="dynamic_scheduler", arch="sm_90a", file="sm90/15_dynamic_scheduler.ptx",
-        idea="persistent CTAs take tiles from a global counter (atom.add), fetched a tile ahead",
-        threads=384, block_m=128, block_n=128, swizzle=SWIZZLE_128B, persistent=True,
-        dynamic_tiles=True,
-        smem_bytes=12 * 16384 + 128 + 1024,
-    ),
+    _sm90(1, "baseline",
+          "one warpgroup, 64 query rows; TMA without swizzle; wgmma SS for QK^T and PV; "
+          "P through shared memory; every step waited on",
+          threads=128, block_m=64, block_n=64,
+          # Q, K, V 16 KiB each + P 8 KiB + 2 mbarriers (64 B) + 1 KiB slack to align the base
+          smem_bytes=3 * _KV16 + 8192 + 64 + 1024),
+    _sm90(2, "p_in_registers", "PV as wgmma RS: P stays in registers as the A fragments",
+          threads=128, block_m=64, block_n=64, smem_bytes=3 * _KV16 + 64 + 1024),
+    _sm90(3, "swizzle", "128-byte swizzled TMA boxes and wgmma descriptors",
+          threads=128, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
+          smem_bytes=3 * _KV16 + 64 + 1024),
+    _sm90(4, "warp_specialization",
+          "a producer warpgroup issues TMA, a consumer warpgroup computes; "
+          "mbarrier FULL/EMPTY; setmaxnreg",
+          threads=256, block_m=64, block_n=64, swizzle=SWIZZLE_128B,
+          smem_bytes=3 * _KV16 + 64 + 1024),
+    _sm90(5, "two_q_tiles", "two consumer warpgroups (128 query rows) share every K/V tile",
+          block_n=64, smem_bytes=4 * _KV16 + 64 + 1024, **_TWO_CONSUMERS),
+    _sm90(6, "load_pipeline", "2-stage K/V ring, K and V on separate FULL/EMPTY barriers",
+          block_n=64, smem_bytes=6 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(7, "compute_pipeline",
+          "QK^T of tile i in flight during PV of tile i-1 and the softmax; "
+          "inter-warpgroup pingpong on named barriers",
+          block_n=64, smem_bytes=6 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(8, "hardware_exp2", "log2-domain softmax: scale folded into one FFMA, ex2.approx.ftz",
+          block_n=64, smem_bytes=6 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(9, "software_exp2",
+          "a share of the exponentials as a degree-3 polynomial on the FMA pipe",
+          block_n=64, smem_bytes=6 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(10, "register_budget",
+          "128-row K/V tiles: S 64 x 128 per consumer in the freed register budget",
+          block_n=128, smem_bytes=10 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(11, "skip_o_rescale",
+          "rebase the running max only when it grows by more than 2^8; skip the O rescale",
+          block_n=128, smem_bytes=10 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(12, "tma_store_epilogue",
+          "O leaves through stmatrix -> shared (the dead Q tile) -> one TMA store",
+          block_n=128, smem_bytes=10 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(13, "uniform_descriptors",
+          "descriptors stepped in fresh registers, warpgroup index shuffled: all descriptor "
+          "math on the uniform datapath (replaces early PV, see bench/README.md)",
+          block_n=128, smem_bytes=10 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(14, "persistent",
+          "grid = SM count, static tile scheduler, next tile's Q loaded under the epilogue",
+          block_n=128, persistent=True,
+          # Q 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 10 mbarriers + alignment slack
+          smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    _sm90(15, "dynamic_scheduler",
+          "persistent CTAs take tiles from a global counter (atom.add), fetched a tile ahead",
+          block_n=128, persistent=True, dynamic_tiles=True,
+          smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
 )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from cli_helpers import cli, one_clean_error
 from ptxattn import driver, sass, stages
 from ptxattn.cli import main
 from ptxattn.errors import NoGpuError
@@ -24,19 +25,6 @@ needs_sass = pytest.mark.skipif(
     reason="no ptxas/nvdisasm (pip install 'ptxattn[tools]')")
 
 
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_clean_error(result, *needles):
-    """Exit code != 0, one `Error: ...` line, no traceback."""
-    assert result.exit_code != 0, result.output
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    for needle in needles:
-        assert needle in errors[0], result.output
-    return errors[0]
 
 
 @pytest.fixture

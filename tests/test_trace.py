@@ -15,11 +15,10 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
+from cli_helpers import cli, one_clean_error
 from ptxattn import driver, ptx, sass, stages
 from ptxattn import trace as T
-from ptxattn.cli import main
 from ptxattn.errors import NoGpuError
 
 TRACE_PTXH = stages.ptx_root() / "sm90" / "include" / "trace.ptxh"
@@ -27,18 +26,6 @@ TRACED = T.traced_stages()
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_clean_error(result, *needles):
-    assert result.exit_code != 0, result.output
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    for needle in needles:
-        assert needle in errors[0], result.output
-    return errors[0]
 
 
 def record_bytes(clock, globaltimer, code, warp):
