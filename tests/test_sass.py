@@ -213,3 +213,11 @@ def test_every_stage_assembles_without_spills_and_uses_hgmma(stage):
     # ptxas performance notes that silently change what a stage measures: setmaxnreg ignored
     # (C7508: the register split is gone) or wgmma serialized (the async MMA waits on itself)
     assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
+    # What each step's idea needs in the machine code. Warp specialization (stage 4 on: more
+    # than one warpgroup) moves registers with setmaxnreg: one dealloc (producer) and one
+    # alloc (consumers). The compute pipeline (stage 7 on) waits for S with PV still in
+    # flight: a wgmma wait that leaves one group pending.
+    specialized = stage.threads > 128
+    assert (s.classes["USETMAXREG"] == 2) == specialized, (stage.label, s.classes["USETMAXREG"])
+    overlapped = "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass
+    assert overlapped == (stage.number >= 7), (stage.label, "wgmma groups kept in flight")
