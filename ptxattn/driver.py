@@ -378,7 +378,17 @@ def stream_handle(stream) -> int:
                     f".cuda_stream/.handle/.ptr, got {type(stream).__name__}")
 
 
-class Stream:
+class _ClosedWhenCollected:
+    """close() runs when the object is collected; a destructor must not raise."""
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Stream(_ClosedWhenCollected):
     """A CUDA stream: created (and destroyed) here, or a borrowed handle."""
 
     def __init__(self, handle: int | None = None, *, non_blocking: bool = True):
@@ -405,11 +415,6 @@ class Stream:
             _CONTEXT.make_current()
             check(cu().cuStreamDestroy(cu().CUstream(handle)), "cuStreamDestroy")
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __int__(self) -> int:
         return self.handle
@@ -419,7 +424,7 @@ class Stream:
         return self.handle
 
 
-class Event:
+class Event(_ClosedWhenCollected):
     def __init__(self, timing: bool = True):
         context()
         flags = 0 if timing else int(cu().CUevent_flags.CU_EVENT_DISABLE_TIMING)
@@ -437,11 +442,6 @@ class Event:
         if handle is not None and _CONTEXT is not None and _CONTEXT.alive:
             check(cu().cuEventDestroy(handle), "cuEventDestroy")
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def elapsed_ms(start: Event, end: Event) -> float:
@@ -486,7 +486,7 @@ def synchronize(stream=None) -> None:
 
 # --------------------------------------------------------------------------- memory
 
-class DeviceBuffer:
+class DeviceBuffer(_ClosedWhenCollected):
     """cuMemAlloc'd bytes, freed by close() or when collected (while the context lives)."""
 
     def __init__(self, nbytes: int):
@@ -503,11 +503,6 @@ class DeviceBuffer:
             self._ctx.make_current()
             check(cu().cuMemFree(cu().CUdeviceptr(ptr)), "cuMemFree")
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"

@@ -27,6 +27,8 @@ from ctypes import POINTER, Structure, c_int32, c_int64, c_uint8, c_uint16, c_ui
 import ml_dtypes
 import numpy as np
 
+from .tma import contiguous_strides
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
@@ -191,7 +193,7 @@ def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
                         "are used in place, never converted: cast to bfloat16 first)")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = (tuple(t.strides[i] for i in range(t.ndim)) if t.strides
-               else _contiguous(shape))
+               else contiguous_strides(shape))
     readonly = bool(versioned and managed.flags & DLPACK_FLAG_READ_ONLY)
     return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, device=dev[1],
                        owner=holder, readonly=readonly)
@@ -252,7 +254,7 @@ def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
     shape = tuple(int(n) for n in cai["shape"])
     ptr, readonly = cai["data"]
     if cai.get("strides") is None:
-        strides = _contiguous(shape)
+        strides = contiguous_strides(shape)
     else:
         byte_strides = tuple(int(s) for s in cai["strides"])
         if any(s % BF16.itemsize for s in byte_strides):
@@ -274,14 +276,6 @@ def _describe_typestr(typestr: str) -> str:
         return repr(typestr)
 
 
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(strides))
-
-
 # --------------------------------------------------------------------------- DeviceArray
 
 class DeviceArray:
@@ -298,7 +292,7 @@ class DeviceArray:
                  producer_stream: int | None = None):
         self.ptr = int(ptr)
         self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides) if strides is not None else _contiguous(self.shape)
+        self.strides = tuple(int(s) for s in strides) if strides is not None else contiguous_strides(self.shape)
         self.device = device
         self.owner = owner
         self.readonly = readonly
@@ -330,7 +324,7 @@ class DeviceArray:
 
     @property
     def is_contiguous(self) -> bool:
-        return all(s == c for n, s, c in zip(self.shape, self.strides, _contiguous(self.shape))
+        return all(s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape))
                    if n != 1)
 
     def span(self) -> tuple[int, int]:

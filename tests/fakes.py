@@ -15,7 +15,7 @@ DTYPES = {"bfloat16": (tensors.kDLBfloat, 16, 1), "float16": (tensors.kDLFloat, 
 
 
 def contiguous(shape):
-    return tensors._contiguous(shape)
+    return tensors.contiguous_strides(shape)
 
 
 class FakeDLPack:
