@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tma
-from .stages import ENTRY, Stage, all_stages, by_speed, get_stage
+from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
 LAYOUTS = ("bhld", "bshd")
@@ -46,10 +46,20 @@ class _Plan:
     scale: float
     stream: int
     stream_object: object = None     # what the caller passed as `stream` (kept alive by outputs)
+    heads_kv: int = 0                # heads of k and v (divides heads; 0: the same as heads)
+    want_lse: bool = False           # also return the log-sum-exp of each query row
+
+    def __post_init__(self):
+        if not self.heads_kv:
+            self.heads_kv = self.heads
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
         return tma.layout_shape(self.layout, self.batch, self.heads, self.seq_q, self.head_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.heads, self.seq_q)
 
     @property
     def empty(self) -> bool:
@@ -89,19 +99,25 @@ def _arch_ok(arch: str, cc: tuple[int, int]) -> bool:
     return cc == want if arch[-1] in "af" else cc >= want
 
 
-def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None) -> Stage:
-    """The requested stage, checked; or the fastest one (stages.by_speed) that takes the
-    shape (and, once the device is known, runs on its compute capability)."""
+def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,
+                lse: bool = False) -> Stage:
+    """The requested kernel, checked; or the production kernel when it takes the call, else
+    the fastest lineage stage (stages.by_speed) that does (and, once the device is known,
+    runs on its compute capability). gqa: k/v have fewer heads than q; lse: return_lse."""
     q_len = seq_q or None  # an empty query never launches: only head dim and keys matter
 
     def why_not(s: Stage):
+        if gqa and not s.gqa:
+            return "k/v with fewer heads than q (GQA/MQA)"
+        if lse and not s.lse:
+            return "return_lse=True"
         return s.unsupported(head_dim, q_len or s.block_m, seq_k)
 
     def argument(why: str) -> str:
-        return "k" if why.startswith("key") else "q"
+        return {"k": "k", "r": "return_lse"}.get(why[0], "q")
 
     def takers(exclude):
-        ok = [s for s in all_stages() if s is not exclude and why_not(s) is None
+        ok = [s for s in all_kernels() if s is not exclude and why_not(s) is None
               and (cc is None or _arch_ok(s.arch, cc))]
         if not ok:
             return "no registered stage takes this shape"
@@ -118,7 +134,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None) -> Stage:
                              f"which this GPU (compute capability {cc[0]}.{cc[1]}) cannot run; "
                              f"{takers(chosen)}")
         return chosen
-    candidates = [s for s in by_speed() if cc is None or _arch_ok(s.arch, cc)]
+    candidates = [s for s in (PRODUCTION,) + by_speed() if cc is None or _arch_ok(s.arch, cc)]
     for s in candidates:
         if why_not(s) is None:
             return s
@@ -150,7 +166,8 @@ def _self_overlapping(shape, strides) -> bool:
 def _check_device_geometry(name: str, arr: DeviceArray, plan: _Plan, seq: int, rows: int) -> None:
     """Last-dim stride 1, positive strides, and what TMA needs (16-byte base and strides)."""
     tma.check_base(arr.ptr, name)
-    tma.map_geometry(plan.layout, plan.batch, plan.heads, seq, plan.head_dim, rows,
+    heads = plan.heads_kv if name in ("k", "v") else plan.heads
+    tma.map_geometry(plan.layout, plan.batch, heads, seq, plan.head_dim, rows,
                      plan.stage.tma_chunk, arr.strides, name)
 
 
@@ -222,7 +239,7 @@ def _caller_stream(arrays):
     return None
 
 
-def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
+def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -> _Plan:
     from .driver import stream_handle
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
@@ -247,10 +264,16 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
         raise ValueError(f"v: expected the same shape as k, {tuple(arrays['k'].shape)}, "
                          f"got {tuple(arrays['v'].shape)}")
     (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
-    for label, mine, theirs in (("batch", bk, b), ("heads", hk, h), ("head dim", dk, d)):
+    for label, mine, theirs in (("batch", bk, b), ("head dim", dk, d)):
         if mine != theirs:
             raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
                              f"(layout {layout!r}: {_AXES[layout]})")
+    # GQA/MQA: each group of heads // heads_kv query heads shares one k/v head
+    if hk != h and (hk == 0 or h % hk):
+        raise ValueError(f"k: heads {hk} do not divide q's heads {h}; grouped-query attention "
+                         f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
     if lk == 0:
         raise ValueError("k: key length is 0; attention over no keys is undefined "
                          "(softmax of an empty row)")
@@ -261,7 +284,7 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
                              + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
 
     empty = lq == 0 or h == 0 or b == 0
-    chosen = _pick_stage(stage, d, 0 if empty else lq, lk)
+    chosen = _pick_stage(stage, d, 0 if empty else lq, lk, gqa=hk != h, lse=return_lse)
     if scale is None:
         scale_value = 1.0 / math.sqrt(d)
     else:
@@ -275,7 +298,8 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream) -> _Plan:
             raise ValueError(f"scale: expected a finite number, got {scale_value}")
 
     plan = _Plan(host, arrays["q"], arrays["k"], arrays["v"], None, layout, b, h, lq, lk, d,
-                 chosen, stage is not None, scale_value, handle, stream)
+                 chosen, stage is not None, scale_value, handle, stream, heads_kv=hk,
+                 want_lse=return_lse)
     if not host and not plan.empty:
         _check_device_geometry("q", plan.q, plan, lq, chosen.q_box_rows)
         _check_device_geometry("k", plan.k, plan, lk, chosen.block_n)
@@ -295,10 +319,11 @@ class PreparedAttention:
     """
 
     def __init__(self, plan: _Plan, stage: Stage, out: DeviceArray, spec=None, keep=(),
-                 owned=()):
+                 owned=(), lse: DeviceArray | None = None):
         self.plan = plan
         self.stage = stage
         self.out = out
+        self.lse = lse                        # float32 (B, H, Lq) with return_lse, else None
         self.host = plan.host
         self.stream = plan.stream
         self._spec = spec
@@ -391,14 +416,18 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     from .errors import PtxattnError
 
     if plan.empty:   # nothing to compute: an empty output, no launch, no driver
+        device = None if plan.host else plan.q.device
         out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
-            0, plan.out_shape, device=None if plan.host else plan.q.device)
-        return PreparedAttention(plan, plan.stage, out)
+            0, plan.out_shape, device=device)
+        lse = DeviceArray(0, plan.lse_shape, device=device, dtype=np.float32) \
+            if plan.want_lse else None
+        return PreparedAttention(plan, plan.stage, out, lse=lse)
 
     cap = persistent_ctas()
     ctx = driver.context()
     stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
-                        plan.seq_q, plan.seq_k, ctx.compute_capability)
+                        plan.seq_q, plan.seq_k, ctx.compute_capability,
+                        gqa=plan.heads_kv != plan.heads, lse=plan.want_lse)
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
@@ -432,19 +461,30 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     function = kernel(stage, defines)
     B, H, Lq, Lk, D = plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim
 
-    def tmap(name, arr, seq, rows):
-        return tma.encode_qkvo_map(arr.ptr, plan.layout, B, H, seq, D, rows, stage.swizzle,
+    Hkv = plan.heads_kv
+
+    def tmap(name, arr, heads, seq, rows):
+        return tma.encode_qkvo_map(arr.ptr, plan.layout, B, heads, seq, D, rows, stage.swizzle,
                                    stage.tma_chunk, arr.strides, name=name)
 
     # Q and O boxes are one consumer warpgroup's rows (q_box_rows, 64), not the
     # CTA's block_m: stages with two consumers load Q (and store O) as 2 boxes.
-    maps = (tmap("q", q, Lq, stage.q_box_rows), tmap("k", k, Lk, stage.block_n),
-            tmap("v", v, Lk, stage.block_n), tmap("out", out, Lq, stage.q_box_rows))
+    maps = (tmap("q", q, H, Lq, stage.q_box_rows), tmap("k", k, Hkv, Lk, stage.block_n),
+            tmap("v", v, Hkv, Lk, stage.block_n), tmap("out", out, H, Lq, stage.q_box_rows))
     o_batch, o_head, o_row, _ = tma.bhl_strides(plan.layout, out.shape, out.strides, "out")
     values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale)
     types = (driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64,
                                       driver.U32, driver.U32, driver.U32, driver.U32, driver.F32)
     keep = [q, k, v, maps]
+    lse = None
+    if plan.want_lse:
+        lse = tensors.empty(plan.lse_shape, stream=stream, dtype=np.float32)
+        lse.stream = stream
+        owned += (lse,)
+    if stage.production:
+        # GQA group size, and where the log-sum-exp goes (0: not wanted)
+        values += (H // Hkv, lse.ptr if lse is not None else 0)
+        types += (driver.U32, driver.U64)
     if stage.dynamic_tiles:
         # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
         # the kernel's last CTA resets them, so every later launch of this object finds zeros
@@ -459,11 +499,12 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     grid = stage.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (values, types), cluster=stage.cluster, stream=stream)
-    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned)
+    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
-            stream=None, defines: dict | None = None, extra_params=()) -> PreparedAttention:
+            stream=None, return_lse: bool = False, defines: dict | None = None,
+            extra_params=()) -> PreparedAttention:
     """Validate, pick the stage, copy NumPy inputs in, build maps and parameters.
 
     Arguments as for `attention`. Call `.launch()` to enqueue the kernel (as
@@ -473,13 +514,17 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     pairs, follow the ABI's parameters (e.g. ((trace_ptr, ctypes.c_void_p),)).
     """
     return _build(_validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out,
-                            stream=stream), defines, tuple(extra_params))
+                            stream=stream, return_lse=return_lse), defines, tuple(extra_params))
 
 
-def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None):
+def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
+              return_lse: bool = False):
     """softmax(scale * q k^T) v, dense, non-causal, bf16 in and out, fp32 accumulation.
 
-    q: (B, H, Lq, D), k and v: (B, H, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
+    q: (B, H, Lq, D), k and v: (B, Hkv, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
+    Any lengths Lq, Lk >= 1; Hkv divides H (grouped-query / multi-query attention: query
+    head h reads k/v head h // (H // Hkv)). return_lse=True returns (out, lse), lse float32
+    of shape (B, H, Lq): the natural log of sum_j exp(scale * q.k_j) per query row.
     Inputs are either all NumPy arrays or all CUDA arrays:
 
     - NumPy in -> NumPy out (ml_dtypes.bfloat16): copied in and out, synchronised.
@@ -498,22 +543,26 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
       dim must have stride 1 and the base address and other strides must be
       16-byte multiples (TMA).
 
-    stage: a stage number/name from ptxattn.stages (default: the fastest measured
-    stage, stages.by_speed(), that takes the shape and runs on this GPU). scale defaults to 1/sqrt(D).
+    stage: None (default) runs the production kernel (stages.PRODUCTION); a lineage stage's
+    number or name runs that stage (D=128, lengths multiple of its tiles, no GQA, no LSE).
+    scale defaults to 1/sqrt(D).
     An empty output (Lq, H or B == 0) comes back without a launch; Lk == 0 is an
     error. Nothing is written to `out` when an error is raised. Thread-safe: see
     README, "Threading".
     """
-    prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream)
+    prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
+                       return_lse=return_lse)
     prepared.launch()
     if prepared.host:
         result = prepared.out.to_numpy()          # waits for the launch stream
+        lse = prepared.lse.to_numpy() if return_lse else None
         prepared.close()                          # the device copies are ours: free them now
-        if out is None:
-            return result
-        out[...] = result
-        return out
-    return out if out is not None else prepared.out
+        if out is not None:
+            out[...] = result
+            result = out
+        return (result, lse) if return_lse else result
+    result = out if out is not None else prepared.out
+    return (result, prepared.lse) if return_lse else result
 
 
 # `ptxattn.attention` names both this module and the function. Whichever is

@@ -71,8 +71,11 @@ _define_option = click.option("--define", "-d", "defines", multiple=True, metava
 
 
 def _constraints(stage: _stages.Stage) -> str:
-    parts = [f"D={'/'.join(map(str, stage.head_dims))}", f"Lq%{stage.block_m}",
-             f"Lk%{stage.block_n}"]
+    parts = [f"D={'/'.join(map(str, stage.head_dims))}"]
+    if stage.any_length:
+        parts += ["any Lq, Lk", "GQA/MQA", "LSE"]
+    else:
+        parts += [f"Lq%{stage.block_m}", f"Lk%{stage.block_n}"]
     if stage.swizzle != _stages.SWIZZLE_NONE:
         parts.append(f"swizzle {stage.swizzle}")
     if stage.cluster != (1, 1, 1):
@@ -129,11 +132,13 @@ def info():
 
 @main.command(name="list")
 def list_stages():
-    """The lineage: number, name, arch, CTA, constraints, idea."""
+    """The production kernel (the default), then the lineage: number, name, arch, CTA,
+    constraints, idea."""
     rows = [("#", "name", "arch", "threads", "tile MxN", "constraints", "idea")]
-    for s in _stages.all_stages():
+    for s in _stages.all_kernels():
         missing = "" if (_stages.ptx_root() / s.file).is_file() else " [no PTX file yet]"
-        rows.append((s.number, s.name, s.arch, s.threads, f"{s.block_m}x{s.block_n}",
+        rows.append(("-" if s.production else s.number, s.name, s.arch, s.threads,
+                     f"{s.block_m}x{s.block_n}",
                      _constraints(s), s.idea + missing))
     click.echo(_table(rows, right={0, 3}))
 

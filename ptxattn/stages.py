@@ -35,10 +35,27 @@ class Stage:
     dynamic_tiles: bool = False  # tiles taken from a global counter: one more kernel parameter
     head_dims: tuple[int, ...] = (128,)
     q_box_rows: int = 64       # rows of one Q (and O) TMA box: one consumer warpgroup's share
+    production: bool = False   # the production kernel: any lengths, GQA/MQA, LSE out; its ABI
+                               # adds heads_per_kv (u32) and lse_ptr (u64) after the lineage's
 
     @property
     def label(self) -> str:
-        return f"stage{self.number:02d}"
+        return self.name if self.production else f"stage{self.number:02d}"
+
+    @property
+    def any_length(self) -> bool:
+        """Takes lengths that are not multiples of its tiles (ragged last tiles)."""
+        return self.production
+
+    @property
+    def gqa(self) -> bool:
+        """Takes k/v with fewer heads than q (grouped-query and multi-query attention)."""
+        return self.production
+
+    @property
+    def lse(self) -> bool:
+        """Can write the log-sum-exp of each query row."""
+        return self.production
 
     @property
     def tma_chunk(self) -> int:
@@ -55,6 +72,12 @@ class Stage:
         """Why this stage cannot run the shape, or None when it can."""
         if head_dim not in self.head_dims:
             return f"head dim {head_dim} (takes {', '.join(map(str, self.head_dims))})"
+        if self.any_length:
+            if seq_q <= 0:
+                return f"query length {seq_q} (takes lengths >= 1)"
+            if seq_k <= 0:
+                return f"key length {seq_k} (takes lengths >= 1)"
+            return None
         if seq_q <= 0 or seq_q % self.block_m:
             return f"query length {seq_q} (takes positive multiples of {self.block_m})"
         if seq_k <= 0 or seq_k % self.block_n:
@@ -62,7 +85,7 @@ class Stage:
         return None
 
     def grid(self, batch: int, heads: int, seq_q: int, sm_count: int) -> tuple[int, int, int]:
-        tiles = seq_q // self.block_m
+        tiles = -(-seq_q // self.block_m)      # a ragged last tile is a tile
         if self.persistent:
             return (min(sm_count, tiles * heads * batch), 1, 1)
         return (tiles, heads, batch)
@@ -133,6 +156,15 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+# The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).
+# attention() uses it by default; stage= picks a lineage stage instead.
+PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production.ptx",
+                   idea="stage 14 + any lengths (ragged tiles masked), Lq != Lk, GQA/MQA, "
+                        "log-sum-exp out",
+                   block_n=128, persistent=True, production=True,
+                   smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS)
+
+
 # Fastest first, as measured on the H200 (bench/README.md, the latest results file): the order
 # in which attention(stage=None) tries stages. A later stage is not always a faster one (4 and 5
 # trade the free inter-CTA overlap of 3 for structure that pays off from 6 on), so the default
@@ -141,7 +173,13 @@ FASTEST_FIRST: tuple[int, ...] = (14, 15, 13, 12, 11, 10, 8, 9, 7, 3, 6, 4, 5, 2
 
 
 def all_stages() -> tuple[Stage, ...]:
+    """The lineage (the textbook), in order."""
     return STAGES
+
+
+def all_kernels() -> tuple[Stage, ...]:
+    """Every registered kernel: the production kernel, then the lineage."""
+    return (PRODUCTION,) + STAGES
 
 
 def by_speed() -> tuple[Stage, ...]:
@@ -155,14 +193,16 @@ def get_stage(key: str | int | Stage) -> Stage:
     if isinstance(key, Stage):
         return key
     text = str(key).strip().lower()
+    if text in (PRODUCTION.name, "prod"):
+        return PRODUCTION
     match = re.fullmatch(r"(?:stage)?0*(\d+)", text)
     for stage in STAGES:
         if match and int(match.group(1)) == stage.number:
             return stage
         if text in (stage.name, f"{stage.number:02d}_{stage.name}"):
             return stage
-    known = ", ".join(f"{s.label} ({s.name})" for s in STAGES)
-    raise ValueError(f"stage: unknown stage {key!r}; known stages: {known}")
+    raise ValueError(f"stage: unknown stage {key!r}; known: production and the lineage "
+                     f"{STAGES[0].label}..{STAGES[-1].label} by number or name (`ptxattn list`)")
 
 
 def ptx_root() -> Path:

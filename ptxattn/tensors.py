@@ -33,6 +33,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 kDLInt, kDLUInt, kDLFloat, kDLBfloat = 0, 1, 2, 4
+# What a DeviceArray may hold, as DLPack (code, bits, lanes).
+_DLPACK_CODES = {BF16: (kDLBfloat, 16, 1), np.dtype(np.float32): (kDLFloat, 32, 1)}
 DLPACK_FLAG_READ_ONLY = 1
 DLPACK_VERSION = (1, 0)
 _DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan",
@@ -279,17 +281,20 @@ def _describe_typestr(typestr: str) -> str:
 # --------------------------------------------------------------------------- DeviceArray
 
 class DeviceArray:
-    """A bf16 strided view of device memory (strides in elements).
+    """A strided view of device memory (strides in elements): bf16 for q, k, v and out,
+    float32 for the log-sum-exp.
 
     `stream` is the stream of the last write enqueued by this library; readers
     on another stream (DLPack consumers, to_numpy) are ordered after it.
     """
 
-    dtype = BF16
-
     def __init__(self, ptr: int, shape, strides=None, *, device: int | None = 0, owner=None,
                  readonly: bool = False, stream: int | None = None,
-                 producer_stream: int | None = None):
+                 producer_stream: int | None = None, dtype=BF16):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _DLPACK_CODES:
+            raise TypeError(f"DeviceArray: dtype {self.dtype} is not supported "
+                            "(bfloat16 or float32)")
         self.ptr = int(ptr)
         self.shape = tuple(int(n) for n in shape)
         self.strides = tuple(int(s) for s in strides) if strides is not None else contiguous_strides(self.shape)
@@ -320,7 +325,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * BF16.itemsize
+        return self.size * self.dtype.itemsize
 
     @property
     def is_contiguous(self) -> bool:
@@ -333,7 +338,8 @@ class DeviceArray:
             return (self.ptr, self.ptr)
         lo = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
         hi = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
-        return (self.ptr + lo * BF16.itemsize, self.ptr + (hi + 1) * BF16.itemsize)
+        item = self.dtype.itemsize
+        return (self.ptr + lo * item, self.ptr + (hi + 1) * item)
 
     def __repr__(self) -> str:
         return (f"DeviceArray(shape={self.shape}, strides={self.strides}, dtype=bfloat16, "
@@ -344,18 +350,19 @@ class DeviceArray:
         """Copy to the host as an ml_dtypes.bfloat16 array (waits for pending writes)."""
         from . import driver
         if self.size == 0:
-            return np.empty(self.shape, BF16)
+            return np.empty(self.shape, self.dtype)
         driver.context()
         if self.is_contiguous:
-            host = np.empty(self.shape, BF16)
+            host = np.empty(self.shape, self.dtype)
             driver.memcpy_dtoh(host, self.ptr, stream=self.stream)
             return host
         lo, hi = self.span()
-        raw = np.empty((hi - lo) // BF16.itemsize, BF16)
+        item = self.dtype.itemsize
+        raw = np.empty((hi - lo) // item, self.dtype)
         driver.memcpy_dtoh(raw, lo, stream=self.stream)
-        offset = (self.ptr - lo) // BF16.itemsize
+        offset = (self.ptr - lo) // item
         view = np.lib.stride_tricks.as_strided(
-            raw[offset:], self.shape, tuple(s * BF16.itemsize for s in self.strides))
+            raw[offset:], self.shape, tuple(s * item for s in self.strides))
         return np.ascontiguousarray(view)
 
     def fill_u16(self, value: int, stream=None) -> None:
@@ -385,19 +392,19 @@ class DeviceArray:
                 driver.context()
                 driver.stream_wait(consumer, self.stream)
         versioned = max_version is not None and tuple(max_version) >= DLPACK_VERSION
-        return make_capsule(self.ptr, self.shape, self.strides, (kDLBfloat, 16, 1),
+        return make_capsule(self.ptr, self.shape, self.strides, _DLPACK_CODES[self.dtype],
                             self.__dlpack_device__(), self, versioned=versioned,
                             readonly=self.readonly)
 
 
-def empty(shape, *, stream=None) -> DeviceArray:
-    """An uninitialised contiguous bf16 device array."""
+def empty(shape, *, stream=None, dtype=BF16) -> DeviceArray:
+    """An uninitialised contiguous device array (bf16 unless dtype says float32)."""
     from . import driver
     shape = tuple(int(n) for n in shape)
     size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    buf = driver.DeviceBuffer(size * BF16.itemsize)
+    buf = driver.DeviceBuffer(size * np.dtype(dtype).itemsize)
     device = driver.context().ordinal
-    return DeviceArray(buf.ptr, shape, device=device, owner=buf,
+    return DeviceArray(buf.ptr, shape, device=device, owner=buf, dtype=dtype,
                        stream=None if stream is None else driver.stream_handle(stream))
 
 

@@ -80,8 +80,8 @@ def test_attention_validates_first_then_says_no_gpu(fresh):
     from ptxattn.tensors import BF16
     fresh.setattr(cu, "cuInit", lambda flags: (R.CUDA_ERROR_NO_DEVICE,))
     q = np.ones((1, 1, 64, 128), np.float32).astype(BF16)
-    with pytest.raises(ValueError, match="q:"):                 # bad input: ValueError first
-        ptxattn.attention(q[:, :, :10], q, q)
+    with pytest.raises(ValueError, match="k:"):                 # bad input: ValueError first
+        ptxattn.attention(q, q[:, :, :, :64], q[:, :, :, :64])
     with pytest.raises(NoGpuError, match="CUDA_ERROR_NO_DEVICE"):
         ptxattn.attention(q, q, q)
 

@@ -115,7 +115,7 @@ def test_layout_name():
 def test_batch_heads_and_head_dim_must_match():
     with raises(ValueError, "k:", "batch 1", "batch 2"):
         call(host(), host((1, H, L, D)), host((1, H, L, D)))
-    with raises(ValueError, "k:", "heads 4", "heads 3"):
+    with raises(ValueError, "k:", "heads 4", "heads 3", "divide"):
         call(host(), host((B, 4, L, D)), host((B, 4, L, D)))
     with raises(ValueError, "k:", "head dim 64", "head dim 128"):
         call(host(), host((B, H, L, 64)), host((B, H, L, 64)))
@@ -138,8 +138,8 @@ def test_head_dim_not_supported():
 
 
 def test_query_length_not_supported_names_what_the_stage_takes():
-    with raises(ValueError, "q:", "query length 100", "multiples of 64"):
-        call(host((B, H, 100, D)), host(), host())
+    with raises(ValueError, "q:", "query length 100", "multiples of 64", "production"):
+        call(host((B, H, 100, D)), host(), host(), stage=1)
     with raises(ValueError, "q:", "stage05", "query length 64", "multiples of 128",
                 "stage01 (baseline)"):
         call(host((B, H, 64, D)), host(), host(), stage=5)
@@ -154,6 +154,9 @@ def test_another_stage_that_would_take_it_is_named(monkeypatch):
     base = stages.get_stage(1)
     small = dataclasses.replace(base, number=2, name="small_tiles", block_m=32, block_n=32)
     monkeypatch.setattr(stages, "STAGES", (base, small))
+    # the production kernel out of the way (as if it took no head dim of this call)
+    monkeypatch.setattr(attn, "PRODUCTION", dataclasses.replace(stages.PRODUCTION, head_dims=(64,)))
+    monkeypatch.setattr(stages, "PRODUCTION", attn.PRODUCTION)
     with raises(ValueError, "q:", "stage01 (baseline)", "query length 96",
                 "stage02 (small_tiles) would take it"):
         call(host((B, H, 96, D)), host(), host(), stage=1)
@@ -162,11 +165,38 @@ def test_another_stage_that_would_take_it_is_named(monkeypatch):
     assert plan.stage is small            # stage=None: the only one that takes it
 
 
-def test_default_stage_is_the_fastest_that_takes_the_shape():
+def test_default_is_the_production_kernel():
+    for lq, lk in ((L, L), (100, 37), (1, 4095)):
+        plan = attn._validate(host((B, H, lq, D)), host((B, H, lk, D)), host((B, H, lk, D)),
+                              stage=None, scale=None, layout="bhld", out=None, stream=None)
+        assert plan.stage is stages.PRODUCTION, (lq, lk)
+
+
+def test_default_falls_back_to_the_fastest_lineage_stage(monkeypatch):
+    monkeypatch.setattr(attn, "PRODUCTION", dataclasses.replace(stages.PRODUCTION, head_dims=(64,)))
     plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
                           out=None, stream=None)
     takers = [s for s in stages.by_speed() if s.unsupported(D, L, L) is None]
     assert plan.stage == takers[0]
+
+
+def test_gqa_heads_must_divide():
+    for hq, hk in ((8, 3), (4, 8), (6, 4)):
+        with raises(ValueError, "k:", f"heads {hk}", f"heads {hq}", "divid"):
+            call(host((B, hq, L, D)), host((B, hk, L, D)), host((B, hk, L, D)))
+    for hq, hk in ((8, 2), (8, 1), (6, 3)):     # GQA and MQA are accepted by the default kernel
+        plan = attn._validate(host((B, hq, L, D)), host((B, hk, L, D)), host((B, hk, L, D)),
+                              stage=None, scale=None, layout="bhld", out=None, stream=None)
+        assert plan.stage is stages.PRODUCTION and plan.heads_kv == hk and plan.heads == hq
+
+
+def test_gqa_and_lse_need_the_production_kernel():
+    with raises(ValueError, "stage14", "GQA", "production"):
+        call(host((B, 4, L, D)), host((B, 2, L, D)), host((B, 2, L, D)), stage=14)
+    with raises(ValueError, "return_lse", "stage14", "production"):
+        call(host(), host(), host(), stage=14, return_lse=True)
+    with raises(TypeError, "return_lse", "True or False"):
+        call(host(), host(), host(), return_lse=1)
 
 
 def test_speed_order_lists_every_stage_once():
@@ -283,7 +313,7 @@ def test_out_host_checks_and_untouched_on_error():
         call(host(), host(), host(), out=dev())
     # an error elsewhere leaves out alone
     with raises(ValueError, "q:", "query length 100"):
-        call(host((B, H, 100, D)), host(), host(), out=out)
+        call(host((B, H, 100, D)), host(), host(), stage=1, out=out)
     np.testing.assert_array_equal(out.view(np.uint16), sentinel.view(np.uint16))
 
 
@@ -336,7 +366,12 @@ BAD_CALLS = {
     "rank": lambda out: call(host(), host((H, L, D)), host(), out=out),
     "head dim": lambda out: call(host(), host((B, H, L, 64)), host((B, H, L, 64)), out=out),
     "batch": lambda out: call(host(), host((1, H, L, D)), host((1, H, L, D)), out=out),
-    "heads": lambda out: call(host(), host((B, 1, L, D)), host((B, 1, L, D)), out=out),
+    "heads": lambda out: call(host(), host((B, 2, L, D)), host((B, 2, L, D)), out=out),
+    "gqa on a lineage stage": lambda out: call(host(), host((B, 1, L, D)), host((B, 1, L, D)),
+                                               stage=14, out=out),
+    "lse on a lineage stage": lambda out: call(host(), host(), host(), stage=14,
+                                               return_lse=True, out=out),
+    "return_lse type": lambda out: call(host(), host(), host(), return_lse="yes", out=out),
     "kv shapes": lambda out: call(host(), host(), host((B, H, 64, D)), out=out),
     "key length": lambda out: call(host(), host((B, H, 100, D)), host((B, H, 100, D)), stage=1,
                                    out=out),
