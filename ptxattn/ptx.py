@@ -108,12 +108,47 @@ def expand_file(path: str | Path, include_dirs=(), defines: dict | None = None) 
         # Blank lines are noise left by comments, #defines and macros that expand to
         # nothing (TRACE(...) without PTXATTN_TRACE): drop them, and trailing blanks, so
         # that the text is deterministic and a build variant only adds lines.
-        text = text.rstrip()
-        if text:
-            lines.append(text)
+        # A multi-statement macro expands onto one line: give each statement a line of its
+        # own, all mapped to the invocation, so listings, diffs and JIT errors stay readable.
+        for piece in _one_statement_per_line(text.rstrip()):
+            lines.append(piece)
             line_map.append((file, next_line))
         next_line += 1
     return Expanded("\n".join(lines) + "\n", tuple(line_map))
+
+
+# `name:` at the start of a line (not the `::` of a state space such as shared::cta)
+_LABEL_FIRST = re.compile(r"^([A-Za-z_$%][\w$]*:)(?!:)\s*")
+
+
+def _one_statement_per_line(text: str) -> list[str]:
+    """Split a line after each ';' (and after a leading label) into lines of the same indent.
+
+    pcpp has removed comments already; a `//` left in (a comment pcpp kept) ends the line's
+    code and stays with the last statement. A line with no ';' (a statement continued on the
+    next line, a brace) is kept whole."""
+    code, comment = text, ""
+    if "//" in text:
+        cut = text.index("//")
+        code, comment = text[:cut].rstrip(), " " + text[cut:]
+    indent = code[:len(code) - len(code.lstrip())]
+    rest = code.strip()
+    out: list[str] = []
+    while rest:
+        m = _LABEL_FIRST.match(rest)
+        if m:                                   # labels stay on a line of their own, unindented
+            out.append(m.group(1))
+            rest = rest[m.end():]
+            continue
+        end = rest.find(";")
+        if end < 0 or end == len(rest) - 1:
+            out.append(indent + rest)
+            break
+        out.append(indent + rest[:end + 1])
+        rest = rest[end + 1:].lstrip()
+    if comment and out:
+        out[-1] += comment
+    return out or ([comment.strip()] if comment else [])
 
 
 _CACHE: dict[tuple, Expanded] = {}

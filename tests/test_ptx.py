@@ -175,3 +175,46 @@ def test_a_real_ptxas_error_maps_back_to_the_include(tmp_path):
     assert run.returncode != 0 and "line" in run.stderr
     out = ptx.annotate_log(stage, run.stderr)
     assert f"-> {tmp_path / 'include' / 'h.ptxh'}:4: bogus.op;" in out
+
+
+MULTI = textwrap.dedent("""\
+    .version 8.0
+    .target sm_90a
+    .address_size 64
+    #define SPIN(LABEL, BAR) \\
+    LABEL: \\
+        mbarrier.try_wait.parity.shared::cta.b64 %p_done, [BAR], 0; \\
+        @!%p_done bra.uni LABEL;
+    .visible .entry ptxattn_fwd()
+    {
+        .reg .pred %p_done;
+        .reg .b32 %r<3>;
+        mov.u32 %r1, 1;  mov.u32 %r2, 2;
+        SPIN(spin_here, %r1)
+        ret;
+    }
+    """)
+
+
+def test_multi_statement_lines_become_one_statement_per_line(tmp_path):
+    """A macro of several statements expands onto one line; the listing shows one statement a
+    line, the label on a line of its own, and every piece maps to the macro's invocation."""
+    (tmp_path / "m.ptx").write_text(MULTI)
+    exp = ptx.expand_file(tmp_path / "m.ptx")
+    lines = exp.text.splitlines()
+    assert all(l.count(";") <= 1 for l in lines)
+    i = lines.index("spin_here:")
+    assert lines[i + 1] == "    mbarrier.try_wait.parity.shared::cta.b64 %p_done, [%r1], 0;"
+    assert lines[i + 2] == "    @!%p_done bra.uni spin_here;"
+    assert [exp.map_line(n)[1] for n in (i + 1, i + 2, i + 3)] == [13, 13, 13]
+    j = lines.index("    mov.u32 %r1, 1;")
+    assert lines[j + 1] == "    mov.u32 %r2, 2;"
+    assert exp.map_line(j + 1)[1] == exp.map_line(j + 2)[1] == 12
+    assert len(exp.line_map) == len(lines)
+
+
+def test_every_stage_lists_one_statement_per_line():
+    for stage in stages.all_stages():
+        if (stages.ptx_root() / stage.file).is_file():
+            lines = ptx.source(stage).splitlines()
+            assert not [l for l in lines if l.count(";") > 1], stage.label

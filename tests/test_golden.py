@@ -1,0 +1,92 @@
+"""Golden fingerprints: every lineage stage, in every build variant, still expands to the same
+instruction stream as when tests/golden/fingerprints.json was written (CPU only, no ptxas).
+
+A refactor of the sources (macros, generated headers) must keep these green. A change meant to
+alter a stage rewrites the file with `python -m ptxattn.golden --update` in a commit of its own.
+"""
+
+import shutil
+
+import pytest
+
+from ptxattn import golden, ptx, stages
+
+GOLDEN = golden.load()
+WRITTEN = [s for s in stages.all_stages() if (stages.ptx_root() / s.file).is_file()]
+
+
+def test_the_golden_file_covers_every_stage_with_a_file():
+    assert sorted(GOLDEN) == sorted(s.label for s in WRITTEN)
+
+
+@pytest.mark.parametrize("stage", WRITTEN, ids=lambda s: s.label)
+def test_stage_matches_its_golden_fingerprints(stage):
+    actual = golden.compute([stage], workers=1)
+    diff = golden.differences({stage.label: GOLDEN[stage.label]}, actual)
+    assert not diff, ("the expanded instruction stream changed (see `python -m ptxattn.golden "
+                      "--dump N`):\n  " + "\n  ".join(diff))
+
+
+def test_variant_table():
+    names = dict((s.number, [v for v, _ in golden.variants(s)]) for s in WRITTEN)
+    assert names[2] == ["default"]
+    assert "PTXATTN_TRACE=1" in names[1] and "PTXATTN_TRACE=1" in names[14]
+    for n in range(9, 16):
+        assert [v for v in names[n] if v.startswith("SW_EXP2")] == \
+            [f"SW_EXP2_PER_8={k}" for k in range(9)], n
+    assert not any(v.startswith("SW_EXP2") for n in range(1, 9) for v in names[n])
+
+
+# ---- the normalizer: blind to layout, sensitive to any instruction ----------------------------
+
+BASE = """\
+// a comment
+$L_loop:
+    add.s64 %dq, %dq, 2;  add.s64 %dk, %dk, 2;   /* two steps */
+    mbarrier.try_wait.parity.shared::cta.b64 %p, [%bar+8], 0;
+    @!%p bra.uni $L_loop;
+"""
+
+
+def test_statements_split_at_semicolons_and_labels():
+    assert golden.statements(BASE) == [
+        "$L_loop:", "add.s64 %dq,%dq,2", "add.s64 %dk,%dk,2",
+        "mbarrier.try_wait.parity.shared::cta.b64 %p,[%bar+8],0", "@!%p bra.uni $L_loop"]
+
+
+def test_layout_and_comments_do_not_count():
+    relaid = ("$L_loop: add.s64 %dq,%dq,2;\n add.s64   %dk, %dk,  2;\n"
+              "mbarrier.try_wait.parity.shared::cta.b64 %p, [ %bar + 8 ], 0; // x\n"
+              "@!%p bra.uni $L_loop;")
+    assert golden.fingerprint(relaid) == golden.fingerprint(BASE)
+
+
+@pytest.mark.parametrize("edit", [
+    ("%dk, %dk, 2", "%dk, %dk, 3"),                     # an immediate
+    ("add.s64 %dq", "add.u64 %dq"),                     # a type
+    ("$L_loop:\n", ""),                                 # a label
+    ("    @!%p", "    @%p"),                            # a predicate
+])
+def test_any_one_instruction_change_counts(edit):
+    assert golden.fingerprint(BASE.replace(*edit)) != golden.fingerprint(BASE)
+
+
+def test_swapping_two_instructions_counts():
+    swapped = BASE.replace("add.s64 %dq, %dq, 2;  add.s64 %dk, %dk, 2;",
+                           "add.s64 %dk, %dk, 2;  add.s64 %dq, %dq, 2;")
+    assert golden.fingerprint(swapped) != golden.fingerprint(BASE)
+
+
+def test_a_one_instruction_edit_of_a_real_stage_breaks_its_fingerprint(tmp_path):
+    """Stage 14 copied with its headers, one barrier id changed: the golden check fails."""
+    st = stages.get_stage(14)
+    src = stages.ptx_root() / st.file
+    shutil.copytree(src.parent / "include", tmp_path / "include")
+    text = src.read_text()
+    (tmp_path / "copy.ptx").write_text(text)
+    (tmp_path / "edited.ptx").write_text(text.replace("bar.sync 0;", "bar.sync 5;", 1))
+    inc = [tmp_path / "include"]
+    copy = golden.fingerprint(ptx.expand_file(tmp_path / "copy.ptx", inc).text)
+    edited = golden.fingerprint(ptx.expand_file(tmp_path / "edited.ptx", inc).text)
+    assert "bar.sync 0;" in text and copy == GOLDEN[st.label]["default"]
+    assert edited != copy and edited["statements"] == copy["statements"]
