@@ -480,3 +480,56 @@ def test_source_id_hashes_ptx_and_package(tmp_path):
     assert bench.source_id(tmp_path)["tree_sha256"] != first["tree_sha256"]
     (tmp_path / "other.txt").write_text("not hashed")
     assert bench.source_id(tmp_path)["tree_sha256"] == bench.source_id(tmp_path)["tree_sha256"]
+
+
+# --------------------------------------------------------------------------- the bench command
+
+def _cli(*args):
+    from cli_helpers import cli
+    return cli(*args)
+
+
+def test_cli_bench_validates_arguments_before_the_gpu(monkeypatch):
+    from cli_helpers import one_clean_error
+    from ptxattn import driver
+    from ptxattn.errors import NoGpuError
+
+    def no_gpu():
+        raise NoGpuError("ptxattn: no CUDA GPU available (test)")
+
+    monkeypatch.setattr(driver, "device_info", no_gpu)
+    one_clean_error(_cli("bench", "--stages", "99"), "unknown stage '99'")
+    one_clean_error(_cli("bench", "--shapes", "2k"), "shape: expected one of")
+    one_clean_error(_cli("bench", "--shapes", "4k"), "no CUDA GPU")     # valid: then the GPU
+
+
+def test_cli_bench_from_json_combines_runs(tmp_path):
+    a = run_result({("stage01", "4k"): 30.21, ("stage14", "4k"): 112.44, ("stage14", "8k"): 116.0})
+    b = run_result({("stage01", "4k"): 30.26, ("stage14", "4k"): 110.24, ("stage14", "8k"): 117.0})
+    pa = bench.write_results(a, tmp_path / "a.json")
+    pb = bench.write_results(b, tmp_path / "b.json")
+    result = _cli("bench", "--from-json", pa, "--from-json", pb)
+    assert result.exit_code == 0, result.output
+    assert "110.2-112.4%" in result.output and "116.0-117.0%" in result.output
+    assert str(pa) in result.output and str(pb) in result.output
+    only = _cli("bench", "--from-json", pa, "--from-json", pb, "--stages", "1")
+    assert only.exit_code == 0 and "stage14" not in only.output and "stage01" in only.output
+
+
+def test_cli_bench_from_json_applies_or_refuses_options(tmp_path):
+    from cli_helpers import one_clean_error
+    a = bench.write_results(run_result({("stage01", "4k"): 30.0, ("stage14", "4k"): 112.0,
+                                        ("stage14", "8k"): 116.0}), tmp_path / "a.json")
+    one = _cli("bench", "--from-json", a, "--shapes", "8k")
+    assert one.exit_code == 0, one.output
+    assert " 8k " in one.output and " 4k " not in one.output
+    one_clean_error(_cli("bench", "--from-json", a, "--shapes", "16k"), "'16k' not in these")
+    one_clean_error(_cli("bench", "--from-json", a, "--out", tmp_path / "o"), "--out")
+    one_clean_error(_cli("bench", "--from-json", a, "--from-json", a, "--plot", tmp_path / "x.svg"),
+                    "--plot")
+    (tmp_path / "trace.json").write_text('{"events": [], "intervals": []}')
+    one_clean_error(_cli("bench", "--from-json", tmp_path / "trace.json"),
+                    str(tmp_path / "trace.json"), "not a ptxattn benchmark result")
+    (tmp_path / "README.md").write_text("# hello\n")
+    one_clean_error(_cli("bench", "--from-json", tmp_path / "README.md"),
+                    str(tmp_path / "README.md"), "not a JSON file")
