@@ -533,3 +533,55 @@ def test_cli_bench_from_json_applies_or_refuses_options(tmp_path):
     (tmp_path / "README.md").write_text("# hello\n")
     one_clean_error(_cli("bench", "--from-json", tmp_path / "README.md"),
                     str(tmp_path / "README.md"), "not a JSON file")
+
+
+# --------------------------------------------------------------------------- PTXATTN_REQUIRE_GPU
+
+class FakeItem:
+    def __init__(self, gpu: bool):
+        self.keywords = {"gpu": True} if gpu else {}
+        self.markers = []
+
+    def add_marker(self, marker):
+        self.markers.append(marker)
+
+
+@pytest.mark.parametrize("required", ["", "0", "1"])
+def test_conftest_skips_or_fails_gpu_tests_without_a_gpu(monkeypatch, required):
+    import conftest
+    monkeypatch.setattr(conftest, "gpu_status", lambda: (False, "no device (test)"))
+    monkeypatch.setenv("PTXATTN_REQUIRE_GPU", required)
+    gpu, cpu = FakeItem(True), FakeItem(False)
+    conftest.pytest_collection_modifyitems(None, [gpu, cpu])
+    assert cpu.markers == []
+    conftest.pytest_runtest_setup(cpu)                       # a CPU test always runs
+    if required == "1":
+        assert gpu.markers == []                             # not skipped ...
+        with pytest.raises(pytest.fail.Exception, match="PTXATTN_REQUIRE_GPU=1 but no usable"):
+            conftest.pytest_runtest_setup(gpu)               # ... failed at setup
+    else:
+        [skip] = gpu.markers
+        assert skip.name == "skip" and "no usable GPU: no device (test)" in skip.kwargs["reason"]
+        conftest.pytest_runtest_setup(gpu)
+
+
+def test_conftest_runs_gpu_tests_with_a_gpu(monkeypatch):
+    import conftest
+    monkeypatch.setattr(conftest, "gpu_status", lambda: (True, ""))
+    monkeypatch.setenv("PTXATTN_REQUIRE_GPU", "1")
+    gpu = FakeItem(True)
+    conftest.pytest_collection_modifyitems(None, [gpu])
+    conftest.pytest_runtest_setup(gpu)
+    assert gpu.markers == []
+
+
+@pytest.mark.parametrize("required", ["", "1"])
+def test_framework_skips_become_failures_when_required(monkeypatch, required):
+    import gpu_checks
+    monkeypatch.setenv("PTXATTN_REQUIRE_GPU", required)
+    expected = pytest.fail.Exception if required else pytest.skip.Exception
+    with pytest.raises(expected, match="not_a_module_ptxattn is not importable"):
+        gpu_checks.import_or_skip("not_a_module_ptxattn")
+    with pytest.raises(expected, match="JAX has no GPU"):
+        gpu_checks.skip_or_fail("JAX has no GPU backend")
+    assert gpu_checks.import_or_skip("json").__name__ == "json"
