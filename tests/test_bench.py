@@ -215,10 +215,17 @@ def test_run_benchmark_on_the_gpu(tmp_path):
         if r["status"] == "ok":
             assert r["pass"], r
             assert len(r["ms_rounds"]) == 2 and r["ms"] > 0 and r["tflops"] > 0
+            assert [len(t) for t in r["ms_raw"]] == [3, 3] and r["spread_pct"] >= 0
+    assert len(result["orders"]["2x2x512x128"]) == 2
+    assert result["source"]["tree_sha256"] and len(result["clocks"]["2x2x512x128"]) == 2
     if result["env"]["torch"] is not None:
         [peer] = result["peer"]
         assert peer["status"] == "ok" and peer["pass"], peer
-        assert all("pct_of_peer" in r for r in rows if r["status"] == "ok")
+        for r in rows:
+            if r["status"] == "ok":
+                assert "pct_of_peer" in r and r["pass_vs_peer"], r
+                lo, hi = r["pct_of_peer_ci"]
+                assert lo <= r["pct_of_peer"] <= hi
     path = bench.write_results(result, tmp_path / bench.results_filename(result))
     assert "2x2x512x128" in bench.format_table(bench.load_results(path))
 
@@ -585,3 +592,51 @@ def test_framework_skips_become_failures_when_required(monkeypatch, required):
     with pytest.raises(expected, match="JAX has no GPU"):
         gpu_checks.skip_or_fail("JAX has no GPU backend")
     assert gpu_checks.import_or_skip("json").__name__ == "json"
+
+
+# --------------------------------------------------------------------------- FASTEST_FIRST
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+NOISE = 0.02          # 2%: stage 14's per-round spread was 1.6-2.7% (bench/README.md)
+
+
+def newest_results() -> tuple[Path, dict]:
+    """The newest committed benchmark results file in bench/results (by its recorded date,
+    then its name); trace JSONs and other files there are not benchmark results."""
+    found = []
+    for path in RESULTS_DIR.glob("*.json"):
+        try:
+            data = bench.load_results(path)
+        except ValueError:
+            continue
+        found.append((str(data.get("date", "")), path.name, path, data))
+    assert found, f"no benchmark results JSON in {RESULTS_DIR}"
+    _, _, path, data = max(found)
+    return path, data
+
+
+def test_fastest_first_agrees_with_the_newest_results():
+    """attention(stage=None) tries stages in FASTEST_FIRST order: no stage listed earlier
+    may be slower than one listed later by more than the noise (geometric mean of the time
+    ratio over the shapes both were measured on), and every measured stage is listed."""
+    import math
+    from ptxattn import stages
+    path, data = newest_results()
+    ms: dict[int, dict[str, float]] = {}
+    for r in data["results"]:
+        if r.get("status") == "ok" and r.get("ms"):
+            ms.setdefault(r["number"], {})[r["shape"]] = r["ms"]
+    assert len(ms) >= 2, f"{path.name}: fewer than two measured stages"
+    unlisted = sorted(set(ms) - set(stages.FASTEST_FIRST))
+    assert not unlisted, f"stages {unlisted} measured in {path.name} but not in FASTEST_FIRST"
+    order = [n for n in stages.FASTEST_FIRST if n in ms]
+    for i, earlier in enumerate(order):
+        for later in order[i + 1:]:
+            shared = sorted(set(ms[earlier]) & set(ms[later]))
+            if not shared:
+                continue
+            ratio = math.exp(sum(math.log(ms[earlier][s] / ms[later][s]) for s in shared)
+                             / len(shared))
+            assert ratio <= 1 + NOISE, (
+                f"FASTEST_FIRST puts stage {earlier} before stage {later}, but in {path.name} "
+                f"stage {earlier} takes {ratio:.3f}x stage {later}'s time over {shared}")
