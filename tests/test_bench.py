@@ -640,3 +640,49 @@ def test_fastest_first_agrees_with_the_newest_results():
             assert ratio <= 1 + NOISE, (
                 f"FASTEST_FIRST puts stage {earlier} before stage {later}, but in {path.name} "
                 f"stage {earlier} takes {ratio:.3f}x stage {later}'s time over {shared}")
+
+
+# --------------------------------------------------------------------------- sanitizer controls
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_planted_hazard_is_one_barrier_and_nothing_else():
+    """-D PTXATTN_PLANT_HAZARD=1/2 on stage 1 (bench/sanitize.sh's negative control) drops the
+    bar.sync between the P stores and the PV wgmma (=1 also adds one ordinary ld.shared of
+    another warp's P word); without the define the stage is exactly as before."""
+    import difflib
+    from ptxattn import ptx
+    plain = ptx.source(1)
+    assert "PLANT_HAZARD" not in plain and "ld.volatile.shared" not in plain
+    for value, added in ((1, ["ld.volatile.shared.b32 %pk_lo, [%p_store+256];"]), (2, [])):
+        planted = ptx.source(1, {"PTXATTN_PLANT_HAZARD": value})
+        diff = [line for line in difflib.unified_diff(plain.splitlines(), planted.splitlines(),
+                                                      lineterm="", n=0)
+                if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+        assert [d[1:].strip() for d in diff if d[0] == "-"] == ["bar.sync 0;"], diff
+        assert [d[1:].strip() for d in diff if d[0] == "+"] == added, diff
+
+
+def test_sanitize_cases_cover_bshd_several_tiles_and_the_controls():
+    import subprocess
+    import sys
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    listed = subprocess.run([sys.executable, "bench/sanitize_case.py", "--list", "--stages",
+                             "1,14"], cwd=ROOT, capture_output=True, text=True, env=env,
+                            timeout=120, check=True).stdout.split("\n")
+    cases = [line.split() for line in listed if line]
+    assert ["1", "1", "2", "256", "0", "bshd"] in cases
+    assert ["14", "2", "2", "512", "2", "bshd"] in cases       # 8 tiles per CTA, BSHD
+    controls = subprocess.run([sys.executable, "bench/sanitize_case.py", "--controls"], cwd=ROOT,
+                              capture_output=True, text=True, env=env, timeout=120,
+                              check=True).stdout.split("\n")
+    assert [c.split()[-1] for c in controls if c] == ["PTXATTN_PLANT_HAZARD=1",
+                                                      "PTXATTN_PLANT_HAZARD=2"]
+    dry = subprocess.run(["bash", "bench/sanitize.sh"], cwd=ROOT, capture_output=True, text=True,
+                         env={**env, "DRY_RUN": "1", "STAGES": "1", "PYTHON": sys.executable},
+                         timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert ("--tool racecheck --racecheck-report analysis --error-exitcode 86 --print-limit 20 "
+            f"{sys.executable} bench/sanitize_case.py --stage 1 -b 1 -H 2 -L 256 --layout bhld "
+            "-D PTXATTN_PLANT_HAZARD=1") in dry.stdout
