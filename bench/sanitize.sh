@@ -7,10 +7,19 @@
 # Each sanitizer invocation runs ONE stage ONCE at a small shape through bench/sanitize_case.py
 # (random inputs, NaN-poisoned output, one launch, a check against the float64 reference, every
 # buffer freed and the context released). The cases come from the stage registry
-# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256; stages with BLOCK_M
-# 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent stages also at B=2 H=2
-# L=512 with PTXATTN_PERSISTENT_CTAS=2, so each of the 2 CTAs walks 8 tiles (at these shapes a
-# grid of 132 CTAs would give each CTA one tile at most).
+# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256 in BHLD and BSHD;
+# stages with BLOCK_M 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent
+# stages also at B=2 H=2 L=512 with PTXATTN_PERSISTENT_CTAS=2 in both layouts, so each of the 2
+# CTAs walks 8 tiles (at these shapes a grid of 132 CTAs would give each CTA one tile at most).
+#
+# Negative controls (`sanitize_case.py --controls`), run under racecheck and synccheck: stage 1
+# built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync between the P stores and the PV wgmma
+# dropped, plus an ordinary ld.shared of a P word another warp stored: a hazard racecheck
+# tracks, so it MUST be flagged, or the clean results above mean nothing) and =2 (the barrier
+# dropped only; the unordered reader is wgmma, through the async proxy: recorded, not required).
+# What the tools do not see (async-proxy accesses: TMA writes, wgmma operand reads) is covered
+# by the GPU tests instead: NaN-poisoned outputs, the reference check on sampled rows, and
+# bitwise-identical repeats across calls, streams and grid caps (a race moves the error).
 #
 # Tools and options:
 #   memcheck   --leak-check full              out-of-bounds/misaligned accesses, leaks
@@ -22,6 +31,7 @@
 #              copy of O back cannot be flagged; an unwritten tile shows as NaN in the check.
 #
 # Switches (environment): TOOLS="memcheck racecheck synccheck initcheck"  STAGES=1,5,14
+#   CONTROL_TOOLS="racecheck synccheck" (the negative controls; "" skips them)
 #   JOBS=8 (sanitizer processes at once; they share the GPU)  CASE_TIMEOUT=300 (seconds per
 #   invocation)  DRY_RUN=1 (print the commands, run nothing)  COMPUTE_SANITIZER=/path/to/it
 #   PYTHON=python3  CUDA_CACHE_DISABLE=0 (default: the plain warm-up run fills the driver's JIT
@@ -37,6 +47,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 PYTHON=${PYTHON:-python3}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
+CONTROL_TOOLS=${CONTROL_TOOLS-racecheck synccheck}
 STAGES=${STAGES:-}
 JOBS=${JOBS:-8}
 CASE_TIMEOUT=${CASE_TIMEOUT:-300}
@@ -88,17 +99,22 @@ tool_options() {
 # ---- the cases and the commands ------------------------------------------------------------
 mapfile -t CASES < <("$PYTHON" bench/sanitize_case.py --list --stages "$STAGES") || exit 3
 (( ${#CASES[@]} )) || { echo "sanitize.sh: no cases (STAGES=$STAGES)" >&2; exit 3; }
+CONTROLS=()
+if [[ -n $CONTROL_TOOLS ]]; then
+    mapfile -t CONTROLS < <("$PYTHON" bench/sanitize_case.py --controls) || exit 3
+fi
 
 case_env() {   # CTAS -> the environment a case needs, as VAR=value words for env(1)
     local words="CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
     if (( $1 )); then words+=" PTXATTN_PERSISTENT_CTAS=$1"; fi
     echo "$words"
 }
-case_args() { echo "--stage $1 -b $2 -H $3 -L $4"; }
+case_args() { echo "--stage $1 -b $2 -H $3 -L $4 --layout $6${7:+ -D $7}"; }
 case_name() {
     local name
-    name=$(printf 'stage%02d %sx%sx%s' "$1" "$2" "$3" "$4")
+    name=$(printf 'stage%02d %sx%sx%s %s' "$1" "$2" "$3" "$4" "$6")
     if (( $5 )); then name+=" ctas=$5"; fi
+    if [[ -n ${7:-} ]]; then name+=" $7"; fi
     echo "$name"
 }
 
@@ -106,17 +122,27 @@ CMDS=() CMD_CASE=() CMD_TOOL=()
 for tool in $TOOLS; do
     opts=$(tool_options "$tool") || exit 2
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas <<< "${CASES[$i]}"
-        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l")")
+        read -r stage b h l ctas layout <<< "${CASES[$i]}"
+        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout")")
         CMD_CASE+=("$i")
+        CMD_TOOL+=("$tool")
+    done
+done
+# the negative controls: CMD_CASE "cN" for control N
+for tool in $CONTROL_TOOLS; do
+    opts=$(tool_options "$tool") || exit 2
+    for i in "${!CONTROLS[@]}"; do
+        read -r stage b h l ctas layout define <<< "${CONTROLS[$i]}"
+        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout" "$define")")
+        CMD_CASE+=("c$i")
         CMD_TOOL+=("$tool")
     done
 done
 
 if [[ -n $DRY_RUN ]]; then
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas <<< "${CASES[$i]}"
-        echo "env $(case_env "$ctas") $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l")"
+        read -r stage b h l ctas layout <<< "${CASES[$i]}"
+        echo "env $(case_env "$ctas") $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout")"
     done
     printf '%s\n' "${CMDS[@]}"
     exit 0
@@ -130,7 +156,11 @@ started=$SECONDS
 
 {
     echo "ptxattn compute-sanitizer report, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "repository: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+    # the code that ran: the commit when git can tell, and always a hash of ptx/ and ptxattn/
+    # (the device gets a copy of the tree, often without .git)
+    "$PYTHON" -c 'from ptxattn.bench import source_id; s = source_id()
+print("commit:", (s["commit"] or "? (no git here)") + (" (with local changes in ptx/ or ptxattn/)" if s["dirty"] else ""))
+print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1
     echo "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"
     echo "compute-sanitizer: $SAN"
     "$SAN" --version 2>&1 | sed 's/^/    /'
@@ -138,7 +168,8 @@ started=$SECONDS
          "cuda-bindings $("$PYTHON" -c 'from importlib.metadata import version as v; print(v("cuda-bindings"))' 2>/dev/null || echo '?')"
     echo "settings: TOOLS='$TOOLS' STAGES='${STAGES:-all}' JOBS=$JOBS CASE_TIMEOUT=$CASE_TIMEOUT" \
          "CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
-    echo "cases: ${#CASES[@]} (STAGE B H L CTAS: ${CASES[*]/%/;})"
+    echo "cases: ${#CASES[@]} (STAGE B H L CTAS LAYOUT: ${CASES[*]/%/;})"
+    echo "negative controls: ${#CONTROLS[@]} under '$CONTROL_TOOLS' (${CONTROLS[*]/%/;})"
     echo
 } > "$REPORT"
 cat "$REPORT"
@@ -156,11 +187,11 @@ throttle() { while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done; }
 # ---- 1. plain runs: the JIT cache is filled and every case is checked without a sanitizer ----
 echo "== plain runs (no sanitizer) ==" | tee -a "$REPORT"
 for i in "${!CASES[@]}"; do
-    read -r stage b h l ctas <<< "${CASES[$i]}"
+    read -r stage b h l ctas layout <<< "${CASES[$i]}"
     throttle
     # shellcheck disable=SC2046
     run_logged "plain-$i" env $(case_env "$ctas") "$PYTHON" bench/sanitize_case.py \
-        $(case_args "$stage" "$b" "$h" "$l") &
+        $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout") &
 done
 wait
 worst=0
@@ -203,6 +234,34 @@ for k in "${!CMDS[@]}"; do
     errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | grep -oE '[0-9]+$' | tail -n 1)
     warnings=$(grep -oE '\(([0-9]+) errors?, ([0-9]+) warnings?\)' "$log" | grep -oE '[0-9]+ warn' \
                | grep -oE '[0-9]+' | tail -n 1)
+    hazards=$(grep -oE 'RACECHECK SUMMARY: [0-9]+' "$log" | grep -oE '[0-9]+$' | tail -n 1)
+    if [[ ${CMD_CASE[$k]} == c* ]]; then
+        # a negative control: the question is whether the tool flagged the planted hazard
+        check=$(grep -oE '(PASS|FAIL)$' <<< "$(grep '^case ' "$log")" | tail -n 1)
+        if (( rc == 124 || rc == 137 )); then
+            cell="TIMEOUT"
+        elif (( rc == ERROR_EXIT )) || [[ -n $errors && $errors != 0 ]] \
+             || [[ -n $warnings && $warnings != 0 ]] || [[ -n $hazards && $hazards != 0 ]]; then
+            cell="FLAGGED (${errors:-0} err, ${warnings:-0} warn)"
+        else
+            cell="not flagged"
+        fi
+        cell+=", output ${check:-?}"
+        read -r _ _ _ _ _ _ define <<< "${CONTROLS[${CMD_CASE[$k]#c}]}"
+        if [[ ${CMD_TOOL[$k]} == racecheck && $define == *=1 && $cell != FLAGGED* ]]; then
+            worst=1            # the visible hazard went unseen: clean results prove nothing
+        fi
+        CELL["${CMD_CASE[$k]},${CMD_TOOL[$k]}"]=$cell
+        {
+            echo
+            echo "\$ ${CMDS[$k]}"
+            echo "exit $rc after ${secs}s: negative control $cell"
+            sed 's/^/    /' <<< "$summary"
+            echo "    --- first lines of the log ---"
+            grep -v '^========= *$' "$log" | head -n 40 | sed 's/^/    | /'
+        } >> "$REPORT"
+        continue
+    fi
     if (( rc == 124 || rc == 137 )); then
         cell="TIMEOUT"
     elif grep -q '^case .* FAIL$' "$log"; then
@@ -233,15 +292,35 @@ done
 
 # ---- 4. the table, last ------------------------------------------------------------------
 table() {
-    printf '\n%-26s %-8s' "case" "plain"
+    printf '\n%-32s %-8s' "case" "plain"
     for tool in $TOOLS; do printf ' %-14s' "$tool"; done
     printf '\n'
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas <<< "${CASES[$i]}"
-        printf '%-26s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas")" "${PLAIN[$i]}"
+        read -r stage b h l ctas layout <<< "${CASES[$i]}"
+        printf '%-32s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout")" "${PLAIN[$i]}"
         for tool in $TOOLS; do printf ' %-14s' "${CELL[$i,$tool]}"; done
         printf '\n'
     done
+    if (( ${#CONTROLS[@]} )); then
+        printf '\nnegative controls (planted hazards; =1 must be FLAGGED by racecheck):\n'
+        for i in "${!CONTROLS[@]}"; do
+            read -r stage b h l ctas layout define <<< "${CONTROLS[$i]}"
+            for tool in $CONTROL_TOOLS; do
+                printf '  %-52s %-10s %s\n' \
+                    "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout" "$define")" "$tool" \
+                    "${CELL[c$i,$tool]}"
+            done
+        done
+        cat <<'EOF_NOTE'
+  What racecheck tracks: ordinary shared-memory accesses (ld/st.shared, stmatrix/ldmatrix) by
+  different threads not ordered by a barrier. What it is not relied on to see: async-proxy
+  accesses (TMA writes into shared memory, wgmma operand reads, TMA stores from shared memory),
+  i.e. a dropped mbarrier wait or wgmma wait; control =2 records whether it saw a wgmma read.
+  Those hazards are caught by the GPU tests instead: outputs poisoned with NaN before every
+  launch, the float64 reference on rows sampled over every tile position, and bitwise-identical
+  repeats across calls, streams and persistent grid caps (a race moves the error between runs).
+EOF_NOTE
+    fi
     printf '\n%d invocations in %ds; report: %s\n' "${#CMDS[@]}" $((SECONDS - started)) "$REPORT"
     echo "sanitize.sh: $( ((worst)) && echo 'NOT CLEAN' || echo 'all clean')"
 }

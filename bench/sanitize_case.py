@@ -2,9 +2,13 @@
 """One stage, one launch, one small shape: what bench/sanitize.sh runs under compute-sanitizer.
 
     python3 bench/sanitize_case.py --list [--stages 1,14]
-        the cases, one a line: STAGE B H L CTAS (CTAS 0: the stage's own grid; else the
-        PTXATTN_PERSISTENT_CTAS cap the script sets for that case)
+        the cases, one a line: STAGE B H L CTAS LAYOUT (CTAS 0: the stage's own grid; else
+        the PTXATTN_PERSISTENT_CTAS cap the script sets for that case)
+    python3 bench/sanitize_case.py --controls
+        the negative controls, one a line: STAGE B H L CTAS LAYOUT DEFINE (builds with a
+        planted hazard that the sanitizer is expected to flag; see CONTROLS)
     python3 bench/sanitize_case.py --stage N -b B -H H -L L [--layout bhld] [--seed S]
+                                   [-D NAME=VALUE ...]
         random normal bf16 inputs copied in, the output poisoned with NaN (a memset, so it is
         initialised memory as far as initcheck is concerned and an unwritten tile shows as
         NaN), one prepare + launch, a check against the float64 reference, then every
@@ -12,10 +16,16 @@
         the context end with nothing left allocated. Prints one line "case ...: PASS|FAIL".
         Exit status 0: PASS, 1: FAIL, 2: bad arguments.
 
-Cases: every stage at B=1 H=2 L=256; a stage with BLOCK_M 128 also at L=512 (4 or 8 K/V
-tiles: the 2-slot K/V ring wraps); a persistent stage also at B=2 H=2 L=512 with its grid
-capped at 2 CTAs (16 tiles: 8 per CTA, so the multi-tile path with its carried barrier
-phases runs). At those shapes a 132-SM grid would give every CTA at most one tile.
+Cases: every stage at B=1 H=2 L=256 in BHLD and in BSHD (other strides in the tensor maps);
+a stage with BLOCK_M 128 also at L=512 (4 or 8 K/V tiles: the 2-slot K/V ring wraps); a
+persistent stage also at B=2 H=2 L=512 with its grid capped at 2 CTAs (16 tiles: 8 per CTA, so
+the multi-tile path with its carried barrier phases runs), in both layouts. At those shapes a
+132-SM grid would give every CTA at most one tile.
+
+Negative controls (CONTROLS): stage 1 built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync
+between the P stores and the PV wgmma dropped, plus an ordinary ld.shared of a word another
+warp stored: racecheck must flag it) and =2 (the barrier dropped only: the unordered reader is
+wgmma through the async proxy; whether racecheck sees that is what the run records).
 """
 
 from __future__ import annotations
@@ -29,6 +39,10 @@ SMALL = (1, 2, 256)
 RING = (1, 2, 512)
 PERSISTENT = (2, 2, 512)
 PERSISTENT_CTAS = 2
+HAZARD = "PTXATTN_PLANT_HAZARD"
+# (stage, B, H, L, CTAS, layout, define): the planted hazards of ptx/sm90/01_baseline.ptx
+CONTROLS = ((1, *SMALL, 0, "bhld", f"{HAZARD}=1"),
+            (1, *SMALL, 0, "bhld", f"{HAZARD}=2"))
 
 
 def cases(stage_filter=None):
@@ -36,14 +50,23 @@ def cases(stage_filter=None):
     for s in stages.all_stages():
         if stage_filter and s.number not in stage_filter:
             continue
-        yield (s.number, *SMALL, 0)
+        for layout in ("bhld", "bshd"):
+            yield (s.number, *SMALL, 0, layout)
         if s.block_m == 128:
-            yield (s.number, *RING, 0)
+            yield (s.number, *RING, 0, "bhld")
         if s.persistent:
-            yield (s.number, *PERSISTENT, PERSISTENT_CTAS)
+            for layout in ("bhld", "bshd"):
+                yield (s.number, *PERSISTENT, PERSISTENT_CTAS, layout)
 
 
-def run(stage_key, b, h, length, layout, seed) -> bool:
+def parse_define(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
     from ptxattn import attention as attn
     from ptxattn import driver, reference, stages, tensors
 
@@ -52,7 +75,8 @@ def run(stage_key, b, h, length, layout, seed) -> bool:
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                        # bf16 NaN on the legacy stream, like the launch
-    prepared = attn.prepare(qd, kd, vd, stage=stage, layout=layout, out=out)
+    prepared = attn.prepare(qd, kd, vd, stage=stage, layout=layout, out=out,
+                            defines=defines or None)
     prepared.launch()
     driver.synchronize()
     got = out.to_numpy()
@@ -61,7 +85,8 @@ def run(stage_key, b, h, length, layout, seed) -> bool:
     cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
     print(f"case {stage.label} B={b} H={h} L={length} {layout} grid={prepared.grid} "
           f"block={prepared.block} smem={prepared.smem_bytes}"
-          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}: rel_l2={m['rel_l2']:.2e} "
+          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
+          f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
           f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} {'PASS' if ok else 'FAIL'}",
           flush=True)
 
@@ -100,16 +125,23 @@ def main(argv=None) -> int:
     ap.add_argument("-L", "--seq-len", type=int, default=SMALL[2])
     ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--controls", action="store_true", help="print the negative controls")
+    ap.add_argument("-D", "--define", action="append", type=parse_define, default=[],
+                    help="a build variant's preprocessor define, NAME=VALUE")
     args = ap.parse_args(argv)
     if args.list:
         wanted = {int(x) for x in args.stages.replace(",", " ").split()} or None
         for case in cases(wanted):
             print(*case)
         return 0
+    if args.controls:
+        for case in CONTROLS:
+            print(*case)
+        return 0
     if args.stage is None:
         ap.error("--stage is required (or --list)")
     return 0 if run(args.stage, args.batch, args.heads, args.seq_len, args.layout,
-                    args.seed) else 1
+                    args.seed, dict(args.define)) else 1
 
 
 if __name__ == "__main__":

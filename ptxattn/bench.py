@@ -1,9 +1,13 @@
 """Benchmarking stages: event timing, TFLOP/s, same-run ratios against cuDNN.
 
-The protocol (DESIGN.md, bench/README.md): CUDA events around each launch, warm-ups first,
-the median of the reps; FLOPs = 4·B·H·Lq·Lk·D; inputs random normal bf16; the peer is cuDNN
-attention through PyTorch's SDPA in the same process, timed in the same rounds as our stages,
-so that "% of cuDNN" compares launches seconds apart on the same clocks.
+The protocol (DESIGN.md, bench/README.md): CUDA events around each launch, warm-ups first;
+FLOPs = 4·B·H·Lq·Lk·D; inputs random normal bf16; the peer is cuDNN attention through
+PyTorch's SDPA in the same process. Each round times every (stage, peer) pair of a shape in a
+seeded random order, the stage and cuDNN alternating launch by launch (or in short blocks), so
+that neither is always first or last and clock drift hits both alike. The ratio per shape is the
+median over rounds of (peer time / our time), with a 95% bootstrap interval over rounds;
+absolute TFLOP/s and each kernel's spread over rounds sit beside it. A kernel that fails its
+check is not timed. combine_results() turns two or more runs into ranges.
 
 PyTorch is a peer here, never a dependency: it is imported inside run_benchmark() only, and
 without it the inputs come from NumPy and the results have no peer column.
@@ -34,6 +38,7 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
     "16k": (2, 16, 16384, 128),
 }
 DEFAULT_SHAPES = ("4k", "8k", "16k")
+DEFAULT_ROUNDS = 10
 PEER = "cuDNN"
 
 
@@ -63,6 +68,8 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: in
 
 
 def tflops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, ms: float) -> float:
+    if not ms > 0:                                     # also catches NaN
+        raise ValueError(f"ms: expected a positive time in milliseconds, got {ms!r}")
     return attention_flops(batch, heads, seq_q, seq_k, head_dim) / (ms * 1e-3) / 1e12
 
 
@@ -118,17 +125,75 @@ def time_launch(fn: Callable[[], object], warmup: int = 3, reps: int = 20, *,
             timer.close()
 
 
+def time_interleaved(fns, reps: int, *, block: int = 1, warmup: int = 3, streams=None,
+                     timers=None) -> list[list[float]]:
+    """Milliseconds of `reps` timed calls of each fn in `fns`, interleaved in blocks.
+
+    The calls go fns[0] x block, fns[1] x block, ..., then again, until each has had `reps`
+    timed calls: with block=1 ours and the peer alternate launch by launch. Warm-ups (each fn
+    `warmup` times, interleaved the same way) are untimed. As in time_launch, every event is
+    read only at the end. streams[i] is the stream fns[i] enqueues on (its events go there);
+    timers[i] replaces the event timer of fns[i] (tests pass fake ones).
+    """
+    if reps < 1:
+        raise ValueError(f"reps: expected at least 1, got {reps}")
+    if block < 1:
+        raise ValueError(f"block: expected at least 1, got {block}")
+    n = len(fns)
+    streams = list(streams) if streams is not None else [None] * n
+    own = timers is None
+    timers = [EventTimer(st) for st in streams] if own else list(timers)
+    try:
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+        marks: list[list] = [[] for _ in fns]
+        for first in range(0, reps, block):
+            for i, fn in enumerate(fns):
+                for _ in range(min(block, reps - first)):
+                    start = timers[i].mark()
+                    fn()
+                    marks[i].append((start, timers[i].mark()))
+        return [[timers[i].elapsed_ms(a, b) for a, b in marks[i]] for i in range(n)]
+    finally:
+        if own:
+            for timer in timers:
+                timer.close()
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 
 
+def spread_pct(values) -> float:
+    """(max - min) / median of per-round figures, in percent: how much a kernel moved."""
+    mid = median(values)
+    return 100.0 * (max(values) - min(values)) / mid if mid else 0.0
+
+
+def bootstrap_ci(values, *, level: float = 0.95, samples: int = 4000, seed: int = 0,
+                 statistic=None) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median (or `statistic`) of `values` (NumPy only).
+
+    Resamples the rounds with replacement `samples` times from a seeded generator, so the same
+    rounds give the same interval. One value gives (value, value).
+    """
+    import numpy as np
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"values: expected a non-empty list of numbers, got {values!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"level: expected a fraction between 0 and 1, got {level!r}")
+    rng = np.random.default_rng(seed)
+    picks = x[rng.integers(0, x.size, size=(samples, x.size))]
+    stats = (np.median(picks, axis=1) if statistic is None
+             else np.apply_along_axis(statistic, 1, picks))
+    tail = 100.0 * (1 - level) / 2
+    lo, hi = np.percentile(stats, [tail, 100.0 - tail])
+    return float(lo), float(hi)
+
+
 # --------------------------------------------------------------------------- correctness
-
-def _rows_for_check(seq_q: int, max_rows: int) -> slice:
-    """Every row up to max_rows, else an evenly strided subset (rows are independent)."""
-    step = -(-seq_q // max_rows)
-    return slice(0, seq_q, step)
-
 
 def _host_f32(x):
     """A NumPy float32 copy of a slice of a torch tensor or NumPy array."""
@@ -139,15 +204,29 @@ def _host_f32(x):
 
 
 def _pick(x, layout: str, b: int, h: int, rows):
-    """[rows, D] of (batch b, head h) in either layout."""
+    """[rows, D] of (batch b, head h) in either layout; rows is an index array."""
+    if hasattr(x, "detach"):                       # torch: index with a tensor on x's device
+        import torch
+        rows = torch.as_tensor(rows, device=x.device)
     return x[b, h, rows, :] if layout == "bhld" else x[b, rows, h, :]
 
 
-def check_subset(shape: tuple[int, int, int, int], max_rows: int = 4096) -> dict:
-    """What is checked on a shape: first/last batch, first/last head, up to max_rows rows."""
+def check_subset(shape: tuple[int, int, int, int], max_rows: int = 4096, seed: int = 0) -> dict:
+    """What is checked on a shape: first/last batch, first/last head, and up to max_rows query
+    rows at seeded random positions that cover every row position of a tile
+    (reference.sample_rows), never a fixed stride that would always land on the same lanes."""
+    from . import reference
     batch, heads, seq, _ = shape
     return {"batches": sorted({0, batch - 1}), "heads": sorted({0, heads - 1}),
-            "rows": _rows_for_check(seq, max_rows)}
+            "rows": reference.sample_rows(seq, max_rows, seed=seed), "seed": seed}
+
+
+def nonfinite_count(x) -> int:
+    """NaN and +-Inf entries of a torch tensor or NumPy array (all of it, not a subset)."""
+    import numpy as np
+    if hasattr(x, "isfinite"):
+        return int((~x.isfinite()).sum().item())
+    return int(np.count_nonzero(~np.isfinite(np.asarray(x, dtype=np.float32))))
 
 
 class ReferenceSubset:
@@ -158,7 +237,7 @@ class ReferenceSubset:
     """
 
     def __init__(self, q, k, v, layout: str, *, scale: float | None = None,
-                 max_rows: int = 4096):
+                 max_rows: int = 4096, seed: int = 0):
         import numpy as np
         from . import reference
 
@@ -167,7 +246,8 @@ class ReferenceSubset:
         else:
             batch, seq_q, heads, dim = q.shape
         self.layout = layout
-        self.subset = check_subset((batch, heads, seq_q, dim), max_rows)
+        self.subset = check_subset((batch, heads, seq_q, dim), max_rows, seed)
+        self.seq_q = seq_q
         refs = []
         rows, every = self.subset["rows"], slice(None)
         for b, h in self.pairs:
@@ -187,23 +267,23 @@ class ReferenceSubset:
 
     def describe(self) -> str:
         rows = self.subset["rows"]
+        picked = ("all" if len(rows) == self.seq_q
+                  else f"{len(rows)} of {self.seq_q} at random (seed {self.subset['seed']})")
         return (f"batch {','.join(map(str, self.subset['batches']))} "
-                f"head {','.join(map(str, self.subset['heads']))} "
-                f"rows {'all' if rows.step == 1 else f'every {rows.step}th'}")
+                f"head {','.join(map(str, self.subset['heads']))} rows {picked}")
 
     def compare(self, out) -> dict:
-        """rel_l2, max_abs, nan_count on the subset; nan_total over all of `out`; pass."""
+        """rel_l2, max_abs, nan_count on the subset; nan_total (NaN or Inf) over all of `out`;
+        pass (reference.passes, and no non-finite value anywhere)."""
         import numpy as np
         from . import reference
 
         got = np.concatenate([_host_f32(_pick(out, self.layout, b, h, self.subset["rows"]))
                               .reshape(-1) for b, h in self.pairs])
         metrics = dict(reference.error_metrics(got, self.ref))
-        # NaN over the whole output: catches tiles a kernel never wrote (outputs are poisoned)
-        if hasattr(out, "isnan"):
-            nan_total = int(out.isnan().sum().item())
-        else:
-            nan_total = int(np.isnan(np.asarray(out, dtype=np.float32)).sum())
+        # NaN/Inf over the whole output: catches tiles a kernel never wrote (outputs are
+        # poisoned with NaN) and overflow (Inf)
+        nan_total = nonfinite_count(out)
         # NumPy scalars -> Python numbers, so that the results serialize as JSON
         metrics = {key: (val.item() if hasattr(val, "item") else val)
                    for key, val in metrics.items()}
@@ -211,6 +291,36 @@ class ReferenceSubset:
         metrics["pass"] = bool(reference.passes(metrics)) and nan_total == 0
         metrics["checked"] = self.describe()
         return metrics
+
+
+def apply_peer_bar(metrics: dict, peer_metrics: dict | None) -> dict:
+    """Add the GPU-side relative bar (ours <= 1.25 x the peer's rel L2 + 5e-4) to `metrics`
+    when the peer was checked on the same inputs and passed; `pass` then needs both."""
+    from . import reference
+    if not peer_metrics or not peer_metrics.get("pass") or "rel_l2" not in metrics:
+        return metrics
+    bound = reference.peer_bound(peer_metrics["rel_l2"])
+    metrics["peer_bound"] = bound
+    metrics["pass_vs_peer"] = bool(metrics["rel_l2"] <= bound)
+    metrics["pass"] = bool(metrics.get("pass")) and metrics["pass_vs_peer"]
+    return metrics
+
+
+def failure_reason(metrics: dict) -> str:
+    """One line: why a checked output failed (for the table and the JSON)."""
+    from . import reference
+    why = []
+    if metrics.get("nan_total", metrics.get("nan_count", 0)):
+        why.append(f"{metrics.get('nan_total', metrics.get('nan_count'))} NaN/Inf")
+    if metrics.get("rel_l2", 0) > reference.PASS_REL_L2:
+        why.append(f"rel L2 {metrics['rel_l2']:.2e} > {reference.PASS_REL_L2:g}")
+    limit = reference.PASS_MAX_ABS_FRACTION * metrics.get("ref_max_abs", 0.0)
+    if metrics.get("max_abs", 0) > limit:
+        why.append(f"max |err| {metrics['max_abs']:.2e} > {limit:.2e}")
+    if metrics.get("pass_vs_peer") is False:
+        why.append(f"rel L2 {metrics['rel_l2']:.2e} > 1.25 x {PEER}'s + 5e-4 "
+                   f"= {metrics['peer_bound']:.2e}")
+    return "check failed: " + ("; ".join(why) or "see the metrics")
 
 
 def check_output(q, k, v, out, layout: str, *, scale: float | None = None,
@@ -248,6 +358,35 @@ def gpu_clocks() -> dict | None:
         return None
     values = [v.strip() for v in lines[0].split(",")]
     return {name.replace(".", "_"): value for name, value in zip(fields, values)}
+
+
+def source_id(root=None) -> dict:
+    """What code ran: the git commit (and whether the tree had local changes) when git can
+    tell, and always a SHA-256 over the files of ptx/ and ptxattn/ (paths and bytes, sorted),
+    which identifies the code on a machine that got a copy of the tree without .git."""
+    import hashlib
+    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("ptx", "ptxattn"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0")
+                digest.update(path.read_bytes() + b"\0")
+    commit = dirty = None
+    git = shutil.which("git")
+    if git:
+        try:
+            head = subprocess.run([git, "-C", str(root), "rev-parse", "HEAD"],
+                                  capture_output=True, text=True, timeout=20, check=False)
+            if head.returncode == 0:
+                commit = head.stdout.strip()
+                diff = subprocess.run([git, "-C", str(root), "status", "--porcelain",
+                                       "--", "ptx", "ptxattn"],
+                                      capture_output=True, text=True, timeout=20, check=False)
+                dirty = bool(diff.stdout.strip()) if diff.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return {"commit": commit, "dirty": dirty, "tree_sha256": digest.hexdigest()}
 
 
 def environment(info: dict, torch=None) -> dict:
@@ -330,34 +469,72 @@ def _cudnn_launcher(torch, q, k, v, layout):
     return launch
 
 
-def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps: int = 20, *,
-                  rounds: int = 5, warmup: int = 3, peer: bool = True, check: bool = True,
-                  seed: int = 0, log: Callable[[str], None] | None = None) -> dict:
-    """Time stages (and cuDNN) on shapes; returns the results dict that write_results saves.
+def validate_request(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld",
+                     reps: int = 20, rounds: int = DEFAULT_ROUNDS, block: int = 1):
+    """Check a benchmark's arguments before anything touches the GPU: (stages, shapes, layout).
 
-    For each shape: one set of inputs, shared by every stage and the peer; each stage is
-    checked once on a NaN-poisoned output; then `rounds` rounds, each timing every stage and
-    the peer (`reps` launches, median); the headline ratio is the median over rounds of
-    our time / peer time, reported as % of cuDNN (higher is better, 100 = on par).
+    Unknown stages or shapes, a bad layout or counts below 1 raise ValueError naming the
+    argument, so `ptxattn bench --stages 99` says so on a machine without a GPU too.
     """
-    from . import attention, driver
-
-    layout = layout.lower()
+    layout = str(layout).lower()
     if layout not in ("bhld", "bshd"):
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
+    for name, value in (("reps", reps), ("rounds", rounds), ("block", block)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
+    stage_list = [_stages.get_stage(s) for s in stages] if stages else list(_stages.all_stages())
+    if not shapes:
+        raise ValueError("shapes: expected at least one shape")
+    shape_list = [parse_shape(s) for s in shapes]
+    return stage_list, shape_list, layout
+
+
+def _round_order(rng, labels: list[str], with_peer: bool) -> list[tuple[str, bool]]:
+    """One round's order: the pairs shuffled, and in each pair whether the peer goes first."""
+    order = [labels[i] for i in rng.permutation(len(labels))]
+    return [(label, bool(with_peer and rng.integers(2))) for label in order]
+
+
+def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps: int = 20, *,
+                  rounds: int = DEFAULT_ROUNDS, warmup: int = 3, block: int = 1,
+                  peer: bool = True, check: bool = True, seed: int = 0,
+                  log: Callable[[str], None] | None = None) -> dict:
+    """Time stages (and cuDNN) on shapes; returns the results dict that write_results saves.
+
+    For each shape: one set of inputs, shared by every stage and the peer. The peer and each
+    stage are checked once on a NaN-poisoned output; a stage that fails (reference.passes,
+    and with a checked peer also ours <= 1.25 x the peer's rel L2 + 5e-4) is marked FAILED and
+    not timed. Then `rounds` rounds: each times every (stage, peer) pair in a seeded random
+    order, the two alternating in blocks of `block` launches until each has `reps` timed
+    launches (without a peer, each stage alone). Per round and stage: our median and the
+    peer's median from that pair, their ratio (peer / ours); the headline per shape is
+    100 x the median ratio over rounds with a 95% bootstrap interval; ms and TFLOP/s are
+    medians over rounds of the per-round medians; spread_pct is (max - min) / median.
+    """
+    import numpy as np
+
+    from . import attention, driver
+
+    stage_list, shape_list, layout = validate_request(stages, shapes, layout, reps, rounds, block)
     say = log or (lambda _msg: None)
     info = driver.device_info()                                 # NoGpuError without a GPU
-    stage_list = [_stages.get_stage(s) for s in stages] if stages else list(_stages.all_stages())
-    shape_list = [parse_shape(s) for s in shapes]
     torch = _import_torch()
+    rng = np.random.default_rng(seed)
     result = {
-        "schema": 1,
+        "schema": 2,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": source_id(),
         "env": environment(info, torch),
         "protocol": {"layout": layout, "reps": reps, "rounds": rounds, "warmup": warmup,
-                     "seed": seed, "inputs": "torch" if torch is not None else "numpy",
+                     "block": block, "seed": seed,
+                     "inputs": "torch" if torch is not None else "numpy",
                      "flops": "4*B*H*Lq*Lk*D", "statistic": "median",
-                     "ratio": "median over rounds of (our median / peer median)"},
+                     "order": "per round: (stage, peer) pairs in seeded random order; in a "
+                              "pair the two alternate in blocks of `block` launches",
+                     "ratio": "pct_of_peer = 100 x median over rounds of (peer ms / our ms), "
+                              "same pair, same round; pct_of_peer_ci: 95% bootstrap over rounds",
+                     "check": "rel L2 <= 4e-3, max|err| <= 1e-2 max|ref|, no NaN/Inf; with a "
+                              "peer also rel L2 <= 1.25 x peer's + 5e-4; failed: not timed"},
         "shapes": {}, "results": [], "peer": [], "clocks": {},
     }
 
@@ -367,10 +544,34 @@ def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps
         say(f"{shape_name}: B={batch} H={heads} L={seq} D={dim} {layout}")
         q, k, v = _inputs(torch, shape, layout, seed)
         qd, kd, vd = (_device(torch, x) for x in (q, k, v))
-
         ref = None                        # ReferenceSubset, made at the first check only
 
-        entries = []                      # (result row, launch, stream) of the stages that run
+        # the peer first: its error on these inputs sets the relative bar for ours
+        peer_row, peer_fn, peer_stream = None, None, None
+        if peer and torch is not None:
+            peer_row = {"name": PEER, "shape": shape_name, "status": "ok"}
+            result["peer"].append(peer_row)
+            try:
+                peer_fn = _cudnn_launcher(torch, q, k, v, layout)
+                o = peer_fn()
+                if layout == "bshd":
+                    o = o.transpose(1, 2)
+                torch.cuda.synchronize()
+                if check:
+                    ref = ref or ReferenceSubset(q, k, v, layout, seed=seed)
+                    peer_row.update(ref.compare(o))
+                    if not peer_row["pass"]:
+                        peer_row.update(status="FAILED", reason=failure_reason(peer_row))
+                        peer_fn = None
+                del o
+            except Exception as exc:
+                peer_row.update(status="error", reason=_one_line(exc))
+                peer_fn = None
+            peer_stream = torch.cuda.current_stream().cuda_stream
+            if peer_fn is None:
+                say(f"  {PEER}: {peer_row['status']} {peer_row.get('reason', '')}")
+
+        entries = {}                      # label -> (result row, launch, stream)
         for stage in stage_list:
             row = {"stage": stage.label, "number": stage.number, "name": stage.name,
                    "shape": shape_name, "status": "ok"}
@@ -386,77 +587,133 @@ def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps
                     prepared.launch()
                     driver.synchronize()
                     out = out_torch if out_torch is not None else out_dev.to_numpy()
-                    ref = ref or ReferenceSubset(q, k, v, layout)
-                    row.update(ref.compare(out))
+                    ref = ref or ReferenceSubset(q, k, v, layout, seed=seed)
+                    row.update(apply_peer_bar(ref.compare(out), peer_row))
             except Exception as exc:     # record and go on: one broken stage spoils no table
                 row.update(status="error", reason=_one_line(exc))
                 say(f"  {stage.label}: {row['reason']}")
                 continue
-            entries.append((row, prepared.launch, prepared.stream))
-
-        peer_row, peer_fn = None, None
-        if peer and torch is not None:
-            peer_row = {"name": PEER, "shape": shape_name, "status": "ok"}
-            result["peer"].append(peer_row)
-            try:
-                peer_fn = _cudnn_launcher(torch, q, k, v, layout)
-                o = peer_fn()
-                if layout == "bshd":
-                    o = o.transpose(1, 2)
-                torch.cuda.synchronize()
-                if check:
-                    ref = ref or ReferenceSubset(q, k, v, layout)
-                    peer_row.update(ref.compare(o))
-                del o
-            except Exception as exc:
-                peer_row.update(status="error", reason=_one_line(exc))
-                peer_fn = None
-
-        # Same-run rounds: every stage and the peer once per round, warm-ups in round 0.
-        # Events go on the stream each launch is enqueued on (torch's current stream for cuDNN).
-        timed = list(entries)
-        if peer_fn:
-            timed.append((peer_row, peer_fn, torch.cuda.current_stream().cuda_stream))
-        per_round: dict[int, list[float]] = {id(row): [] for row, _, _ in timed}
-        for r in range(rounds):
-            for row, fn, stream in timed:
-                if row["status"] != "ok":
-                    continue
-                try:
-                    ms = median(time_launch(fn, warmup=warmup if r == 0 else 1, reps=reps,
-                                            stream=stream))
-                except Exception as exc:
-                    row.update(status="error", reason=_one_line(exc))
-                    continue
-                per_round[id(row)].append(ms)
-        result["clocks"][shape_name] = gpu_clocks()
-
-        peer_rounds = per_round.get(id(peer_row), []) if peer_row else []
-        for row, _, _ in timed:
-            ms_rounds = per_round[id(row)]
-            if row["status"] != "ok" or not ms_rounds:
+            if check and not row["pass"]:
+                row.update(status="FAILED", reason=failure_reason(row))
+                say(f"  {stage.label}: FAILED, not timed ({row['reason']})")
                 continue
-            row["ms_rounds"] = ms_rounds
-            row["ms"] = median(ms_rounds)
-            row["tflops"] = tflops(batch, heads, seq, seq, dim, row["ms"])
-            if row is not peer_row and len(peer_rounds) == len(ms_rounds):
-                row["pct_of_peer"] = same_run_pct(ms_rounds, peer_rounds)
-            say(f"  {row.get('stage', PEER)}: {row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
+            entries[stage.label] = (row, prepared.launch, prepared.stream)
+
+        timed = time_rounds({label: (fn, stream) for label, (_, fn, stream) in entries.items()},
+                            (peer_fn, peer_stream) if peer_fn is not None else None,
+                            rounds=rounds, reps=reps, block=block, warmup=warmup, rng=rng)
+        clocks = timed["clocks"]
+        orders = timed["orders"]
+        raw, peer_raw, peer_all = timed["raw"], timed["peer_raw"], timed["peer_all"]
+        with_peer = peer_fn is not None
+        for label, why in timed["errors"].items():
+            target = peer_row if label == PEER else entries[label][0]
+            target.update(status="error", reason=why)
+        result["clocks"][shape_name] = clocks
+        result.setdefault("orders", {})[shape_name] = orders
+
+        for label, (row, _, _) in entries.items():
+            if row["status"] != "ok" or not raw[label]:
+                continue
+            _summarize(row, raw[label], shape)
+            if with_peer and len(peer_raw[label]) == len(raw[label]):
+                pair_figures(row, peer_raw[label], seed=seed)
+            say(f"  {row['stage']}: {row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s"
+                + (f"  {row['pct_of_peer']:.1f}% of {PEER}" if "pct_of_peer" in row else ""))
+        if peer_row is not None and peer_row["status"] == "ok" and peer_all:
+            _summarize(peer_row, peer_all, shape)
+            say(f"  {PEER}: {peer_row['ms']:.3f} ms  {peer_row['tflops']:.1f} TFLOP/s")
         if torch is not None:
             del q, k, v, qd, kd, vd
             torch.cuda.empty_cache()
     return result
 
 
+def time_rounds(ours: dict, peer, *, rounds: int, reps: int, block: int = 1, warmup: int = 3,
+                rng=None, clocks: Callable[[], object] | None = None) -> dict:
+    """The timed rounds of one shape. ours: label -> (launch, stream); peer: (launch, stream)
+    or None. Each round visits every label once, in an order drawn from `rng`; with a peer,
+    each visit times the pair (ours and the peer interleaved, which goes first drawn too).
+
+    Returns raw[label] (per round, our times), peer_raw[label] (per round, the peer's times
+    in that label's pair), peer_all (per round, every peer time of the round), orders (per
+    round, the visits as "a+b" strings), clocks (gpu_clocks() after each round) and
+    errors[label] for a pair whose timing raised (that label is not timed again).
+    """
+    import numpy as np
+    rng = rng if rng is not None else np.random.default_rng(0)
+    read_clocks = clocks or gpu_clocks
+    raw = {label: [] for label in ours}
+    peer_raw = {label: [] for label in ours}
+    peer_all: list[list[float]] = []
+    orders, seen_clocks, errors = [], [], {}
+    labels = list(ours) or ([PEER] if peer else [])
+    for r in range(rounds):
+        order = _round_order(rng, labels, peer is not None)
+        orders.append([f"{PEER}+{lab}" if first else (f"{lab}+{PEER}" if peer else lab)
+                       for lab, first in order])
+        round_peer: list[float] = []
+        for label, peer_first in order:
+            if label in errors or (PEER in errors and label not in ours):
+                continue
+            pairs = [ours[label]] if label in ours else []
+            if peer is not None and PEER not in errors:
+                pairs.insert(0 if peer_first else len(pairs), peer)
+            try:
+                times = time_interleaved([fn for fn, _ in pairs], reps, block=block,
+                                         warmup=warmup if r == 0 else 1,
+                                         streams=[st for _, st in pairs])
+            except Exception as exc:
+                errors[label if label in ours else PEER] = _one_line(exc)
+                continue
+            if peer is not None and PEER not in errors:
+                peer_times = times.pop(0 if peer_first else len(times) - 1)
+                round_peer.extend(peer_times)
+                if label in ours:
+                    peer_raw[label].append(peer_times)
+            if label in ours:
+                raw[label].append(times[0])
+        if round_peer:
+            peer_all.append(round_peer)
+        seen_clocks.append(read_clocks())
+    return {"raw": raw, "peer_raw": peer_raw, "peer_all": peer_all, "orders": orders,
+            "clocks": seen_clocks, "errors": errors}
+
+
+def pair_figures(row: dict, peer_rounds: list[list[float]], *, seed: int = 0) -> None:
+    """Same-run ratio figures into row (which has ms_rounds): the peer's per-round medians in
+    this pair, ratio_rounds = peer / ours, pct_of_peer = 100 x their median, and the 95%
+    bootstrap interval over rounds."""
+    peer_ms = [median(t) for t in peer_rounds]
+    if len(peer_ms) != len(row["ms_rounds"]):
+        raise ValueError("pair_figures: expected one peer round per round of ours")
+    row["peer_ms_rounds"] = peer_ms
+    row["ratio_rounds"] = [p / o for p, o in zip(peer_ms, row["ms_rounds"])]
+    row["pct_of_peer"] = 100.0 * median(row["ratio_rounds"])
+    lo, hi = bootstrap_ci(row["ratio_rounds"], seed=seed)
+    row["pct_of_peer_ci"] = [100.0 * lo, 100.0 * hi]
+
+
+def _summarize(row: dict, raw_rounds: list[list[float]], shape) -> None:
+    """Per-round medians, their median, TFLOP/s and spread, and the raw times, into row."""
+    batch, heads, seq, dim = shape
+    row["ms_raw"] = [[round(t, 6) for t in times] for times in raw_rounds]
+    row["ms_rounds"] = [median(times) for times in raw_rounds]
+    row["ms"] = median(row["ms_rounds"])
+    row["tflops"] = tflops(batch, heads, seq, seq, dim, row["ms"])
+    row["tflops_rounds"] = [tflops(batch, heads, seq, seq, dim, ms) for ms in row["ms_rounds"]]
+    row["spread_pct"] = spread_pct(row["ms_rounds"])
+
+
 def same_run_pct(ours_ms: list[float], peer_ms: list[float]) -> float:
-    """% of the peer's speed: 100 / median over rounds of (our time / peer time).
+    """% of the peer's speed: 100 x median over rounds of (peer time / our time).
 
     Each ratio compares two medians taken seconds apart in one round, so clock and thermal
     drift between rounds cancels; 100 means on par, 50 means twice the peer's time.
     """
     if len(ours_ms) != len(peer_ms) or not ours_ms:
         raise ValueError("same_run_pct: expected one peer time per round")
-    return 100.0 / median([ours / peer for ours, peer in zip(ours_ms, peer_ms)])
+    return 100.0 * median([peer / ours for ours, peer in zip(ours_ms, peer_ms)])
 
 
 def _one_line(exc: BaseException) -> str:
@@ -482,18 +739,72 @@ def write_results(result: dict, path) -> Path:
 
 
 def load_results(source) -> dict:
+    """A benchmark results dict from a path (or the dict itself), checked for its shape.
+
+    A file that is not JSON, or JSON that is not a benchmark result (a trace, `{}`), raises
+    ValueError naming the file.
+    """
     if isinstance(source, dict):
-        return source
-    return json.loads(Path(source).read_text())
+        return validate_results(source, "results")
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON file ({exc})") from None
+    return validate_results(data, str(path))
+
+
+def validate_results(data, name: str) -> dict:
+    if not (isinstance(data, dict) and isinstance(data.get("results"), list)
+            and isinstance(data.get("shapes"), dict) and data["results"]
+            and all(isinstance(r, dict) and "stage" in r and "shape" in r
+                    for r in data["results"])):
+        raise ValueError(f"{name}: not a ptxattn benchmark result (expected 'shapes' and a "
+                         f"non-empty 'results' list of stage rows, as `ptxattn bench --out` "
+                         f"writes)")
+    return data
+
+
+def filter_results(result: dict, stages=None, shapes=None) -> dict:
+    """The same results restricted to some stages and shapes (for --from-json); a stage or
+    shape that the results do not hold is a ValueError naming it."""
+    out = dict(result)
+    if stages:
+        wanted = {_stages.get_stage(s).label for s in stages}
+        have = {r["stage"] for r in result["results"]}
+        missing = sorted(wanted - have)
+        if missing:
+            raise ValueError(f"stages: {', '.join(missing)} not in these results "
+                             f"(they hold {', '.join(sorted(have))})")
+        out["results"] = [r for r in out["results"] if r["stage"] in wanted]
+    if shapes:
+        names = []
+        for text in shapes:
+            key = str(text).strip().lower()
+            if key not in result["shapes"]:
+                raise ValueError(f"shapes: {text!r} not in these results "
+                                 f"(they hold {', '.join(result['shapes'])})")
+            names.append(key)
+        out["shapes"] = {k: v for k, v in result["shapes"].items() if k in names}
+        out["results"] = [r for r in out["results"] if r["shape"] in names]
+        out["peer"] = [p for p in result.get("peer", []) if p["shape"] in names]
+    return out
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ci(row: dict) -> str:
+    ci = row.get("pct_of_peer_ci")
+    return f"{ci[0]:.1f}-{ci[1]:.1f}" if ci else "-"
+
+
 def format_table(result: dict) -> str:
-    """stage, shape, ms, TFLOP/s, % of cuDNN (same run), rel err ours, rel err cuDNN."""
-    head = ("stage", "shape", "ms", "TFLOP/s", f"% {PEER}", "rel err", f"rel err {PEER}", "check")
+    """stage, shape, ms, TFLOP/s, % of cuDNN (same run) with its 95% interval, spread over
+    rounds, rel err ours and cuDNN's, check (ok / FAILED / skipped / error)."""
+    head = ("stage", "shape", "ms", "TFLOP/s", f"% {PEER}", "95% CI", "spread%", "rel err",
+            f"rel err {PEER}", "check")
     rows = []
     peers = {p["shape"]: p for p in result.get("peer", [])}
     order = list(result.get("shapes", {}))
@@ -506,34 +817,127 @@ def format_table(result: dict) -> str:
         if p and r["shape"] not in shown_peer:
             shown_peer.add(r["shape"])
             rows.append((PEER, p["shape"], _fmt(p.get("ms"), ".3f"), _fmt(p.get("tflops"), ".1f"),
-                         "100.0" if p.get("ms") else "-", _fmt(p.get("rel_l2"), ".1e"), "",
-                         _status(p)))
+                         "100.0" if p.get("ms") else "-", "", _fmt(p.get("spread_pct"), ".1f"),
+                         _fmt(p.get("rel_l2"), ".1e"), "", _status(p)))
         rows.append((f"{r['stage']} {r.get('name', '')}".strip(), r["shape"],
                      _fmt(r.get("ms"), ".3f"), _fmt(r.get("tflops"), ".1f"),
-                     _fmt(r.get("pct_of_peer"), ".1f"), _fmt(r.get("rel_l2"), ".1e"),
-                     _fmt(p.get("rel_l2"), ".1e"), _status(r)))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, w) in
-                       enumerate(zip(cells, widths))).rstrip() for cells in (head, *rows)]
+                     _fmt(r.get("pct_of_peer"), ".1f"), _ci(r), _fmt(r.get("spread_pct"), ".1f"),
+                     _fmt(r.get("rel_l2"), ".1e"), _fmt(p.get("rel_l2"), ".1e"), _status(r)))
+    lines = _columns(head, rows, left=2)
     env = result.get("env", {})
+    src = result.get("source") or {}
+    proto = result.get("protocol", {})
     lines.insert(0, f"{env.get('gpu', '?')}, driver {env.get('driver_version', '?')}, "
-                    f"{result.get('protocol', {}).get('layout', '?')}, {result.get('date', '?')}"
-                    + (f", cuDNN {env['cudnn']}" if env.get("cudnn") else ""))
+                    f"{proto.get('layout', '?')}, {result.get('date', '?')}"
+                    + (f", cuDNN {env['cudnn']}" if env.get("cudnn") else "")
+                    + (f", {proto['rounds']} rounds x {proto['reps']} reps"
+                       if "rounds" in proto and "reps" in proto else "")
+                    + (f", commit {src['commit'][:12]}{' (dirty)' if src.get('dirty') else ''}"
+                       if src.get("commit") else
+                       (f", tree {src['tree_sha256'][:12]}" if src.get("tree_sha256") else "")))
     for r in ours:
-        if r.get("status") in ("skipped", "error"):
+        if r.get("status") in ("skipped", "error", "FAILED"):
             lines.append(f"{r['stage']} {r['shape']} {r['status']}: {r.get('reason', '')}")
     for p in result.get("peer", []):
-        if p.get("status") == "error":
-            lines.append(f"{PEER} {p['shape']} error: {p.get('reason', '')}")
+        if p.get("status") in ("error", "FAILED"):
+            lines.append(f"{PEER} {p['shape']} {p['status']}: {p.get('reason', '')}")
     return "\n".join(lines)
 
 
+def _columns(head, rows, left: int) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return ["  ".join(f"{c:<{w}}" if i < left else f"{c:>{w}}" for i, (c, w) in
+                      enumerate(zip(cells, widths))).rstrip() for cells in (head, *rows)]
+
+
 def _status(row: dict) -> str:
-    if row.get("status") in ("skipped", "error"):
+    if row.get("status") in ("skipped", "error", "FAILED"):
         return row["status"]
     if "pass" not in row:
         return ""
-    return "ok" if row["pass"] else "FAIL"
+    return "ok" if row["pass"] else "FAILED"
+
+
+# --------------------------------------------------------------------------- several runs
+
+def combine_results(results, names=None) -> dict:
+    """Ranges over two or more separate runs (separate machine starts), per stage and shape.
+
+    Returns {"runs": [...], "rows": [...]}: each row has stage, number, name, shape, and over
+    the runs where it was measured pct (the list of % of cuDNN), pct_range (min, max),
+    tflops_range, and status: "ok" when every run measured it, "FAILED" when any run's check
+    failed it, else the first other status seen (skipped / error / missing). Headline figures
+    are these ranges, never the best run.
+    """
+    names = list(names) if names is not None else [f"run {i + 1}" for i in range(len(results))]
+    results = [load_results(r) for r in results]
+    if len(results) < 2:
+        raise ValueError(f"from-json: combining needs at least 2 results files, got {len(results)}")
+    shapes: list[str] = []
+    keys: dict[tuple[str, str], dict] = {}
+    for result in results:
+        for shape in result["shapes"]:
+            if shape not in shapes:
+                shapes.append(shape)
+        for r in result["results"]:
+            keys.setdefault((r["stage"], r["shape"]), {"stage": r["stage"],
+                            "number": r.get("number", 0), "name": r.get("name", "")})
+    rows = []
+    for (label, shape), base in keys.items():
+        per_run = [next((r for r in res["results"] if r["stage"] == label and r["shape"] == shape),
+                        None) for res in results]
+        peers = [next((p for p in res.get("peer", []) if p["shape"] == shape), None)
+                 for res in results]
+        statuses = [("missing" if r is None else _status(r) or r.get("status", "ok"))
+                    for r in per_run]
+        measured = [r for r in per_run if r is not None and r.get("status") == "ok" and r.get("ms")]
+        pct = [r["pct_of_peer"] for r in measured if r.get("pct_of_peer") is not None]
+        tf = [r["tflops"] for r in measured]
+        peer_tf = [p["tflops"] for p in peers if p and p.get("tflops")]
+        if "FAILED" in statuses:
+            status = "FAILED"
+        elif all(s == "ok" for s in statuses):
+            status = "ok"
+        else:
+            status = next(s for s in statuses if s != "ok")
+        rows.append({**base, "shape": shape, "status": status, "runs": statuses,
+                     "pct": pct, "pct_range": [min(pct), max(pct)] if pct else None,
+                     "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
+                     "peer_tflops_range": [min(peer_tf), max(peer_tf)] if peer_tf else None})
+    rows.sort(key=lambda r: (shapes.index(r["shape"]), r["number"]))
+    runs = [{"name": n, "date": res.get("date"), "commit": (res.get("source") or {}).get("commit"),
+             "tree_sha256": (res.get("source") or {}).get("tree_sha256"),
+             "gpu": res.get("env", {}).get("gpu"), "cudnn": res.get("env", {}).get("cudnn")}
+            for n, res in zip(names, results)]
+    return {"runs": runs, "shapes": shapes, "rows": rows}
+
+
+def format_range(lo_hi, unit: str = "", spec: str = ".1f") -> str:
+    """(110.24, 112.4) -> '110.2-112.4%'; equal ends print once."""
+    if not lo_hi:
+        return "-"
+    lo, hi = (format(x, spec) for x in lo_hi)
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def format_combined(combined: dict) -> str:
+    """One line per stage and shape: % of cuDNN as a range over the runs, TFLOP/s range."""
+    head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs")
+    rows = []
+    for r in combined["rows"]:
+        measured = r["status"] == "ok"
+        rows.append((f"{r['stage']} {r['name']}".strip(), r["shape"],
+                     format_range(r["pct_range"], "%") if measured else r["status"],
+                     format_range(r["tflops_range"]) if measured else "-",
+                     format_range(r["peer_tflops_range"]),
+                     ",".join(r["runs"])))
+    lines = _columns(head, rows, left=2)
+    for i, run in enumerate(combined["runs"]):
+        lines.insert(i, f"{run['name']}: {run.get('date', '?')}, {run.get('gpu', '?')}"
+                        + (f", cuDNN {run['cudnn']}" if run.get("cudnn") else "")
+                        + (f", commit {run['commit'][:12]}" if run.get("commit") else "")
+                        + (f", tree {run['tree_sha256'][:12]}" if run.get("tree_sha256") else ""))
+    return "\n".join(lines)
 
 
 def plot_progression(result_json, path) -> Path:

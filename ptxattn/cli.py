@@ -274,13 +274,13 @@ def _split(text: str | None) -> list[str] | None:
 
 @main.command()
 @click.option("--stages", "stage_list", default=None, help="Comma list, e.g. 1,2,5 (default all).")
-@click.option("--shapes", default=",".join(("4k", "8k", "16k")), show_default=True,
-              help="Comma list of 4k, 8k, 16k, 1k, 512 or BxHxLxD.")
+@click.option("--shapes", default=None,
+              help="Comma list of 4k, 8k, 16k, 1k, 512 or BxHxLxD  [default: 4k,8k,16k].")
 @click.option("--layout", type=click.Choice(["bhld", "bshd"]), default="bhld", show_default=True)
 @click.option("--reps", type=click.IntRange(1), default=20, show_default=True,
-              help="Timed launches per round (median).")
-@click.option("--rounds", type=click.IntRange(1), default=5, show_default=True,
-              help="Same-run rounds over stages and cuDNN.")
+              help="Timed launches per kernel per round (median).")
+@click.option("--rounds", type=click.IntRange(1), default=10, show_default=True,
+              help="Rounds; each times every (stage, cuDNN) pair in a random order.")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--peer/--no-peer", default=True, show_default=True,
@@ -291,21 +291,31 @@ def _split(text: str | None) -> list[str] | None:
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
               help="Progression chart (.png or .svg; needs ptxattn[plot]).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="Tabulate/plot saved results instead of running (no GPU).")
+              multiple=True, help="Saved results instead of running (no GPU); give it twice "
+                                  "or more to combine runs into ranges.")
 def bench(stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, out_dir,
           plot_file, from_json):
     """Benchmark stages against cuDNN on the same inputs in the same run."""
     from . import bench as _bench
 
     if from_json:
-        result = _bench.load_results(from_json)
+        if out_dir:
+            raise click.UsageError("--out writes a new run; with --from-json nothing is run")
+        results = [_bench.filter_results(_bench.load_results(f), _split(stage_list),
+                                         _split(shapes)) for f in from_json]
+        if len(results) > 1:
+            if plot_file:
+                raise click.UsageError("--plot draws one results file; give --from-json once")
+            click.echo(_bench.format_combined(_bench.combine_results(results, names=from_json)))
+            return
+        result = results[0]
     else:
         result = _bench.run_benchmark(
             _split(stage_list), _split(shapes) or list(_bench.DEFAULT_SHAPES), layout, reps,
             rounds=rounds, warmup=warmup, peer=peer, check=check, seed=seed,
             log=lambda msg: click.echo(msg, err=True))
     table = _bench.format_table(result)
-    if out_dir and not from_json:
+    if out_dir:
         path = _bench.write_results(result, Path(out_dir) / _bench.results_filename(result))
         (Path(out_dir) / "bench.txt").write_text(table + "\n")
         click.echo(f"results: {path}", err=True)

@@ -4,6 +4,10 @@
 The probe talks to cuda.bindings directly (not through ptxattn), so a bug in
 ptxattn.driver cannot hide GPU tests, and it runs only when gpu tests are
 collected.
+
+PTXATTN_REQUIRE_GPU=1 (bench/device_run.sh sets it) turns that skip into a failure, and
+with tests/gpu_checks.py also the skips of GPU tests whose framework (torch, CuPy, JAX)
+cannot be imported or used: a device run cannot come back green without having run.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 import os
 
 import pytest
+from gpu_checks import REQUIRE_GPU_ENV, gpu_required   # tests/ is on sys.path (rootdir conftest)
 
 # JAX (imported by some GPU tests) takes 75% of GPU memory at its first use unless told not to;
 # this must be set before jax is imported anywhere in the session.
@@ -38,7 +43,7 @@ def gpu_status() -> tuple[bool, str]:
 
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
-    if not gpu_items:
+    if not gpu_items or gpu_required():      # required: pytest_runtest_setup fails them instead
         return
     usable, why = gpu_status()
     if usable:
@@ -46,6 +51,13 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"no usable GPU: {why}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and gpu_required():
+        usable, why = gpu_status()
+        if not usable:
+            pytest.fail(f"{REQUIRE_GPU_ENV}=1 but no usable GPU: {why}", pytrace=False)
 
 
 @pytest.fixture

@@ -57,8 +57,12 @@ def install(monkeypatch, ms_by_stage: dict[int, float], *, fail=(), wrong=()) ->
         fn()
         return [ms_by_stage[fn.__self__.stage.number]] * reps
 
+    def time_interleaved(fns, reps, **_):
+        return [time_launch(fn, reps=reps) for fn in fns]
+
     monkeypatch.setattr(bench, "_import_torch", lambda: None)
     monkeypatch.setattr(bench, "time_launch", time_launch)
+    monkeypatch.setattr(bench, "time_interleaved", time_interleaved)
     monkeypatch.setattr(bench, "gpu_clocks", lambda: {"clocks_sm": "1980"})
     monkeypatch.setattr(driver, "device_info", lambda: {
         "name": "Fake GPU", "compute_capability": (9, 0), "arch": "sm_90a", "sm_count": 132,
