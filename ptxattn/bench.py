@@ -1,6 +1,6 @@
 """Benchmarking stages: event timing, TFLOP/s, same-run ratios against cuDNN.
 
-The protocol (DESIGN.md, bench/README.md): CUDA events around each launch, warm-ups first,
+The protocol (bench/README.md): CUDA events around each launch, warm-ups first,
 the median of the reps; FLOPs = 4·B·H·Lq·Lk·D; inputs random normal bf16; the peer is cuDNN
 attention through PyTorch's SDPA in the same process, timed in the same rounds as our stages,
 so that "% of cuDNN" compares launches seconds apart on the same clocks.

@@ -46,6 +46,10 @@ def attention_reference(q, k, v, scale: float | None = None, layout: str = "bhld
     to those query rows, for checking big shapes on a subset; `chunk_rows`
     bounds the query rows per step (default: ~16M scores per step).
     """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(x) != 4:
+            raise ValueError(f"{name}: expected a rank-4 array, (B, H, L, D) for layout 'bhld' "
+                             f"or (B, L, H, D) for 'bshd', got shape {np.shape(x)}")
     qh = _to_bhld(_bf16_to_f64(q), layout)
     kh = _to_bhld(_bf16_to_f64(k), layout)
     vh = _to_bhld(_bf16_to_f64(v), layout)
@@ -87,7 +91,7 @@ def error_metrics(out, ref) -> dict:
 
 
 def passes(metrics: dict) -> bool:
-    """The bar from DESIGN.md: finite, rel L2 <= 8e-3, max abs <= 2e-2."""
+    """The pass bar of bench/README.md: finite, rel L2 <= 8e-3, max abs <= 2e-2."""
     return (metrics["nan_count"] == 0
             and metrics["rel_l2"] <= PASS_REL_L2
             and metrics["max_abs"] <= PASS_MAX_ABS)

@@ -2,7 +2,7 @@
 
 What runs on the GPU is what the driver JIT makes of the PTX; `ptxas -arch=sm_90a` is the same
 compiler, run whole-program, so its cubin is the closest offline view of that code. (Never use
-nvJitLink or relocatable `-c` compiles for this: they drop `setmaxnreg`, see DESIGN.md.)
+nvJitLink or relocatable `-c` compiles for this: they silently drop `setmaxnreg`.)
 
 Everything here works without a GPU. The NVIDIA tools come from, in this order: PATH,
 $CUDA_HOME/bin (or $CUDA_PATH/bin), the PyPI wheels of the `tools` extra, /usr/local/cuda/bin.

@@ -161,8 +161,10 @@ def get_stage(key: str | int | Stage) -> Stage:
             return stage
         if text in (stage.name, f"{stage.number:02d}_{stage.name}"):
             return stage
-    known = ", ".join(f"{s.label} ({s.name})" for s in STAGES)
-    raise ValueError(f"stage: unknown stage {key!r}; known stages: {known}")
+    first, last = STAGES[0], STAGES[-1]   # a range, not every name: errors stay one short line
+    raise ValueError(f"stage: unknown stage {key!r}; stages are {first.label} ({first.name}) to "
+                     f"{last.label} ({last.name}), by number (1, 01, stage1) or by name; "
+                     f"see `ptxattn list`")
 
 
 def ptx_root() -> Path:
