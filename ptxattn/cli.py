@@ -80,11 +80,9 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except BrokenPipeError:
-            if _stdout_closed():
-                _end_quietly_on_closed_stdout()
-            raise click.ClickException("[Errno 32] Broken pipe (not on stdout)") from None
         except Exception as exc:
+            if isinstance(exc, BrokenPipeError) and _stdout_closed():
+                _end_quietly_on_closed_stdout()
             if os.environ.get("PTXATTN_DEBUG"):
                 raise
             verbose = (ctx.obj or {}).get("verbose", False)
