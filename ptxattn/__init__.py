@@ -34,7 +34,8 @@ _EXPORTS = {
     "CudaError": "errors",
     "JitError": "errors",
 }
-_SUBMODULES = ("attention", "driver", "errors", "ptx", "reference", "stages", "tensors", "tma")
+_SUBMODULES = ("attention", "bench", "driver", "errors", "ptx", "reference", "sass", "stages",
+               "tensors", "tma", "trace")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -117,10 +117,14 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
         return {"k": "k", "r": "return_lse"}.get(why[0], "q")
 
     def takers(exclude):
-        ok = [s for s in all_kernels() if s is not exclude and why_not(s) is None
+        # A few names, fastest first; past four, the fastest and a count (errors stay short).
+        ok = [s for s in (PRODUCTION,) + by_speed() if s is not exclude and why_not(s) is None
               and (cc is None or _arch_ok(s.arch, cc))]
         if not ok:
             return "no registered stage takes this shape"
+        if len(ok) > 4:
+            return (f"{ok[0].label} ({ok[0].name}) and {len(ok) - 1} other stages would take it "
+                    f"(see `ptxattn list`)")
         return ", ".join(f"{s.label} ({s.name})" for s in ok) + " would take it"
 
     if stage is not None:
@@ -143,9 +147,14 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
     grouped: dict[str, list[str]] = {}
     for s in candidates:
         grouped.setdefault(why_not(s), []).append(s.label)
-    reasons = "; ".join(f"{', '.join(labels)} cannot run {why}" for why, labels in grouped.items())
+    # Counts, not 15 names: "head dim 64 (takes 128) for every stage; see `ptxattn list`".
+    reasons = "; ".join(
+        f"{why} for {'every stage' if len(labels) == len(candidates) else len(labels)}"
+        f"{'' if len(labels) in (1, len(candidates)) else ' stages'}"
+        f"{' (' + labels[0] + ')' if len(labels) == 1 < len(candidates) else ''}"
+        for why, labels in grouped.items())
     raise ValueError(f"{argument(why_not(candidates[0]))}: no registered stage takes this shape: "
-                     f"{reasons}")
+                     f"{reasons}; see `ptxattn list`")
 
 
 def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
@@ -284,7 +293,19 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -
                              + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
 
     empty = lq == 0 or h == 0 or b == 0
-    chosen = _pick_stage(stage, d, 0 if empty else lq, lk, gqa=hk != h, lse=return_lse)
+    try:
+        chosen = _pick_stage(stage, d, 0 if empty else lq, lk, gqa=hk != h,
+                             lse=return_lse)
+    except ValueError as exc:
+        # Say how the layout read the shape: a BHLD array passed as "bshd" shows up here as an
+        # odd query length, and the reader should see why.
+        name = str(exc).split(":", 1)[0]
+        if name in ("q", "k"):
+            bb, hh, ll, dd = dims[name]
+            exc.args = (f"{exc}; layout {layout!r} reads {name}'s shape "
+                        f"{tuple(arrays[name].shape)} as batch {bb}, heads {hh}, seq {ll}, "
+                        f"head_dim {dd}",)
+        raise
     if scale is None:
         scale_value = 1.0 / math.sqrt(d)
     else:

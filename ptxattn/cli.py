@@ -2,17 +2,26 @@
 
 Every command is a few lines over the library (sass.py, bench.py, attention.py), so what the
 CLI prints a notebook can get from the same functions. Errors print one line, no traceback
-(`-v` prints the whole message, e.g. a JIT log; PTXATTN_DEBUG=1 re-raises).
+(`-v`, before or after the command, prints the whole message, e.g. a JIT log; PTXATTN_DEBUG=1
+re-raises). A reader that closes the pipe early (`| head -1`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import sys
 from pathlib import Path
 
 import click
 
+from . import __version__
 from . import stages as _stages
+from .errors import NoGpuError
+
+# What still works on a machine without a GPU; named in the no-GPU error.
+NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, bench --from-json FILE and "
+                   "trace --from-json FILE work without one")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -20,8 +29,51 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone (poll reports POLLERR on its write end).
+
+    Only then is a BrokenPipeError the reader's doing (`| head -1`) rather than a failure of
+    ours; stdout without a real descriptor (click's test runner) is never "closed".
+    """
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _end_quietly_on_closed_stdout():
+    """The reader of our stdout has gone: nothing more can be said, and nothing went wrong.
+
+    Point the descriptor at /dev/null so that Python's flush at exit does not fail again (the
+    recipe in the `signal` module's docs, "Note on SIGPIPE"), and exit 0.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    raise click.exceptions.Exit(0)
+
+
+def _set_verbose(ctx, _param, value):
+    if value:
+        ctx.ensure_object(dict)["verbose"] = True
+
+
+# `-v` is accepted after the command as well as before it (`ptxattn sass 1 -v`): every command
+# gets the same flag, which sets the one switch the group reads.
+class _Command(click.Command):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                        callback=_set_verbose,
+                                        help="Print errors in full (e.g. JIT logs)."))
+
+
 class _Group(click.Group):
     """Turns any library error into click's one-line `Error: ...` and exit code 1."""
+
+    command_class = _Command
 
     def invoke(self, ctx):
         try:
@@ -29,6 +81,8 @@ class _Group(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
+            if isinstance(exc, BrokenPipeError) and _stdout_closed():
+                _end_quietly_on_closed_stdout()
             if os.environ.get("PTXATTN_DEBUG"):
                 raise
             verbose = (ctx.obj or {}).get("verbose", False)
@@ -36,6 +90,9 @@ class _Group(click.Group):
             log = getattr(exc, "log", "") or ""          # ptxas/JIT output, when there is one
             if log.strip() and log.strip() not in full:
                 full += "\n" + log.strip()
+            if isinstance(exc, NoGpuError):
+                full += f"; {NO_GPU_COMMANDS}"
+                raise click.ClickException(full.replace("\n", " ")) from None
             if verbose:
                 raise click.ClickException(full) from None
             message = _first_line(exc)
@@ -46,10 +103,17 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Print errors in full (e.g. JIT logs).")
+@click.version_option(__version__, "--version", prog_name="ptxattn",
+                      message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx, verbose):
-    """Hand-written PTX FlashAttention kernels, driven from Python through the CUDA driver."""
-    ctx.obj = {"verbose": verbose}
+    """Hand-written PTX FlashAttention kernels, driven from Python through the CUDA driver.
+
+    No GPU? list, ptx, sass, diff and info work offline, and so do bench --from-json and
+    trace --from-json.
+    """
+    obj = ctx.ensure_object(dict)
+    obj["verbose"] = verbose or obj.get("verbose", False)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -68,6 +132,39 @@ def _defines(pairs) -> dict | None:
 
 _define_option = click.option("--define", "-d", "defines", multiple=True, metavar="NAME[=VALUE]",
                               help="Preprocessor define for the stage's PTX (repeatable).")
+
+
+def _layout_option():
+    """--layout, case-insensitive like attention(layout=...): BSHD and bshd are the same."""
+    return click.option("--layout", type=click.Choice(["bhld", "bshd"], case_sensitive=False),
+                        default="bhld", show_default=True)
+
+
+def _suffix_check(*suffixes: str):
+    """A click callback refusing a file name whose suffix is not one of `suffixes`: the format
+    written is the one the name promises (no SVG inside a .png, no `chart` saved as chart.png)."""
+    def check(_ctx, param, value):
+        if value is not None and Path(value).suffix.lower() not in suffixes:
+            raise click.BadParameter(
+                f"{value!r}: name the file {' or '.join('*' + x for x in suffixes)}; "
+                f"that is the format written", param=param)
+        return value
+    return check
+
+
+def _shape_options(default: str):
+    """--shape and -b/-H/-L/-D: each dimension positive, refused before any GPU work."""
+    dims = (("-b", "--batch", "Batch (overrides --shape)."),
+            ("-H", "--heads", "Heads (overrides --shape)."),
+            ("-L", "--seq-len", "Sequence length, queries and keys (overrides --shape)."),
+            ("-D", "--head-dim", "Head dim (overrides --shape)."))
+
+    def decorate(fn):
+        for short, long, text in reversed(dims):
+            fn = click.option(short, long, type=click.IntRange(min=1), help=text)(fn)
+        return click.option("--shape", default=None,
+                            help=f"4k, 8k, 16k, 1k, 512 or BxHxLxD (default {default}).")(fn)
+    return decorate
 
 
 def _constraints(stage: _stages.Stage) -> str:
@@ -122,10 +219,17 @@ def info():
     except (PtxattnError, ImportError) as exc:
         click.echo(f"GPU       no GPU ({_first_line(exc)})")
     click.echo("tools")
-    for name, found in sass.tool_report().items():
-        where = f"{found['path']} ({found['source']})" if found["path"] else \
-            f"not found: {sass.INSTALL_HINT}"
+    report = sass.tool_report()
+    for name, found in report.items():
+        if found["path"]:
+            where = (f"{found['version'] or 'version unknown':<10} {found['path']} "
+                     f"({found['source']})")
+        else:
+            where = f"not found: {sass.INSTALL_HINT}"
         click.echo(f"  {name:<10}{where}")
+    mismatch = sass.version_mismatch(report)
+    if mismatch:
+        click.echo(f"warning   {mismatch}")
     all_stages = _stages.all_stages()
     click.echo(f"stages    {len(all_stages)} registered, PTX under {_stages.ptx_root()}")
 
@@ -147,12 +251,8 @@ def list_stages():
 
 @main.command()
 @click.argument("stage")
-@click.option("--shape", default=None, help="4k, 8k, 16k, 1k, 512 or BxHxLxD (default 4k).")
-@click.option("-b", "--batch", type=int, help="Batch (overrides --shape).")
-@click.option("-H", "--heads", type=int, help="Heads (overrides --shape).")
-@click.option("-L", "--seq-len", type=int, help="Sequence length, queries and keys.")
-@click.option("-D", "--head-dim", type=int, help="Head dim (overrides --shape).")
-@click.option("--layout", type=click.Choice(["bhld", "bshd"]), default="bhld", show_default=True)
+@_shape_options("4k")
+@_layout_option()
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Compare with the float64 NumPy reference.")
 @click.option("--reps", type=click.IntRange(1), default=20, show_default=True)
@@ -217,7 +317,8 @@ def ptx(stage, defines):
 @click.option("--summary", is_flag=True, help="Registers, spills, smem and instruction mix.")
 @click.option("--grep", "opcode", metavar="OPCODE",
               help="Only instructions OPCODE[.*], e.g. MUFU.EX2.")
-@click.option("--json", "as_json", is_flag=True, help="The summary as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="The summary as JSON (with --grep: plus the matching lines and their count).")
 @click.option("--arch", default=None, help="ptxas -arch (default: the stage's, e.g. sm_90a).")
 @_define_option
 def sass(stage, summary, opcode, as_json, arch, defines):
@@ -226,6 +327,9 @@ def sass(stage, summary, opcode, as_json, arch, defines):
 
     from . import sass as _sass
 
+    if summary and as_json:
+        raise click.UsageError("--summary and --json: give one (--json already holds the "
+                               "summary)")
     result = _sass.inspect_stage(stage, arch=arch, defines=_defines(defines))
     matches = _sass.grep(result.sass, opcode) if opcode else None
     if as_json:
@@ -248,16 +352,19 @@ def sass(stage, summary, opcode, as_json, arch, defines):
 @main.command()
 @click.argument("a")
 @click.argument("b")
-@click.option("--ptx", "what", flag_value="ptx", default=True,
-              help="Unified diff of the PTX (default).")
-@click.option("--sass", "what", flag_value="sass", help="SASS summaries side by side.")
+@click.option("--ptx", "as_ptx", is_flag=True, help="Unified diff of the PTX (the default).")
+@click.option("--sass", "as_sass", is_flag=True, help="SASS summaries side by side.")
 @click.option("--arch", default=None, help="ptxas -arch for --sass.")
-def diff(a, b, what, arch):
+def diff(a, b, as_ptx, as_sass, arch):
     """Compare two stages: their expanded PTX, or their SASS summaries."""
     from . import sass as _sass
 
+    if as_ptx and as_sass:
+        raise click.UsageError("--ptx and --sass: give one (--ptx is the default)")
+    if arch and not as_sass:
+        raise click.UsageError("--arch applies to --sass only (the PTX diff has no target)")
     sa, sb = _stages.get_stage(a), _stages.get_stage(b)
-    if what == "sass":
+    if as_sass:
         ra, rb = _sass.inspect_stage(sa, arch=arch), _sass.inspect_stage(sb, arch=arch)
         click.echo(_sass.format_diff(_sass.diff_summaries(ra.summary, rb.summary),
                                      sa.label, sb.label))
@@ -276,7 +383,7 @@ def _split(text: str | None) -> list[str] | None:
 @click.option("--stages", "stage_list", default=None, help="Comma list, e.g. 1,2,5 (default all).")
 @click.option("--shapes", default=None,
               help="Comma list of 4k, 8k, 16k, 1k, 512 or BxHxLxD  [default: 4k,8k,16k].")
-@click.option("--layout", type=click.Choice(["bhld", "bshd"]), default="bhld", show_default=True)
+@_layout_option()
 @click.option("--reps", type=click.IntRange(1), default=20, show_default=True,
               help="Timed launches per kernel per round (median).")
 @click.option("--rounds", type=click.IntRange(1), default=10, show_default=True,
@@ -289,6 +396,7 @@ def _split(text: str | None) -> list[str] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write <date>-<gpu>.json and bench.txt here.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
+              callback=_suffix_check(".png", ".svg"),
               help="Progression chart (.png or .svg; needs ptxattn[plot]).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
               multiple=True, help="Saved results instead of running (no GPU); give it twice "
@@ -328,16 +436,11 @@ def bench(stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, o
 
 @main.command()
 @click.argument("stage", required=False)
-@click.option("--shape", default=None,
-              help="4k, 8k, 16k, 1k, 512 or BxHxLxD (default 1x16x2048x128).")
-@click.option("-b", "--batch", type=int, help="Batch (overrides --shape).")
-@click.option("-H", "--heads", type=int, help="Heads (overrides --shape).")
-@click.option("-L", "--seq-len", type=int, help="Sequence length, queries and keys.")
-@click.option("-D", "--head-dim", type=int, help="Head dim (overrides --shape).")
-@click.option("--layout", type=click.Choice(["bhld", "bshd"]), default="bhld", show_default=True)
+@_shape_options("1x16x2048x128")
+@_layout_option()
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), required=True,
-              help="The timeline picture (.svg).")
+              callback=_suffix_check(".svg"), help="The timeline picture (.svg).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), default=None,
               help="Also write the events and intervals as JSON.")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),

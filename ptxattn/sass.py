@@ -2,7 +2,7 @@
 
 What runs on the GPU is what the driver JIT makes of the PTX; `ptxas -arch=sm_90a` is the same
 compiler, run whole-program, so its cubin is the closest offline view of that code. (Never use
-nvJitLink or relocatable `-c` compiles for this: they drop `setmaxnreg`, see DESIGN.md.)
+nvJitLink or relocatable `-c` compiles for this: they silently drop `setmaxnreg`.)
 
 Everything here works without a GPU. The NVIDIA tools come from, in this order: PATH,
 $CUDA_HOME/bin (or $CUDA_PATH/bin), the PyPI wheels of the `tools` extra, /usr/local/cuda/bin.
@@ -134,14 +134,58 @@ def find_tool(name: str) -> Tool:
     return tool
 
 
+# "Cuda compilation tools, release 13.0, V13.0.88": the line every CUDA tool's --version ends with.
+_RELEASE = re.compile(r"release (\d+)\.(\d+), V([\d.]+)")
+
+
+def parse_version(text: str) -> str | None:
+    """The full version ("13.0.88") from a CUDA tool's `--version` output, or None."""
+    m = _RELEASE.search(text)
+    return m.group(3) if m else None
+
+
+def tool_version(tool: Tool) -> str | None:
+    """`tool --version`, parsed; None when the tool does not say (or cannot be run)."""
+    try:
+        proc = subprocess.run([str(tool.path), "--version"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_version(proc.stdout + proc.stderr)
+
+
 def tool_report() -> dict[str, dict[str, str | None]]:
-    """Which tools were found and where, for `ptxattn info`."""
+    """Which tools were found, where and which version, for `ptxattn info`."""
     report = {}
     for name in TOOLS:
         tool = locate(name)
         report[name] = {"path": str(tool.path) if tool else None,
-                        "source": tool.source if tool else None}
+                        "source": tool.source if tool else None,
+                        "version": tool_version(tool) if tool else None}
     return report
+
+
+def _release(version: str | None) -> tuple[str, ...] | None:
+    return tuple(version.split(".")[:2]) if version else None
+
+
+def version_mismatch(report: dict[str, dict[str, str | None]]) -> str | None:
+    """A warning when ptxas and the disassembler that `disassemble` would use come from
+    different CUDA releases (major.minor), else None.
+
+    They are found independently (PATH first, then the wheels), so a toolkit's ptxas can end up
+    beside a wheel's nvdisasm; an older disassembler may not know a newer cubin's encodings, and
+    the figures no longer describe one toolchain.
+    """
+    ptxas = report.get("ptxas") or {}
+    disasm_name = "nvdisasm" if (report.get("nvdisasm") or {}).get("path") else "cuobjdump"
+    disasm = report.get(disasm_name) or {}
+    a, b = _release(ptxas.get("version")), _release(disasm.get("version"))
+    if a is None or b is None or a == b:
+        return None
+    return (f"ptxas {ptxas['version']} ({ptxas['source']}) and {disasm_name} {disasm['version']} "
+            f"({disasm['source']}) come from different CUDA releases; take both from one "
+            f"place (a toolkit's bin/ that holds both, first on PATH, or only the wheels)")
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:

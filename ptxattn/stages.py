@@ -201,8 +201,10 @@ def get_stage(key: str | int | Stage) -> Stage:
             return stage
         if text in (stage.name, f"{stage.number:02d}_{stage.name}"):
             return stage
-    raise ValueError(f"stage: unknown stage {key!r}; known: production and the lineage "
-                     f"{STAGES[0].label}..{STAGES[-1].label} by number or name (`ptxattn list`)")
+    first, last = STAGES[0], STAGES[-1]   # a range, not every name: errors stay one short line
+    raise ValueError(f"stage: unknown stage {key!r}; kernels are production (the default) and "
+                     f"the lineage {first.label} ({first.name}) to {last.label} ({last.name}), "
+                     f"by number (1, 01, stage1) or by name; see `ptxattn list`")
 
 
 def ptx_root() -> Path:

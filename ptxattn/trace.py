@@ -463,7 +463,10 @@ def render_svg(trace: Trace, path=None) -> str:
     One lane per warpgroup that recorded (producer, consumer 0, consumer 1; stage 1: its one
     warpgroup), each with a row per kind of work that can overlap: TMA issues (ticks),
     barrier waits, QK^T in flight, softmax/epilogue, PV in flight. Hover a bar for its times.
+    `path` must end in .svg: the file holds SVG, whatever it is called.
     """
+    if path is not None and Path(path).suffix.lower() != ".svg":
+        raise ValueError(f"path: the timeline is SVG; name the file *.svg, got {str(path)!r}")
     ivs = trace.intervals()
     npc = trace.ns_per_cycle
     t0 = min((e.clock for e in trace.events), default=0)

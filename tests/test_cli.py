@@ -231,3 +231,145 @@ def test_assembly_error_is_one_line_and_verbose_shows_the_mapped_log():
     verbose = CliRunner().invoke(main, ["-v", "sass", "1", "--arch", "sm_100a"])
     assert verbose.exit_code == 1 and "Traceback" not in verbose.output
     assert "    -> ptx/sm90/" in verbose.output       # every log line mapped to its source
+
+
+# --------------------------------------------------------------------------- first contact (issue 14)
+
+def _ptxattn(*args):
+    return [sys.executable, "-m", "ptxattn", *map(str, args)]
+
+
+def _subprocess_env():
+    import os
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.parametrize("args", [("list",), ("ptx", LAST.label)])
+def test_a_closed_stdout_ends_the_command_quietly(args):
+    # The reader is gone before the command writes a byte: every write meets EPIPE.
+    proc = subprocess.Popen(_ptxattn(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_subprocess_env())
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == b"", err.decode()
+
+
+def test_piping_into_head_is_quiet_every_time():
+    # The issue's case: `... | head -1` failed 3 times in 5. The expanded PTX of the last stage
+    # is more than a pipe buffer, so the command is still writing when head exits.
+    cmd = " ".join(_ptxattn("ptx", LAST.label)) + ' | head -1; echo "rc=${PIPESTATUS[0]}" >&2'
+    first_line = cli("ptx", LAST.label).output.splitlines(keepends=True)[0]
+    for _ in range(5):
+        proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120,
+                              env=_subprocess_env())
+        assert proc.stdout == first_line
+        assert proc.stderr.strip() == "rc=0", proc.stderr
+
+
+def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
+    # Only a closed stdout is quiet; a BrokenPipeError from anything else is reported.
+    def broken():
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(stages, "all_stages", broken)
+    one_clean_error(cli("list"), "Broken pipe")
+
+
+def test_version():
+    import ptxattn
+    result = cli("--version")
+    assert result.exit_code == 0 and result.output == f"ptxattn {ptxattn.__version__}\n"
+
+
+def test_verbose_is_accepted_before_and_after_the_command(monkeypatch):
+    def two_lines(key):
+        raise ValueError("stage: first line\nsecond line")
+    monkeypatch.setattr(stages, "get_stage", two_lines)
+    short = one_clean_error(cli("ptx", "1"), "first line", "ptxattn -v")
+    assert "second line" not in short
+    for args in (("-v", "ptx", "1"), ("ptx", "1", "-v"), ("ptx", "--verbose", "1")):
+        result = cli(*args)
+        assert result.exit_code == 1 and "second line" in result.output, (args, result.output)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("sass", "1", "--summary", "--json"), "--summary and --json"),
+    (("diff", "1", "2", "--ptx", "--sass"), "--ptx and --sass"),
+    (("diff", "1", "2", "--arch", "sm_90a"), "--arch applies to --sass only"),
+])
+def test_conflicting_flags_are_refused(args, needle):
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+
+
+@pytest.fixture
+def gpu_untouched(monkeypatch):
+    """Fail loudly if a command asks for the GPU: its arguments should have been refused."""
+    def touched():
+        raise AssertionError("the GPU was asked for")
+    monkeypatch.setattr(driver, "device_info", touched)
+
+
+@pytest.mark.parametrize("command", ["run", "trace"])
+@pytest.mark.parametrize("flag", ["-b", "-H", "-L", "-D"])
+def test_zero_dimensions_are_refused_before_the_gpu(gpu_untouched, tmp_path, command, flag):
+    extra = ("--out", tmp_path / "t.svg") if command == "trace" else ()
+    result = cli(command, "1", flag, "0", *extra)
+    assert result.exit_code == 2, result.output
+    assert "0 is not in the range x>=1" in result.output and "GPU" not in result.output
+
+
+def test_layout_is_case_insensitive(monkeypatch):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {1: 0.5})
+    result = cli("run", "1", "--shape", "1x2x128x128", "--layout", "BSHD", "--reps", "2")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].endswith("(B=1 H=2 L=128 D=128, bshd)")
+
+
+def test_trace_out_must_name_an_svg(gpu_untouched, tmp_path):
+    result = cli("trace", "1", "--out", tmp_path / "t.png")
+    assert result.exit_code == 2 and "*.svg" in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["chart", "chart.pdf"])
+def test_bench_plot_must_name_png_or_svg(tmp_path, name):
+    result = cli("bench", "--from-json", SYNTHETIC, "--plot", tmp_path / name)
+    assert result.exit_code == 2 and "*.png or *.svg" in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_no_gpu_error_names_what_works_without_one(no_gpu):
+    line = one_clean_error(cli("run", "1", "-L", "128"), "no CUDA GPU")
+    for offline in ("list", "ptx", "sass", "diff", "bench --from-json", "trace --from-json"):
+        assert offline in line.split("no CUDA GPU", 1)[1], line
+
+
+def test_info_shows_tool_versions_and_warns_on_a_mismatch(no_gpu, monkeypatch):
+    def report(ptxas_version, nvdisasm_version):
+        return {"ptxas": {"path": "/t/ptxas", "source": "PATH", "version": ptxas_version},
+                "nvdisasm": {"path": "/w/nvdisasm", "source": "wheel nvidia-cuda-nvdisasm",
+                             "version": nvdisasm_version},
+                "cuobjdump": {"path": None, "source": None, "version": None}}
+    monkeypatch.setattr(sass, "tool_report", lambda: report("13.0.88", "13.5.37"))
+    result = cli("info")
+    assert result.exit_code == 0, result.output
+    assert "13.0.88" in result.output and "13.5.37" in result.output
+    [warning] = [l for l in result.output.splitlines() if l.startswith("warning")]
+    assert "ptxas 13.0.88 (PATH)" in warning and "nvdisasm 13.5.37" in warning
+    monkeypatch.setattr(sass, "tool_report", lambda: report("13.5.12", "13.5.37"))
+    assert "warning" not in cli("info").output      # same release, other patch level: fine
+
+
+@needs_sass
+def test_info_shows_the_version_of_every_tool_found(no_gpu):
+    import re
+    result = cli("info")
+    for name in ("ptxas", "nvdisasm", "cuobjdump"):
+        if sass.locate(name):
+            [line] = [l for l in result.output.splitlines() if l.split()[:1] == [name]]
+            assert re.match(rf"\s+{name}\s+\d+\.\d+\.\d+\s+/", line), line

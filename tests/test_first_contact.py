@@ -1,0 +1,148 @@
+"""What a newcomer meets first in the library (issue 14): attributes, error wording, docs.
+
+All CPU: errors are raised before any device work.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ptxattn import reference, sass, stages
+from ptxattn import trace as T
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tool_modules_are_attributes_and_listed():
+    # A fresh interpreter: in this one, importing ptxattn.sass elsewhere already set the attribute.
+    code = ("import ptxattn\n"
+            "names = ('sass', 'bench', 'trace')\n"
+            "assert all(n in dir(ptxattn) for n in names), dir(ptxattn)\n"
+            "print(' '.join(getattr(ptxattn, n).__name__ for n in names))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ptxattn.sass", "ptxattn.bench", "ptxattn.trace"]
+
+
+@pytest.mark.parametrize("bad", ["q", "k", "v"])
+def test_reference_refuses_a_3d_input_naming_it(bad):
+    arrays = {n: np.ones((1, 2, 64, 128), np.float32) for n in "qkv"}
+    arrays[bad] = arrays[bad][0]
+    with pytest.raises(ValueError, match=rf"^{bad}: expected a rank-4 array.*\(2, 64, 128\)"):
+        reference.attention_reference(arrays["q"], arrays["k"], arrays["v"])
+
+
+def _error(q, k, v, **kwargs) -> str:
+    import ptxattn
+    with pytest.raises(ValueError) as info:
+        ptxattn.attention(q, k, v, **kwargs)
+    return str(info.value)
+
+
+def _labels(text: str) -> list[str]:
+    return re.findall(r"stage\d\d", text)
+
+
+def test_a_bhld_array_passed_as_bshd_says_how_the_layout_read_it(no_driver):
+    q, k, v = reference.random_qkv(1, 2, 256, 256, 128, "bhld", seed=0)
+    message = _error(q, k, v, layout="bshd")
+    assert message.startswith("q: ")
+    assert ("layout 'bshd' reads q's shape (1, 2, 256, 128) as batch 1, heads 256, seq 2, "
+            "head_dim 128") in message
+    assert len(_labels(message)) <= 4 and len(message) < 400, message
+
+
+def test_a_head_dim_no_stage_takes_is_one_short_sentence(no_driver):
+    q, k, v = reference.random_qkv(1, 2, 128, 128, 64, "bhld", seed=0)
+    message = _error(q, k, v)
+    assert "head dim 64 (takes 128) for every stage; see `ptxattn list`" in message
+    assert _labels(message) == [] and len(message) < 300, message
+
+
+def test_many_takers_are_counted_not_listed(no_driver):
+    # A stage that refuses a shape which more than four other stages take.
+    cases = [(s, lq, lk) for s in stages.all_stages() for lq in (64, 128, 256) for lk in (64, 128)
+             if s.unsupported(128, lq, lk)
+             and sum(t.unsupported(128, lq, lk) is None for t in stages.all_stages()) > 4]
+    if not cases:
+        pytest.skip("no registered stage refuses a shape that five others take")
+    stage, lq, lk = cases[0]
+    takers = [t for t in stages.by_speed() if t.unsupported(128, lq, lk) is None]
+    q = reference.random_qkv(1, 2, lq, lk, 128, "bhld", seed=0)[0]
+    k, v = reference.random_qkv(1, 2, lk, lk, 128, "bhld", seed=1)[1:]
+    message = _error(q, k, v, stage=stage.number)
+    assert (f"{takers[0].label} ({takers[0].name}) and {len(takers) - 1} other stages would "
+            f"take it (see `ptxattn list`)") in message
+    assert _labels(message) == [stage.label, takers[0].label], message
+
+
+def test_an_unknown_stage_names_a_range_not_every_stage():
+    with pytest.raises(ValueError) as info:
+        stages.get_stage("nope")
+    message = str(info.value)
+    first, last = stages.all_stages()[0], stages.all_stages()[-1]
+    assert message.startswith("stage: unknown stage 'nope'")
+    assert first.label in message and last.label in message and "ptxattn list" in message
+    assert len(_labels(message)) == 2, message
+
+
+def test_render_svg_refuses_a_name_that_promises_another_format(tmp_path):
+    with pytest.raises(ValueError, match=r"^path: .*\*\.svg"):
+        T.render_svg(None, tmp_path / "t.png")      # refused before the trace is read
+    assert not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------- tool versions
+
+def test_parse_version_reads_the_release_line():
+    text = ("ptxas: NVIDIA (R) Ptx optimizing assembler\n"
+            "Cuda compilation tools, release 13.0, V13.0.88\n"
+            "Build cuda_13.0.r13.0/compiler.36424714_0\n")
+    assert sass.parse_version(text) == "13.0.88"
+    assert sass.parse_version("no version here") is None
+
+
+def _report(ptxas, nvdisasm, cuobjdump):
+    def tool(version, source):
+        return {"path": "/x" if version else None, "source": source if version else None,
+                "version": version}
+    return {"ptxas": tool(ptxas, "PATH"), "nvdisasm": tool(nvdisasm, "wheel a"),
+            "cuobjdump": tool(cuobjdump, "wheel b")}
+
+
+def test_version_mismatch_compares_ptxas_with_the_disassembler_in_use():
+    assert sass.version_mismatch(_report("13.0.88", "13.0.1", "12.4.0")) is None
+    warning = sass.version_mismatch(_report("13.0.88", "13.5.37", None))
+    assert warning and warning.startswith("ptxas 13.0.88 (PATH) and nvdisasm 13.5.37 (wheel a)")
+    # no nvdisasm: cuobjdump disassembles, so it is the one compared
+    assert "cuobjdump 12.4.0" in sass.version_mismatch(_report("13.0.88", None, "12.4.0"))
+    assert sass.version_mismatch(_report(None, "13.5.37", None)) is None     # nothing to compare
+
+
+# --------------------------------------------------------------------------- docstrings
+
+# A file named in the package's text must be in the repository: `*.md` anywhere, and paths under
+# the repository's own top-level folders. Placeholders (NN_name, x.ptxh) are not file names.
+_CITED = re.compile(r"(?<![\w/.-])((?:ptx|bench|tests|ptxattn)/[\w./-]+\.\w+|[\w./-]+\.md)\b")
+_PLACEHOLDER = re.compile(r"(^|/)(NN_|x\.|FILE|<)")
+
+
+def test_the_package_cites_only_files_that_exist():
+    missing = []
+    for source in sorted((ROOT / "ptxattn").glob("*.py")):
+        text = source.read_text()
+        for m in _CITED.finditer(text):
+            cited = m.group(1)
+            if _PLACEHOLDER.search(cited):
+                continue
+            if not (ROOT / cited).exists() and not list(ROOT.glob(f"**/{cited}")):
+                line = text.count("\n", 0, m.start()) + 1
+                missing.append(f"{source.name}:{line}: {cited}")
+    assert not missing, missing
