@@ -59,13 +59,15 @@ def test_sanitizer_cases_cover_every_stage():
     out = subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True, text=True,
                          check=True, env=_env(), cwd=ROOT).stdout
     cases = [line.split() for line in out.splitlines() if line.strip()]
-    # each line: STAGE B H L CTAS  (CTAS 0 = the stage's own grid)
-    by_stage = {}
-    for number, b, h, l, ctas in cases:
+    # each line: STAGE B H L CTAS LAYOUT  (CTAS 0 = the stage's own grid)
+    by_stage, layouts = {}, {}
+    for number, b, h, l, ctas, layout in cases:
         by_stage.setdefault(int(number), []).append((int(b), int(h), int(l), int(ctas)))
+        layouts.setdefault(int(number), set()).add(layout)
     for stage in stages.all_stages():
         shapes = by_stage[stage.number]
         assert (1, 2, 256, 0) in shapes, stage.label
+        assert layouts[stage.number] == {"bhld", "bshd"}, stage.label
         if stage.block_m == 128:
             assert (1, 2, 512, 0) in shapes, stage.label     # several K/V tiles, the ring wraps
         if stage.persistent:
@@ -79,7 +81,8 @@ def test_sanitize_dry_run_names_every_command(tmp_path):
     result = subprocess.run(["bash", str(SANITIZE)], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
-    lines = [l for l in result.stdout.splitlines() if "sanitize_case.py" in l]
+    lines = [l for l in result.stdout.splitlines()
+             if "sanitize_case.py" in l and "PLANT_HAZARD" not in l]   # controls: test_bench
     n_cases = len(subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True,
                                  text=True, check=True, env=_env(), cwd=ROOT).stdout.split("\n")
                   ) - 1
