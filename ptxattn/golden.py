@@ -94,7 +94,7 @@ def compute(stage_list=None, workers: int | None = None) -> dict[str, dict[str, 
     pcpp takes about half a second per expansion and there are some 80 variants, so they are
     spread over processes (workers=1: in this process, sharing ptx's expansion cache)."""
     jobs = [(st, name, defines)
-            for st in stage_list or stages.all_stages() if (stages.ptx_root() / st.file).is_file()
+            for st in stage_list or stages.all_kernels() if (stages.ptx_root() / st.file).is_file()
             for name, defines in variants(st)]
     workers = min(workers or os.cpu_count() or 1, len(jobs) or 1)
     if workers > 1:
