@@ -123,18 +123,18 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
         if not ok:
             return "no registered stage takes this shape"
         if len(ok) > 4:
-            return (f"{ok[0].label} ({ok[0].name}) and {len(ok) - 1} other stages would take it "
+            return (f"{ok[0].title} and {len(ok) - 1} other stages would take it "
                     f"(see `ptxattn list`)")
-        return ", ".join(f"{s.label} ({s.name})" for s in ok) + " would take it"
+        return ", ".join(s.title for s in ok) + " would take it"
 
     if stage is not None:
         chosen = get_stage(stage)
         why = why_not(chosen)
         if why:
-            raise ValueError(f"{argument(why)}: {chosen.label} ({chosen.name}) does not take "
+            raise ValueError(f"{argument(why)}: {chosen.title} does not take "
                              f"{why}; {takers(chosen)}")
         if cc is not None and not _arch_ok(chosen.arch, cc):
-            raise ValueError(f"stage: {chosen.label} ({chosen.name}) is built for {chosen.arch}, "
+            raise ValueError(f"stage: {chosen.title} is built for {chosen.arch}, "
                              f"which this GPU (compute capability {cc[0]}.{cc[1]}) cannot run; "
                              f"{takers(chosen)}")
         return chosen

@@ -1,6 +1,6 @@
 """Benchmarking stages: event timing, TFLOP/s, same-run ratios against cuDNN.
 
-The protocol (DESIGN.md, bench/README.md): CUDA events around each launch, warm-ups first;
+The protocol (bench/README.md): CUDA events around each launch, warm-ups first;
 FLOPs = 4·B·H·Lq·Lk·D; inputs random normal bf16; the peer is cuDNN attention through
 PyTorch's SDPA in the same process. Each round times every (stage, peer) pair of a shape in a
 seeded random order, the stage and cuDNN alternating launch by launch (or in short blocks), so

@@ -1,6 +1,6 @@
 """Golden fingerprints of the lineage: proof that a source refactor changed no instruction.
 
-The lineage is frozen once measured (DESIGN.md). A refactor of its sources (macros, generated
+The lineage is frozen once measured (ptx/sm90/README.md). A refactor of its sources (macros, generated
 headers, derived constants) must leave every stage's instruction stream exactly as it was, in
 every build variant that exists. This module computes, per (stage, variant), the sha256 of the
 *normalized* stream of `ptx.source(stage, defines)`:

@@ -16,7 +16,7 @@ import numpy as np
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-# The bar (DESIGN.md "Correctness"). bf16 rounding of the exact answer alone gives a relative
+# The bar (README.md, "Correctness"). bf16 rounding of the exact answer alone gives a relative
 # L2 error of ~1.7e-3 and the kernels sit at 2.2-2.4e-3, so 4e-3 leaves room for the kernel's
 # fp32 accumulation but not for a uniform bias of 0.5% or a wrong row here and there.
 PASS_REL_L2 = 4e-3
@@ -179,7 +179,7 @@ def error_metrics(out, ref) -> dict:
 
 
 def passes(metrics: dict) -> bool:
-    """The bar from DESIGN.md: no NaN/Inf, rel L2 <= 4e-3, max |err| <= 1e-2 * max |ref|."""
+    """The correctness bar: no NaN/Inf, rel L2 <= 4e-3, max |err| <= 1e-2 * max |ref|."""
     return (metrics["nan_count"] == 0
             and metrics["rel_l2"] <= PASS_REL_L2
             and metrics["max_abs"] <= PASS_MAX_ABS_FRACTION * metrics["ref_max_abs"])

@@ -43,6 +43,11 @@ class Stage:
         return self.name if self.production else f"stage{self.number:02d}"
 
     @property
+    def title(self) -> str:
+        """How messages name it: "stage05 (two_q_tiles)", or "production"."""
+        return self.label if self.production else f"{self.label} ({self.name})"
+
+    @property
     def any_length(self) -> bool:
         """Takes lengths that are not multiples of its tiles (ragged last tiles)."""
         return self.production

@@ -273,7 +273,7 @@ def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
     # Only a closed stdout is quiet; a BrokenPipeError from anything else is reported.
     def broken():
         raise BrokenPipeError(32, "Broken pipe")
-    monkeypatch.setattr(stages, "all_stages", broken)
+    monkeypatch.setattr(stages, "all_kernels", broken)
     one_clean_error(cli("list"), "Broken pipe")
 
 

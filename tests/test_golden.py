@@ -12,7 +12,7 @@ import pytest
 from ptxattn import golden, ptx, stages
 
 GOLDEN = golden.load()
-WRITTEN = [s for s in stages.all_stages() if (stages.ptx_root() / s.file).is_file()]
+WRITTEN = [s for s in stages.all_kernels() if (stages.ptx_root() / s.file).is_file()]
 
 
 def test_the_golden_file_covers_every_stage_with_a_file():

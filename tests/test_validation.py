@@ -141,7 +141,7 @@ def test_query_length_not_supported_names_what_the_stage_takes():
     with raises(ValueError, "q:", "query length 100", "multiples of 64", "production"):
         call(host((B, H, 100, D)), host(), host(), stage=1)
     with raises(ValueError, "q:", "stage05", "query length 64", "multiples of 128",
-                "stage01 (baseline)"):
+                "production and 4 other stages would take it"):
         call(host((B, H, 64, D)), host(), host(), stage=5)
 
 
