@@ -399,8 +399,11 @@ _KERNELS_LOCK = threading.RLock()
 
 
 def kernel(stage: Stage, defines: dict | None = None):
-    """The stage's ptxattn_fwd, JIT-compiled once per (device, defines), smem opt-in once."""
+    """The stage's ptxattn_fwd, JIT-compiled once per (device, defines), smem opt-in once.
+    The build's own defines (stage.defines, a production variant) come first; `defines`
+    (tools: PTXATTN_TRACE, knobs) are added to them."""
     from . import driver, ptx
+    defines = {**dict(stage.defines), **(defines or {})} or None
     ctx = driver.context()
     key = (ctx.ordinal, stage.file, tuple(sorted((defines or {}).items())))
     function = _KERNELS.get(key)
@@ -449,6 +452,7 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
                         plan.seq_q, plan.seq_k, ctx.compute_capability,
                         gqa=plan.heads_kv != plan.heads, lse=plan.want_lse)
+    stage = stage.specialize(plan.head_dim)     # the production kernel's build for this call
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")

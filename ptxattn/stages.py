@@ -8,6 +8,7 @@ live here next to the file they describe.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ class Stage:
     q_box_rows: int = 64       # rows of one Q (and O) TMA box: one consumer warpgroup's share
     production: bool = False   # the production kernel: any lengths, GQA/MQA, LSE out; its ABI
                                # adds heads_per_kv (u32) and lse_ptr (u64) after the lineage's
+    defines: tuple[tuple[str, str], ...] = ()   # preprocessor defines of this build (a variant)
 
     @property
     def label(self) -> str:
@@ -72,6 +74,20 @@ class Stage:
         without swizzle, 128-byte swizzle atoms with it.
         """
         return 8 if self.swizzle == SWIZZLE_NONE else 64
+
+    def specialize(self, head_dim: int, masked: bool = False) -> "Stage":
+        """The build that runs one call. A lineage stage has one build: itself. The production
+        kernel has one per (head dim, masked) in PRODUCTION_VARIANTS, selected by preprocessor
+        defines, with the tile shape and shared memory of that row of the table."""
+        if not self.production:
+            return self
+        v = PRODUCTION_VARIANTS.get((head_dim, masked))
+        if v is None:
+            raise ValueError(f"{self.label}: no build for head dim {head_dim}"
+                             f"{' with a mask' if masked else ''}")
+        defines = (("HEAD_DIM", str(head_dim)),) + ((("PTXATTN_MASKED", "1"),) if masked else ())
+        return dataclasses.replace(self, head_dims=(head_dim,), block_n=v.block_n,
+                                   smem_bytes=v.smem_bytes, defines=defines)
 
     def unsupported(self, head_dim: int, seq_q: int, seq_k: int) -> str | None:
         """Why this stage cannot run the shape, or None when it can."""
@@ -160,6 +176,21 @@ STAGES: tuple[Stage, ...] = (
           smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
 )
 
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the production kernel: what the preprocessor defines select in the PTX
+    (ptx/sm90/production.ptx reads HEAD_DIM and PTXATTN_MASKED) and what the launcher needs."""
+    block_n: int               # key/value rows per tile
+    kv_stages: int             # K/V ring depth
+    smem_bytes: int            # dynamic shared memory per CTA
+
+
+# (head dim, masked) -> the build. masked: causal or sliding-window (the mask code is compiled
+# in only where it is used). One table, so the tile shape per design point is in one place.
+PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
+    (128, False): Variant(block_n=128, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024),
+}
 
 # The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).
 # attention() uses it by default; stage= picks a lineage stage instead.
