@@ -48,7 +48,7 @@ def launch(q, k, v, layout, *, lse=True):
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                                   # bf16 NaN
     p = ptxattn.prepare(qd, kd, vd, layout=layout, out=out, return_lse=lse)
-    assert p.stage is PROD
+    assert p.stage.production
     if lse:
         driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
     p.launch()
