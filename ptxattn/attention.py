@@ -48,6 +48,13 @@ class _Plan:
     stream_object: object = None     # what the caller passed as `stream` (kept alive by outputs)
     heads_kv: int = 0                # heads of k and v (divides heads; 0: the same as heads)
     want_lse: bool = False           # also return the log-sum-exp of each query row
+    window: tuple[int, int] = (-1, -1)   # keys seen by query i: [i + diag - left, i + diag + right]
+    diag_offset: int = 0             # Lk - Lq (bottom-right diagonal) or 0 (top-left)
+
+    @property
+    def masked(self) -> bool:
+        """Causal or a sliding window: some keys are hidden from some queries."""
+        return self.window != (-1, -1)
 
     def __post_init__(self):
         if not self.heads_kv:
@@ -100,7 +107,7 @@ def _arch_ok(arch: str, cc: tuple[int, int]) -> bool:
 
 
 def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,
-                lse: bool = False) -> Stage:
+                lse: bool = False, masked: bool = False) -> Stage:
     """The requested kernel, checked; or the production kernel when it takes the call, else
     the fastest lineage stage (stages.by_speed) that does (and, once the device is known,
     runs on its compute capability). gqa: k/v have fewer heads than q; lse: return_lse."""
@@ -111,10 +118,12 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
             return "k/v with fewer heads than q (GQA/MQA)"
         if lse and not s.lse:
             return "return_lse=True"
+        if masked and not s.masks:
+            return "causal or window masks"
         return s.unsupported(head_dim, q_len or s.block_m, seq_k)
 
     def argument(why: str) -> str:
-        return {"k": "k", "r": "return_lse"}.get(why[0], "q")
+        return {"k": "k", "r": "return_lse", "c": "causal"}.get(why[0], "q")
 
     def takers(exclude):
         # A few names, fastest first; past four, the fastest and a count (errors stay short).
@@ -248,7 +257,40 @@ def _caller_stream(arrays):
     return None
 
 
-def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -> _Plan:
+DIAGONALS = ("bottom_right", "top_left")
+UNBOUNDED = 1 << 30              # an unbounded window side, as the kernel reads it
+
+
+def _window(causal, window, diagonal) -> tuple[int, int]:
+    """(left, right) from causal=/window= (FlashAttention's window_size: -1 is unbounded;
+    causal is (-1, 0), or (left, 0) with a window)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {type(causal).__name__}")
+    if diagonal not in DIAGONALS:
+        raise ValueError(f"diagonal: expected 'bottom_right' (FlashAttention: query i of Lq sees "
+                         f"keys up to i + Lk - Lq) or 'top_left' (PyTorch's is_causal: up to i), "
+                         f"got {diagonal!r}")
+    left, right = -1, -1
+    if window is not None:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise TypeError(f"window: expected a pair (left, right) of ints >= -1, got "
+                            f"{window!r}") from None
+        for name, x in (("left", left), ("right", right)):
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < -1:
+                raise ValueError(f"window: {name} must be an int >= -1 (-1: unbounded), got {x!r}")
+        left, right = int(left), int(right)
+    if causal:
+        if right > 0:
+            raise ValueError(f"window: causal=True hides every key past the diagonal, so the "
+                             f"right edge must be 0 or -1, got {right}")
+        right = 0
+    return left, right
+
+
+def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, causal=False,
+              window=None, diagonal="bottom_right") -> _Plan:
     from .driver import stream_handle
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
@@ -283,6 +325,8 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -
                          f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
+    left, right = _window(causal, window, diagonal)
+    masked = (left, right) != (-1, -1)
     if lk == 0:
         raise ValueError("k: key length is 0; attention over no keys is undefined "
                          "(softmax of an empty row)")
@@ -295,7 +339,7 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -
     empty = lq == 0 or h == 0 or b == 0
     try:
         chosen = _pick_stage(stage, d, 0 if empty else lq, lk, gqa=hk != h,
-                             lse=return_lse)
+                             lse=return_lse, masked=masked)
     except ValueError as exc:
         # Say how the layout read the shape: a BHLD array passed as "bshd" shows up here as an
         # odd query length, and the reader should see why.
@@ -315,12 +359,15 @@ def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -
             scale_value = float(scale)
         except (TypeError, ValueError):
             raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
-        if not math.isfinite(scale_value):
-            raise ValueError(f"scale: expected a finite number, got {scale_value}")
+        if not math.isfinite(scale_value) or scale_value <= 0:
+            # the softmax subtracts the row max of the raw scores: that bounds the exponents
+            # only for a positive scale (and -inf masks stay -inf only then)
+            raise ValueError(f"scale: expected a positive finite number, got {scale_value}")
 
     plan = _Plan(host, arrays["q"], arrays["k"], arrays["v"], None, layout, b, h, lq, lk, d,
                  chosen, stage is not None, scale_value, handle, stream, heads_kv=hk,
-                 want_lse=return_lse)
+                 want_lse=return_lse, window=(left, right),
+                 diag_offset=lk - lq if diagonal == "bottom_right" else 0)
     if not host and not plan.empty:
         _check_device_geometry("q", plan.q, plan, lq, chosen.q_box_rows)
         _check_device_geometry("k", plan.k, plan, lk, chosen.block_n)
@@ -451,8 +498,8 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     ctx = driver.context()
     stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
                         plan.seq_q, plan.seq_k, ctx.compute_capability,
-                        gqa=plan.heads_kv != plan.heads, lse=plan.want_lse)
-    stage = stage.specialize(plan.head_dim)     # the production kernel's build for this call
+                        gqa=plan.heads_kv != plan.heads, lse=plan.want_lse, masked=plan.masked)
+    stage = stage.specialize(plan.head_dim, plan.masked)   # the production build for this call
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
@@ -507,9 +554,11 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
         lse.stream = stream
         owned += (lse,)
     if stage.production:
-        # GQA group size, and where the log-sum-exp goes (0: not wanted)
-        values += (H // Hkv, lse.ptr if lse is not None else 0)
-        types += (driver.U32, driver.U64)
+        # GQA group size, where the log-sum-exp goes (0: not wanted), the diagonal and the
+        # window (read by the masked build only)
+        left, right = (UNBOUNDED if x < 0 else x for x in plan.window)
+        values += (H // Hkv, lse.ptr if lse is not None else 0, plan.diag_offset, left, right)
+        types += (driver.U32, driver.U64, driver.S32, driver.S32, driver.S32)
     if stage.dynamic_tiles:
         # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
         # the kernel's last CTA resets them, so every later launch of this object finds zeros
@@ -528,7 +577,8 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
-            stream=None, return_lse: bool = False, defines: dict | None = None,
+            stream=None, return_lse: bool = False, causal: bool = False, window=None,
+            diagonal: str = "bottom_right", defines: dict | None = None,
             extra_params=()) -> PreparedAttention:
     """Validate, pick the stage, copy NumPy inputs in, build maps and parameters.
 
@@ -539,17 +589,26 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     pairs, follow the ABI's parameters (e.g. ((trace_ptr, ctypes.c_void_p),)).
     """
     return _build(_validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out,
-                            stream=stream, return_lse=return_lse), defines, tuple(extra_params))
+                            stream=stream, return_lse=return_lse, causal=causal, window=window,
+                            diagonal=diagonal), defines, tuple(extra_params))
 
 
 def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
-              return_lse: bool = False):
-    """softmax(scale * q k^T) v, dense, non-causal, bf16 in and out, fp32 accumulation.
+              return_lse: bool = False, causal: bool = False, window=None,
+              diagonal: str = "bottom_right"):
+    """softmax(scale * q k^T + mask) v, bf16 in and out, fp32 accumulation.
 
     q: (B, H, Lq, D), k and v: (B, Hkv, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
     Any lengths Lq, Lk >= 1; Hkv divides H (grouped-query / multi-query attention: query
     head h reads k/v head h // (H // Hkv)). return_lse=True returns (out, lse), lse float32
     of shape (B, H, Lq): the natural log of sum_j exp(scale * q.k_j) per query row.
+
+    Masks (FlashAttention's convention): causal=True hides keys past the diagonal;
+    window=(left, right) keeps keys j with i + off - left <= j <= i + off + right for query i
+    (-1: unbounded side; causal is (-1, 0)). off = Lk - Lq with diagonal="bottom_right" (a
+    prefill against a KV cache), 0 with "top_left" (PyTorch's is_causal); the same when
+    Lq == Lk. Masked K/V tiles are skipped, not computed. A query that sees no key at all
+    gets output 0 and lse -inf.
     Inputs are either all NumPy arrays or all CUDA arrays:
 
     - NumPy in -> NumPy out (ml_dtypes.bfloat16): copied in and out, synchronised.
@@ -576,7 +635,7 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     README, "Threading".
     """
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
-                       return_lse=return_lse)
+                       return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
     prepared.launch()
     if prepared.host:
         result = prepared.out.to_numpy()          # waits for the launch stream

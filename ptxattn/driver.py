@@ -27,6 +27,7 @@ BY_VALUE = None
 PTR = ctypes.c_void_p
 U64 = ctypes.c_uint64
 U32 = ctypes.c_uint32
+S32 = ctypes.c_int32
 F32 = ctypes.c_float
 
 _cu_module = None

@@ -106,6 +106,16 @@ def score_header(n: int) -> str:
     out += _macro(f"MASK_COLS_N{n}", "LIMIT", body,
                   "scores at columns >= LIMIT become -inf. LIMIT (b32 register): keys left in the\n"
                   "tile minus 2 * (lane % 4), i.e. relative to this thread's first column")
+    body = []
+    for i in range(regs):
+        lo, hi = ("LO_HI", "HI_HI") if half(i) == "hi" else ("LO_LO", "HI_LO")
+        body += [f"setp.gt.s32 %p_mask, {col(i)}, {hi};",
+                 f"setp.lt.or.s32 %p_mask, {col(i)}, {lo}, %p_mask;",
+                 f"selp.f32 %s{i}, {NEG_INF}, %s{i}, %p_mask;"]
+    out += _macro(f"MASK_RANGE_N{n}", "LO_LO, HI_LO, LO_HI, HI_HI", body,
+                  "scores outside [LO, HI] of their row become -inf (causal, sliding windows, the\n"
+                  "key tail). Bounds are b32 registers relative to this thread's first column,\n"
+                  "2 * (lane % 4), per row: _LO for the thread's first row, _HI for the row 8 below")
     for d in HEAD_DIMS:
         out += gemm_macros(n, d)
     return _guarded(f"gen_n{n}.ptxh", f"Score fragments of a 64 x {n} S tile ({regs} per thread); "

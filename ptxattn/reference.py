@@ -67,14 +67,19 @@ def _window(causal: bool, window) -> tuple[int, int] | None:
     return left, right
 
 
-def key_mask(query_rows, seq_q: int, seq_k: int, window: tuple[int, int]) -> np.ndarray:
+def key_mask(query_rows, seq_q: int, seq_k: int, window: tuple[int, int],
+             diagonal: str = "bottom_right") -> np.ndarray:
     """[len(query_rows), seq_k] booleans: True where query i may see key j.
 
     Aligned bottom-right (FlashAttention's convention when Lq != Lk): with d = Lk - Lq,
     query i sees key j iff i + d - left <= j <= i + d + right (a bound of -1 is no bound).
+    diagonal="top_left" (PyTorch's is_causal) takes d = 0.
     """
+    if diagonal not in ("bottom_right", "top_left"):
+        raise ValueError(f"diagonal: expected 'bottom_right' or 'top_left', got {diagonal!r}")
     left, right = window
-    i = np.asarray(query_rows, dtype=np.int64)[:, None] + (seq_k - seq_q)
+    offset = seq_k - seq_q if diagonal == "bottom_right" else 0
+    i = np.asarray(query_rows, dtype=np.int64)[:, None] + offset
     j = np.arange(seq_k, dtype=np.int64)[None, :]
     keep = np.ones((i.shape[0], seq_k), dtype=bool)
     if right >= 0:
@@ -92,7 +97,8 @@ def _check_rank4(name: str, x: np.ndarray) -> None:
 
 def attention_reference(q, k, v, scale: float | None = None, layout: str = "bhld",
                         chunk_rows: int | None = None, rows=None, *, causal: bool = False,
-                        window=None, return_lse: bool = False):
+                        window=None, return_lse: bool = False,
+                        diagonal: str = "bottom_right"):
     """softmax(scale * q k^T) v in float64, returned in `layout`.
 
     `rows` (an index array or slice of query positions) restricts the result
@@ -142,7 +148,7 @@ def attention_reference(q, k, v, scale: float | None = None, layout: str = "bhld
         stop = min(seq_q, start + chunk_rows)
         s = np.matmul(qg[:, :, :, start:stop], kt) * scale
         if mask is not None:
-            s += np.where(key_mask(query_rows[start:stop], full_q, seq_k, mask), 0.0, -np.inf)
+            s += np.where(key_mask(query_rows[start:stop], full_q, seq_k, mask, diagonal), 0.0, -np.inf)
         m = s.max(axis=-1, keepdims=True)
         empty = np.isneginf(m)                       # rows that see no key
         m = np.where(empty, 0.0, m)

@@ -65,6 +65,11 @@ class Stage:
         return self.production
 
     @property
+    def masks(self) -> bool:
+        """Takes causal and sliding-window masks."""
+        return self.production
+
+    @property
     def tma_chunk(self) -> int:
         """Elements of D per innermost TMA box dimension.
 
@@ -190,6 +195,7 @@ class Variant:
 # in only where it is used). One table, so the tile shape per design point is in one place.
 PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
     (128, False): Variant(block_n=128, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024),
+    (128, True): Variant(block_n=128, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024),
 }
 
 # The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).

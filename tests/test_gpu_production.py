@@ -42,12 +42,12 @@ def checked_rows(Lq, seed):
     return np.unique(np.concatenate([rows, [0, Lq - 1]]))
 
 
-def launch(q, k, v, layout, *, lse=True):
+def launch(q, k, v, layout, *, lse=True, **mask):
     """Device copies in, NaN-poisoned out and lse, one launch, both back on the host."""
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                                   # bf16 NaN
-    p = ptxattn.prepare(qd, kd, vd, layout=layout, out=out, return_lse=lse)
+    p = ptxattn.prepare(qd, kd, vd, layout=layout, out=out, return_lse=lse, **mask)
     assert p.stage.production
     if lse:
         driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
@@ -60,20 +60,32 @@ def launch(q, k, v, layout, *, lse=True):
     return o, l
 
 
-def check(q, k, v, layout, seed, lse=True):
-    o, l = launch(q, k, v, layout, lse=lse)
+def check(q, k, v, layout, seed, lse=True, **mask):
+    """Against the float64 reference on sampled rows; rows that see no key must be exactly 0
+    with lse -inf (everything else finite)."""
+    o, l = launch(q, k, v, layout, lse=lse, **mask)
     assert np.isfinite(o.astype(np.float32)).all(), "unwritten or non-finite output"
     seq_axis = 2 if layout == "bhld" else 1
     rows = checked_rows(q.shape[seq_axis], seed)
-    ref, ref_lse = attention_reference(q, k, v, layout=layout, rows=rows, return_lse=True)
+    causal = mask.get("causal", False)
+    ref, ref_lse = attention_reference(q, k, v, layout=layout, rows=rows, return_lse=True,
+                                       causal=causal, window=mask.get("window"),
+                                       diagonal=mask.get("diagonal", "bottom_right"))
     m = error_metrics(np.take(o, rows, axis=seq_axis), ref)
-    assert passes(m), m
+    if np.abs(ref).max() > 0:
+        assert passes(m), m
+    else:                                             # every sampled row sees no key
+        assert m["max_abs"] == 0, m
     if lse:
         assert l.dtype == np.float32 and l.shape == (q.shape[0], q.shape[1 if layout == "bhld"
                                                                         else 2], q.shape[seq_axis])
-        assert np.isfinite(l).all(), "unwritten or non-finite lse"
-        err = np.abs(l[:, :, rows].astype(np.float64) - ref_lse).max()
-        assert err <= LSE_TOL, f"lse max abs error {err:.2e}"
+        got = l[:, :, rows].astype(np.float64)
+        empty = np.isneginf(ref_lse)
+        assert (np.isneginf(got) == empty).all(), "rows with no key: lse must be -inf, others finite"
+        assert np.isfinite(got[~empty]).all(), "unwritten or non-finite lse"
+        if (~empty).any():
+            err = np.abs(got[~empty] - ref_lse[~empty]).max()
+            assert err <= LSE_TOL, f"lse max abs error {err:.2e}"
     return m
 
 
@@ -159,3 +171,60 @@ def test_small_persistent_grid_walks_many_ragged_tiles(monkeypatch):
     monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
     q, k, v = qkv(2, 3, 1, 1000, 1001, "bhld", seed=21)
     check(q, k, v, "bhld", seed=21)
+
+
+# --------------------------------------------------------------------------- masks
+
+@pytest.mark.parametrize("L", [1, 63, 129, 1000, 4095])
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_causal_square(L, layout):
+    q, k, v = qkv(2, 3, 3, L, L, layout, seed=L + 1)
+    check(q, k, v, layout, seed=L, causal=True)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(100, 1000), (1000, 100), (129, 4095), (640, 513), (1, 777)])
+@pytest.mark.parametrize("diagonal", ["bottom_right", "top_left"])
+def test_causal_cross(Lq, Lk, diagonal):
+    """Bottom-right: a prefill against a cache (Lq < Lk), or rows that see no key (Lq > Lk);
+    top-left: PyTorch's is_causal."""
+    q, k, v = qkv(2, 2, 2, Lq, Lk, "bhld", seed=Lq + 3 * Lk)
+    check(q, k, v, "bhld", seed=Lq, causal=True, diagonal=diagonal)
+
+
+WINDOWS = [(128, 0), (17, 5), (0, 0), (300, 300), (-1, 100), (50, -1), (1000, 0)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_sliding_window(window, layout):
+    q, k, v = qkv(1, 4, 2, 1000, 1301, layout, seed=sum(window) + 7)
+    check(q, k, v, layout, seed=5, window=window)
+
+
+def test_window_that_leaves_rows_without_keys():
+    """Lq > Lk bottom-right with a narrow window: the first rows see no key (output 0, lse
+    -inf); the others see at most 11 keys."""
+    q, k, v = qkv(1, 2, 2, 700, 300, "bhld", seed=77)
+    check(q, k, v, "bhld", seed=77, window=(10, 0))
+
+
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (8, 1)])
+def test_causal_gqa_lse(H, Hkv):
+    q, k, v = qkv(2, H, Hkv, 1500, 1500, "bshd", seed=H * Hkv)
+    check(q, k, v, "bshd", seed=H, causal=True)
+
+
+def test_causal_many_tiles_small_grid(monkeypatch):
+    """Two CTAs walk every (uneven) causal tile: ring positions and phases across tiles of
+    different lengths."""
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
+    q, k, v = qkv(2, 3, 1, 1000, 1000, "bhld", seed=23)
+    check(q, k, v, "bhld", seed=23, causal=True)
+
+
+def test_masked_launches_are_deterministic():
+    q, k, v = qkv(1, 4, 2, 1000, 1000, "bhld", seed=31)
+    first, _ = launch(q, k, v, "bhld", causal=True)
+    for _ in range(3):
+        again, _ = launch(q, k, v, "bhld", causal=True)
+        np.testing.assert_array_equal(again.view(np.uint16), first.view(np.uint16))

@@ -475,3 +475,42 @@ def test_stream_none_is_the_frameworks_current_stream(monkeypatch, package):
     plan = attn._validate(*qkv_dev(), stage=None, scale=None, layout="bhld", out=None,
                           stream=None)
     assert plan.stream == 0
+
+
+def test_mask_arguments_are_checked():
+    for bad, words in (((-2, 0), ("window", "left", ">= -1")), ((0, 1.5), ("window", "right")),
+                       ((True, 0), ("window", "left"))):
+        with raises(ValueError, *words):
+            call(host(), host(), host(), window=bad)
+    with raises(TypeError, "window", "pair"):
+        call(host(), host(), host(), window=5)
+    with raises(TypeError, "causal", "True or False"):
+        call(host(), host(), host(), causal="yes")
+    with raises(ValueError, "diagonal", "bottom_right", "top_left"):
+        call(host(), host(), host(), causal=True, diagonal="upper")
+    with raises(ValueError, "window", "causal=True", "right edge"):
+        call(host(), host(), host(), causal=True, window=(8, 4))
+    with raises(ValueError, "causal", "stage14", "production"):
+        call(host(), host(), host(), causal=True, stage=14)
+
+
+def test_masks_pick_the_masked_build():
+    plan = attn._validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
+                          stage=None, scale=None, layout="bhld", out=None, stream=None,
+                          causal=True)
+    assert plan.masked and plan.window == (-1, 0) and plan.diag_offset == 200
+    build = plan.stage.specialize(D, plan.masked)
+    assert ("PTXATTN_MASKED", "1") in build.defines
+    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                          out=None, stream=None, window=(-1, -1))
+    assert not plan.masked                       # (-1, -1) hides nothing: the unmasked build
+    plan = attn._validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
+                          stage=None, scale=None, layout="bhld", out=None, stream=None,
+                          causal=True, window=(64, -1), diagonal="top_left")
+    assert plan.window == (64, 0) and plan.diag_offset == 0
+
+
+def test_scale_must_be_positive():
+    for bad in (0.0, -0.125):
+        with raises(ValueError, "scale", "positive"):
+            call(host(), host(), host(), scale=bad)
