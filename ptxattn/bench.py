@@ -1440,7 +1440,12 @@ def combine_results(results, names=None) -> dict:
             status = "ok"
         else:
             status = next(s for s in statuses if s != "ok")
+        ours: dict[str, list[float]] = {}
+        for r in measured:
+            for x in r.get("ours_ratios", []):
+                ours.setdefault(x["vs"], []).append(x["pct"])
         rows.append({**base, "shape": shape, "status": status, "runs": statuses,
+                     "ours_ranges": {vs: [min(v), max(v)] for vs, v in ours.items()},
                      "pct": pct, "pct_range": [min(pct), max(pct)] if pct else None,
                      "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
                      "peer_tflops_range": [min(peer_tf), max(peer_tf)] if peer_tf else None})
@@ -1462,15 +1467,18 @@ def format_range(lo_hi, unit: str = "", spec: str = ".1f") -> str:
 
 def format_combined(combined: dict) -> str:
     """One line per stage and shape: % of cuDNN as a range over the runs, TFLOP/s range."""
-    head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs")
+    head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs",
+            "vs ours (range)")
     rows = []
     for r in combined["rows"]:
         measured = r["status"] == "ok"
+        ours = "; ".join(f"{format_range(v, '%')} of {vs}"
+                         for vs, v in r.get("ours_ranges", {}).items())
         rows.append((f"{r['stage']} {r['name']}".strip(), r["shape"],
                      format_range(r["pct_range"], "%") if measured else r["status"],
                      format_range(r["tflops_range"]) if measured else "-",
                      format_range(r["peer_tflops_range"]),
-                     ",".join(r["runs"])))
+                     ",".join(r["runs"]), (ours or "-") if measured else "-"))
     lines = _columns(head, rows, left=2)
     for i, run in enumerate(combined["runs"]):
         lines.insert(i, f"{run['name']}: {run.get('date', '?')}, {run.get('gpu', '?')}"
