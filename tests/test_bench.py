@@ -609,6 +609,8 @@ def newest_results() -> tuple[Path, dict]:
             data = bench.load_results(path)
         except ValueError:
             continue
+        if data.get("set") not in (None, "lineage"):      # the production set: other kernels
+            continue
         found.append((str(data.get("date", "")), path.name, path, data))
     assert found, f"no benchmark results JSON in {RESULTS_DIR}"
     _, _, path, data = max(found)
@@ -624,7 +626,7 @@ def test_fastest_first_agrees_with_the_newest_results():
     path, data = newest_results()
     ms: dict[int, dict[str, float]] = {}
     for r in data["results"]:
-        if r.get("status") == "ok" and r.get("ms"):
+        if r.get("status") == "ok" and r.get("ms") and r.get("number"):   # lineage stages
             ms.setdefault(r["number"], {})[r["shape"]] = r["ms"]
     assert len(ms) >= 2, f"{path.name}: fewer than two measured stages"
     unlisted = sorted(set(ms) - set(stages.FASTEST_FIRST))
@@ -912,3 +914,89 @@ def test_combine_keeps_feature_cases_and_ours_ratio_ranges(monkeypatch):
     text = bench.format_combined(combined)
     line = next(x for x in text.splitlines() if x.startswith("production ") and " 8k " in x)
     assert "105.0-110.0% of stage14" in line
+
+
+# --------------------------------------------------------------------------- --set on the CLI
+
+def test_cli_bench_set_production_with_a_fake_gpu(monkeypatch, tmp_path):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {0: 2.0, (0, "lse"): 2.02, 14: 2.1}, masks=False)
+    cases = {c.name: c for c in tiny_production_cases()}
+    prod = bench.SETS["production"]
+    import dataclasses
+    monkeypatch.setitem(bench.SETS, "production", dataclasses.replace(
+        prod, cases=tuple(cases[n] for n in ("8k", "causal-8k"))))
+    result = _cli("bench", "--set", "production", "--rounds", "2", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "estimate: ~" in result.output and "2 cases x 2 rounds x 10 reps" in result.output
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "bench-production.txt" in files
+    [json_file] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert json_file.name.endswith("-fake-gpu-production.json")
+    data = json.loads(json_file.read_text())
+    assert data["set"] == "production" and data["protocol"]["reps"] == 10
+    assert data["cases"]["causal-8k"]["causal"] is True
+    assert "99.0% of production" in (tmp_path / "bench-production.txt").read_text()
+    again = _cli("bench", "--from-json", json_file, "--stages", "production", "--shapes", "8k")
+    assert again.exit_code == 0, again.output
+    assert "production+lse" in again.output and "causal-8k" not in again.output
+
+
+def test_cli_bench_estimate_needs_no_gpu(monkeypatch):
+    from cli_helpers import one_clean_error
+    from ptxattn import driver
+
+    def no_gpu():
+        raise AssertionError("--estimate asked for the GPU")
+
+    monkeypatch.setattr(driver, "device_info", no_gpu)
+    out = _cli("bench", "--set", "production", "--estimate")
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "4k: B=8 H=16 L=4096 D=128 bhld: production, stage14"
+    assert "8k: B=4 H=16 L=8192 D=128 bhld: production, production+lse, stage14" in lines
+    assert "window1024-16k: B=2 H=16 L=16384 D=128 bhld window 1024,0: production" in lines
+    assert lines[-1].startswith("estimate: ~") and "19 cases x 10 rounds x 10 reps" in lines[-1]
+    lineage = _cli("bench", "--set", "lineage", "--estimate", "--stages", "14")
+    assert lineage.exit_code == 0 and "1k: B=8 H=16 L=1024 D=128 bhld: stage14" in lineage.output
+    assert "4 cases x 10 rounds x 20 reps" in lineage.output
+    one_clean_error(_cli("bench", "--set", "production", "--layout", "bshd"),
+                    "the production set fixes")
+    one_clean_error(_cli("bench", "--set", "production", "--shapes", "2k"),
+                    "'2k' not in the production set")
+
+
+def test_device_run_passes_each_set_its_arguments(tmp_path):
+    """bench/device_run.sh with a stand-in python3 that logs its arguments: both sets by
+    default, SETS/CASES/SHAPES/REPS routed to the right set, an unknown set is an error."""
+    import os
+    import subprocess
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
+    (stub / "python3").chmod(0o755)
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    (stub / "nvidia-smi").chmod(0o755)
+
+    def run(**env):
+        log.write_text("")
+        proc = subprocess.run(
+            ["bash", str(ROOT / "bench" / "device_run.sh")], cwd=ROOT, capture_output=True,
+            text=True, timeout=60,
+            env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                 "SKIP_SASS": "1", "SKIP_TESTS": "1", "SKIP_RUN": "1", **env})
+        benches = [x for x in log.read_text().splitlines()
+                   if x.startswith("-m ptxattn bench") and "--estimate" not in x]
+        return proc, benches
+
+    proc, benches = run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert benches == [f"-m ptxattn bench --set lineage --out {tmp_path / 'out'} --shapes "
+                       "4k,8k,16k,1k --layout bhld",
+                       f"-m ptxattn bench --set production --out {tmp_path / 'out'}"]
+    proc, benches = run(SETS="production", CASES="8k,causal-8k", REPS="5", ROUNDS="3")
+    assert benches == [f"-m ptxattn bench --set production --out {tmp_path / 'out'} --shapes "
+                       "8k,causal-8k --reps 5 --rounds 3"]
+    proc, benches = run(SETS="lineage,fast")
+    assert proc.returncode == 2 and "unknown set 'fast'" in proc.stdout
