@@ -6,23 +6,28 @@
 # The device has Python 3.12, torch, cuda-bindings, numpy, ml_dtypes, click, pytest, ptxas,
 # nvdisasm, cuobjdump, but not pcpp (a wheel in .whl/) and not ptxattn (used from $PWD).
 #
-# Switches (environment): STAGES=1,2,5 (default all)  SHAPES=4k,8k,16k,1k  LAYOUT=bhld
-#   REPS=20 ROUNDS=10  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (needs matplotlib)
+# Switches (environment): SETS=lineage,production (the benchmark's case sets, default both)
+#   STAGES=1,2,5 (default all; lineage set and SASS)  SHAPES=4k,8k,16k,1k (lineage set)
+#   CASES=8k,causal-8k (production set; default all, `ptxattn bench --set production --estimate`
+#   lists them)  LAYOUT=bhld (lineage set)  REPS= ROUNDS= (default: each set's, lineage 20 x 10,
+#   production 10 x 10)  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (matplotlib)
 #   TRACE=1,14 (timelines of those stages: trace-stageNN.svg/.json and trace.txt in $OUT)
 #   TRACE_SHAPE=1x16x2048x128  PYTEST_ARGS="--maxfail=10" (default -x)
 #
-# $OUT gets at most 7 files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt,
-# <date>-h200.json, bench.txt (and progression.png with PLOT=1; trace.txt and trace-stageNN.svg/.json
-# with TRACE=...). The short table prints LAST.
+# $OUT gets files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt, and per set
+# <date>-h200-<set>.json and bench-<set>.txt (and progression.png with PLOT=1, of the lineage set;
+# trace.txt and trace-stageNN.svg/.json with TRACE=...). The short tables print LAST.
 set -euo pipefail
 
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
+SETS=${SETS:-lineage,production}
 SHAPES=${SHAPES:-4k,8k,16k,1k}
 STAGES=${STAGES:-}
+CASES=${CASES:-}
 LAYOUT=${LAYOUT:-bhld}
-REPS=${REPS:-20}
-ROUNDS=${ROUNDS:-10}
+REPS=${REPS:-}
+ROUNDS=${ROUNDS:-}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -77,15 +82,29 @@ if [[ -z ${SKIP_RUN:-} ]]; then
 fi
 
 if [[ -z ${SKIP_BENCH:-} ]]; then
-    section "benchmark: stages ${STAGES:-all}, shapes $SHAPES, $LAYOUT"
-    args=(--shapes "$SHAPES" --layout "$LAYOUT" --reps "$REPS" --rounds "$ROUNDS" --out "$OUT")
-    [[ -n $STAGES ]] && args+=(--stages "$STAGES")
-    [[ -n ${PLOT:-} ]] && args+=(--plot "$OUT/progression.png")
-    set +e
-    python3 -m ptxattn bench "${args[@]}" > /dev/null   # the table is in $OUT/bench.txt
-    rc=$?
-    set -e
-    (( rc == 0 )) || status=$rc
+    for name in ${SETS//,/ }; do
+        args=(--set "$name" --out "$OUT")
+        case $name in
+            lineage)
+                args+=(--shapes "$SHAPES" --layout "$LAYOUT")
+                [[ -n $STAGES ]] && args+=(--stages "$STAGES")
+                [[ -n ${PLOT:-} ]] && args+=(--plot "$OUT/progression.png") ;;
+            production)
+                [[ -n $CASES ]] && args+=(--shapes "$CASES") ;;
+            *)
+                echo "device_run.sh: SETS: unknown set '$name' (lineage, production)"; status=2
+                continue ;;
+        esac
+        [[ -n $REPS ]] && args+=(--reps "$REPS")
+        [[ -n $ROUNDS ]] && args+=(--rounds "$ROUNDS")
+        section "benchmark: set $name"
+        python3 -m ptxattn bench "${args[@]}" --estimate | tail -n 1
+        set +e
+        python3 -m ptxattn bench "${args[@]}" > /dev/null   # the table is in $OUT/bench-$name.txt
+        rc=$?
+        set -e
+        (( rc == 0 )) || status=$rc
+    done
 fi
 
 if [[ -n ${TRACE:-} ]]; then
@@ -101,9 +120,10 @@ fi
 
 section "files in \$OUT"
 ls -la "$OUT"
-if [[ -f $OUT/bench.txt ]]; then
-    section "benchmark (same-run % of cuDNN)"
-    cat "$OUT/bench.txt"
-fi
+for table in "$OUT"/bench-*.txt; do
+    [[ -f $table ]] || continue
+    section "benchmark $(basename "$table" .txt) (same-run % of cuDNN)"
+    cat "$table"
+done
 echo "device_run.sh: exit status $status"
 exit "$status"

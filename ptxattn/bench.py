@@ -15,6 +15,7 @@ without it the inputs come from NumPy and the results have no peer column.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -40,6 +41,7 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 DEFAULT_SHAPES = ("4k", "8k", "16k")
 DEFAULT_ROUNDS = 10
 PEER = "cuDNN"
+LSE_TOL = 2e-3          # LSE max |error| in natural-log units, as tests/test_gpu_production.py
 
 
 class MissingExtraError(PtxattnError):
@@ -71,6 +73,270 @@ def tflops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, ms: fl
     if not ms > 0:                                     # also catches NaN
         raise ValueError(f"ms: expected a positive time in milliseconds, got {ms!r}")
     return attention_flops(batch, heads, seq_q, seq_k, head_dim) / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- cases
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmark case: a problem (shapes, layout, mask) and the kernels timed on it.
+
+    heads_kv: heads of k and v (0: as many as q; fewer: GQA/MQA). causal aligns the diagonal
+    bottom-right (top-left is the same when seq_q == seq_k); window=(left, right) is
+    FlashAttention's sliding window, -1 unbounded. kernels: labels of our kernels timed on it
+    ("production", "stage14", "production+lse" = the production kernel writing the LSE too);
+    empty: the stages the run was asked for. ratios: (a, b) pairs of those labels, each
+    reported as a's speed in % of b's over the same rounds (ours vs ours, with an interval).
+    versus: another case whose production TFLOP/s this one's is set against (a target of the
+    issues, e.g. 4095 vs 4096); timed in other rounds, so a plain ratio without interval.
+    """
+    name: str
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    heads_kv: int = 0
+    layout: str = "bhld"
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    kernels: tuple[str, ...] = ()
+    ratios: tuple[tuple[str, str], ...] = ()
+    versus: str | None = None
+
+    def __post_init__(self):
+        dims = dict(batch=self.batch, heads=self.heads, seq_q=self.seq_q, seq_k=self.seq_k,
+                    head_dim=self.head_dim)
+        for key, value in dims.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}: expected a whole number >= 1 in case {self.name!r}, "
+                                 f"got {value!r}")
+        if not self.heads_kv:
+            object.__setattr__(self, "heads_kv", self.heads)
+        if self.heads_kv < 1 or self.heads % self.heads_kv:
+            raise ValueError(f"heads_kv: expected a divisor of heads {self.heads} in case "
+                             f"{self.name!r}, got {self.heads_kv}")
+        if self.layout not in ("bhld", "bshd"):
+            raise ValueError(f"layout: expected 'bhld' or 'bshd' in case {self.name!r}, "
+                             f"got {self.layout!r}")
+        if self.window is not None:
+            from . import reference
+            object.__setattr__(self, "window", tuple(reference._window(False, self.window)))
+        labels = set(self.kernels)
+        for a, b in self.ratios:
+            if not {a, b} <= labels:
+                raise ValueError(f"ratios: ({a!r}, {b!r}) in case {self.name!r} names a kernel "
+                                 f"the case does not time ({', '.join(self.kernels) or 'none'})")
+
+    @property
+    def masked(self) -> bool:
+        return self.causal or self.window is not None
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads_kv != self.heads
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs that the mask lets through, per (batch, head)."""
+        return unmasked_pairs(self.seq_q, self.seq_k, self.causal, self.window)
+
+    @property
+    def flops(self) -> int:
+        return case_flops(self)
+
+    def params(self) -> dict:
+        """Every parameter of the case, for the results JSON."""
+        return {"batch": self.batch, "heads": self.heads, "heads_kv": self.heads_kv,
+                "seq_q": self.seq_q, "seq_k": self.seq_k, "head_dim": self.head_dim,
+                "layout": self.layout, "causal": self.causal,
+                "window": list(self.window) if self.window is not None else None,
+                "kernels": list(self.kernels), "ratios": [list(r) for r in self.ratios],
+                "versus": self.versus, "pairs": self.pairs, "flops": self.flops,
+                "flops_rule": flops_rule(self)}
+
+    def describe(self) -> str:
+        """One line: B H(/Hkv) Lq(xLk) D layout mask."""
+        heads = f"{self.heads}" + (f":{self.heads_kv}" if self.gqa else "")
+        seq = f"{self.seq_q}" + (f"x{self.seq_k}" if self.seq_k != self.seq_q else "")
+        mask = ("window " + ",".join(map(str, self.window)) if self.window is not None
+                else "causal" if self.causal else "")
+        return " ".join(x for x in (f"B={self.batch}", f"H={heads}", f"L={seq}",
+                                    f"D={self.head_dim}", self.layout, mask) if x)
+
+
+def unmasked_pairs(seq_q: int, seq_k: int, causal: bool = False, window=None) -> int:
+    """How many (query i, key j) pairs a causal/window mask keeps, exactly.
+
+    Bottom-right alignment as in reference.key_mask: with d = seq_k - seq_q, query i sees
+    keys max(0, i+d-left) .. min(seq_k-1, i+d+right) (a bound of -1: no bound). Summed per
+    row by that formula (O(seq_q) arithmetic, no mask is built); tests hold it to a
+    brute-force count of reference.key_mask on small shapes.
+    """
+    import numpy as np
+    from . import reference
+    bounds = reference._window(causal, window)
+    if bounds is None:
+        return seq_q * seq_k
+    left, right = bounds
+    i = np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q)
+    hi = np.minimum(seq_k - 1, i + right) if right >= 0 else np.full_like(i, seq_k - 1)
+    lo = np.maximum(0, i - left) if left >= 0 else np.zeros_like(i)
+    return int(np.clip(hi - lo + 1, 0, None).sum())
+
+
+def flops_rule(case: Case) -> str:
+    if case.window is not None:
+        return "4*B*H*D*pairs (pairs: unmasked (query, key) pairs, counted exactly)"
+    if case.causal:
+        return "4*B*H*Lq*Lk*D / 2 (causal: halved, the convention of FlashAttention and cuDNN)"
+    return "4*B*H*Lq*Lk*D"
+
+
+def case_flops(case: Case) -> int:
+    """FLOPs credited to a case: 4·B·H·Lq·Lk·D dense; causal halved (the usual convention,
+    what the cuDNN figures in the issues use); windows over the unmasked pairs exactly."""
+    dense = attention_flops(case.batch, case.heads, case.seq_q, case.seq_k, case.head_dim)
+    if case.window is not None:
+        return 4 * case.batch * case.heads * case.head_dim * case.pairs
+    if case.causal:
+        return dense // 2
+    return dense
+
+
+def case_tflops(case: Case, ms: float) -> float:
+    if not ms > 0:                                     # also catches NaN
+        raise ValueError(f"ms: expected a positive time in milliseconds, got {ms!r}")
+    return case.flops / (ms * 1e-3) / 1e12
+
+
+def shape_case(name: str, dims, layout: str = "bhld") -> Case:
+    """A square MHA case (B, H, L, D) in `layout`: what --shapes gives."""
+    batch, heads, seq, dim = dims
+    return Case(name, batch, heads, seq, seq, dim, layout=layout)
+
+
+def _production_cases() -> tuple[Case, ...]:
+    """The production set (issues 8 and 9): the production kernel against stage 14 and cuDNN
+    at the lineage shapes in both layouts, then every feature shape with its target."""
+    p, s14, lse = "production", "stage14", "production+lse"
+    cases = []
+    for layout in ("bhld", "bshd"):
+        for shape in ("4k", "8k", "16k"):
+            b, h, seq, d = SHAPES[shape]
+            kernels, ratios = (p, s14), ((p, s14),)
+            if shape == "8k" and layout == "bhld":          # LSE on vs off, same rounds
+                kernels, ratios = (p, lse, s14), ((p, s14), (lse, p))
+            name = shape if layout == "bhld" else f"{shape}-bshd"
+            cases.append(Case(name, b, h, seq, seq, d, layout=layout, kernels=kernels,
+                              ratios=ratios))
+    only = (p,)
+    cases += [
+        Case("4095", 8, 16, 4095, 4095, 128, kernels=only, versus="4k"),
+        Case("8191", 4, 16, 8191, 8191, 128, kernels=only, versus="8k"),
+        Case("gqa32:4-8k", 4, 32, 8192, 8192, 128, heads_kv=4, kernels=only, versus="8k"),
+        Case("video", 1, 12, 32760, 32760, 128, layout="bshd", kernels=only),
+        Case("causal-4k", 8, 16, 4096, 4096, 128, causal=True, kernels=only),
+        Case("causal-8k", 4, 16, 8192, 8192, 128, causal=True, kernels=only),
+        Case("causal-16k", 2, 16, 16384, 16384, 128, causal=True, kernels=only),
+        Case("d64-8k", 4, 32, 8192, 8192, 64, kernels=only),
+        Case("d64-16k", 2, 32, 16384, 16384, 64, kernels=only),
+        Case("d256-8k", 4, 8, 8192, 8192, 256, kernels=only),
+        Case("d256-16k", 2, 8, 16384, 16384, 256, kernels=only),
+        Case("gqa32:4-causal-8k", 4, 32, 8192, 8192, 128, heads_kv=4, causal=True,
+             kernels=only, versus="causal-8k"),
+        Case("window1024-16k", 2, 16, 16384, 16384, 128, window=(1024, 0), kernels=only,
+             versus="causal-16k"),
+    ]
+    return tuple(cases)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSet:
+    """A named set of cases with budget-minded defaults (the lead has minutes of GPU time)."""
+    name: str
+    doc: str
+    cases: tuple[Case, ...]
+    reps: int
+    rounds: int
+
+
+LINEAGE_SHAPES = ("4k", "8k", "16k", "1k")
+SETS: dict[str, BenchSet] = {
+    "lineage": BenchSet("lineage", "every lineage stage at 4k/8k/16k/1k, D=128, MHA",
+                        tuple(shape_case(s, SHAPES[s]) for s in LINEAGE_SHAPES),
+                        reps=20, rounds=10),
+    "production": BenchSet("production", "the production kernel vs stage 14 vs cuDNN, and "
+                           "the feature shapes of issues 8 and 9", _production_cases(),
+                           reps=10, rounds=10),
+}
+
+
+def select_set(name: str, cases=None, layout: str | None = None) -> BenchSet:
+    """A named set, optionally cut down to some of its cases (by name, in the set's order).
+    layout: re-lays the lineage set's cases (the production set fixes each case's layout)."""
+    key = str(name).strip().lower()
+    if key not in SETS:
+        raise ValueError(f"set: expected one of {', '.join(SETS)}, got {name!r}")
+    chosen = SETS[key]
+    picked = list(chosen.cases)
+    if layout is not None:
+        layout = str(layout).lower()
+        if key != "lineage":
+            raise ValueError(f"layout: the {key} set fixes each case's layout; leave --layout "
+                             f"out (its BSHD cases are named *-bshd)")
+        picked = [dataclasses.replace(c, layout=layout) for c in picked]
+    if cases:
+        names = {c.name: c for c in picked}
+        wanted = [str(x).strip().lower() for x in cases]
+        unknown = [x for x in wanted if x not in names]
+        if unknown:
+            raise ValueError(f"shapes: {', '.join(map(repr, unknown))} not in the {key} set "
+                             f"(its cases: {', '.join(names)})")
+        picked = [c for c in picked if c.name in wanted]
+    return dataclasses.replace(chosen, cases=tuple(picked))
+
+
+def _kernel(label: str):
+    """(stage, lse) of a kernel label: "stage14", "production", "production+lse"."""
+    base, _, extra = label.partition("+")
+    if extra not in ("", "lse"):
+        raise ValueError(f"kernels: unknown kernel variant {label!r} (only +lse)")
+    return _stages.get_stage(base), extra == "lse"
+
+
+def case_kernels(case: Case, stage_list=None) -> list[tuple[str, object, bool]]:
+    """(label, stage, lse) of the kernels timed on a case: its own list (cut to the stages
+    asked for, when some were), or else the stages asked for (default: the lineage)."""
+    if case.kernels:
+        wanted = {s.label for s in stage_list} if stage_list else None
+        out = [(label, *_kernel(label)) for label in case.kernels]
+        return [k for k in out if wanted is None or k[1].label in wanted]
+    stage_list = stage_list or list(_stages.all_stages())
+    return [(s.label, s, False) for s in stage_list]
+
+
+# rough speeds for the run-time estimate only (TFLOP/s, H200): lineage stages 1-4 are slow
+_ASSUMED_TFLOPS = {1: 90.0, 2: 130.0, 3: 260.0, 4: 240.0}
+_CASE_OVERHEAD_S = 6.0         # inputs, float64 reference on the CPU, JIT, checks
+
+
+def estimate_seconds(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3,
+                     peer: bool = True) -> float:
+    """A rough run time: every timed and warm-up launch at an assumed speed (500 TFLOP/s;
+    stages 1-4 slower), plus a fixed overhead per case for inputs, checks and JIT."""
+    total = 0.0
+    for case in cases:
+        total += _CASE_OVERHEAD_S
+        kernels = case_kernels(case, stage_list)
+        with_peer = peer and case.window is None
+        for _, stage, _ in kernels:
+            rate = _ASSUMED_TFLOPS.get(stage.number, 500.0) if not stage.production else 600.0
+            ours_ms = case.flops / (rate * 1e12) * 1e3
+            peer_ms = case.flops / (550.0 * 1e12) * 1e3 if with_peer else 0.0
+            launches = rounds * reps + warmup + (rounds - 1)
+            total += launches * (ours_ms + peer_ms) / 1e3 + 1 + 1    # + check launch
+    return total
 
 
 # --------------------------------------------------------------------------- timing
@@ -205,7 +471,7 @@ def _host_f32(x):
 
 def _pick(x, layout: str, b: int, h: int, rows):
     """[rows, D] of (batch b, head h) in either layout; rows is an index array."""
-    if hasattr(x, "detach"):                       # torch: index with a tensor on x's device
+    if hasattr(x, "detach") and not isinstance(rows, slice):   # torch: an index tensor
         import torch
         rows = torch.as_tensor(rows, device=x.device)
     return x[b, h, rows, :] if layout == "bhld" else x[b, rows, h, :]
@@ -233,29 +499,40 @@ class ReferenceSubset:
     """The float64 reference on check_subset(), computed once per set of inputs.
 
     The reference is the expensive part of a check (float64 on the CPU); a benchmark computes
-    it once per shape and compares every stage and the peer with it.
+    it once per case and compares every kernel and the peer with it. k and v may have fewer
+    heads than q (query head h reads k/v head h // (H // Hkv)) and another length; causal /
+    window masks the keys as the kernel must (reference.key_mask, bottom-right).
     """
 
     def __init__(self, q, k, v, layout: str, *, scale: float | None = None,
-                 max_rows: int = 4096, seed: int = 0):
+                 max_rows: int = 4096, seed: int = 0, causal: bool = False, window=None):
         import numpy as np
         from . import reference
 
         if layout == "bhld":
             batch, heads, seq_q, dim = q.shape
+            heads_kv = k.shape[1]
         else:
             batch, seq_q, heads, dim = q.shape
+            heads_kv = k.shape[2]
         self.layout = layout
         self.subset = check_subset((batch, heads, seq_q, dim), max_rows, seed)
         self.seq_q = seq_q
-        refs = []
+        group = heads // heads_kv
+        refs, lses = [], []
         rows, every = self.subset["rows"], slice(None)
         for b, h in self.pairs:
-            ref = reference.attention_reference(
-                self._one(q, b, h, rows), self._one(k, b, h, every), self._one(v, b, h, every),
-                scale=scale, layout="bhld")
+            hk = h // group
+            # the whole query row range goes in (the mask needs absolute positions); rows=
+            # restricts the work to the checked rows
+            ref, lse = reference.attention_reference(
+                self._one(q, b, h, every), self._one(k, b, hk, every),
+                self._one(v, b, hk, every), scale=scale, layout="bhld", rows=rows,
+                causal=causal, window=window, return_lse=True)
             refs.append(np.asarray(ref, dtype=np.float64).reshape(-1))
+            lses.append(np.asarray(lse, dtype=np.float64).reshape(-1))
         self.ref = np.concatenate(refs)
+        self.ref_lse = np.concatenate(lses)
 
     def _one(self, x, b: int, h: int, rows):
         """(1, 1, rows, D) float32 on the host: one (batch, head) in BHLD for the reference."""
@@ -292,6 +569,21 @@ class ReferenceSubset:
         metrics["checked"] = self.describe()
         return metrics
 
+    def compare_lse(self, lse) -> dict:
+        """lse (B, H, Lq) float32 against the reference log-sum-exp on the subset:
+        lse_max_abs, lse_nan_total (NaN anywhere: an unwritten row; a row that sees no key
+        has -inf in the reference and must have -inf too), and pass (<= LSE_TOL, no NaN)."""
+        import numpy as np
+        lse = np.asarray(lse, dtype=np.float64)
+        got = np.concatenate([lse[b, h, self.subset["rows"]] for b, h in self.pairs])
+        both_empty = np.isneginf(got) & np.isneginf(self.ref_lse)
+        diff = np.where(both_empty, 0.0, np.abs(got - self.ref_lse))
+        err = float(np.max(diff)) if diff.size else 0.0
+        nan_total = int(np.count_nonzero(np.isnan(lse)))
+        ok = bool(np.isfinite(err) and err <= LSE_TOL and nan_total == 0)
+        return {"lse_max_abs": err if np.isfinite(err) else None,
+                "lse_nan_total": nan_total, "lse_pass": ok}
+
 
 def apply_peer_bar(metrics: dict, peer_metrics: dict | None) -> dict:
     """Add the GPU-side relative bar (ours <= 1.25 x the peer's rel L2 + 5e-4) to `metrics`
@@ -317,6 +609,9 @@ def failure_reason(metrics: dict) -> str:
     limit = reference.PASS_MAX_ABS_FRACTION * metrics.get("ref_max_abs", 0.0)
     if metrics.get("max_abs", 0) > limit:
         why.append(f"max |err| {metrics['max_abs']:.2e} > {limit:.2e}")
+    if metrics.get("lse_pass") is False:
+        why.append(f"LSE max |err| {_fmt(metrics.get('lse_max_abs'), '.2e')} or "
+                   f"{metrics.get('lse_nan_total')} NaN (bar {LSE_TOL:g}, no NaN)")
     if metrics.get("pass_vs_peer") is False:
         why.append(f"rel L2 {metrics['rel_l2']:.2e} > 1.25 x {PEER}'s + 5e-4 "
                    f"= {metrics['peer_bound']:.2e}")
@@ -425,17 +720,24 @@ def _import_torch():
 
 # --------------------------------------------------------------------------- the benchmark
 
-def _inputs(torch, shape, layout, seed):
-    """q, k, v (torch on the GPU when torch is there, else NumPy bf16) and a NaN-poisoned out."""
-    batch, heads, seq, dim = shape
-    dims = (batch, heads, seq, dim) if layout == "bhld" else (batch, seq, heads, dim)
+def _inputs(torch, case: Case, seed: int):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D), in the case's layout: torch bf16 on the GPU
+    when torch is there, else NumPy bf16, random normal."""
+    def dims(heads, seq):
+        b, d = case.batch, case.head_dim
+        return (b, heads, seq, d) if case.layout == "bhld" else (b, seq, heads, d)
+
+    shapes = (dims(case.heads, case.seq_q), dims(case.heads_kv, case.seq_k),
+              dims(case.heads_kv, case.seq_k))
     if torch is not None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        q, k, v = (torch.randn(dims, generator=gen, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        return q, k, v
+        return tuple(torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16)
+                     for s in shapes)
+    import numpy as np
     from . import reference
-    return reference.random_qkv(batch, heads, seq, seq, dim, layout, seed)
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s, dtype=np.float32).astype(reference.BF16)
+                 for s in shapes)
 
 
 def _poisoned_out(torch, q):
@@ -449,24 +751,136 @@ def _poisoned_out(torch, q):
     return None, out
 
 
+def _poison_f32(array) -> None:
+    """Fill a float32 device array (the LSE) with NaN before the checked launch."""
+    from . import driver
+    driver.memset_u16(array.ptr, 0xFFFF, 2 * array.size)
+
+
 def _device(torch, x):
     """Zero-copy view of a torch tensor, or a device copy of a NumPy array."""
     from . import tensors
     return tensors.as_device_array(x) if torch is not None else tensors.from_numpy(x)
 
 
-def _cudnn_launcher(torch, q, k, v, layout):
-    """A no-argument launch of cuDNN SDPA on BHLD views of q, k, v."""
+def _peer_unavailable(case: Case) -> str | None:
+    """Why cuDNN (SDPA) cannot be the peer of a case, or None."""
+    if case.window is not None:
+        return "no cuDNN peer for sliding windows through SDPA"
+    if case.causal and case.seq_q != case.seq_k:
+        return ("SDPA's is_causal aligns the diagonal top-left, ours bottom-right "
+                "(they differ when Lq != Lk)")
+    return None
+
+
+def _cudnn_launcher(torch, q, k, v, layout, *, causal: bool = False, gqa: str | None = None):
+    """A no-argument launch of cuDNN SDPA on BHLD views of q, k, v.
+
+    gqa: None (as many k/v heads as q heads), "enable_gqa" (SDPA's own grouped-query
+    support), or "repeat" (k/v heads repeated once, before any timing, to q's count; cuDNN
+    then reads H k/v heads instead of Hkv: more memory traffic than a GQA kernel needs).
+    """
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if layout == "bshd":  # SDPA takes (B, H, L, D); a transposed view keeps the same memory
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    kwargs = {"is_causal": True} if causal else {}
+    if gqa == "enable_gqa":
+        kwargs["enable_gqa"] = True
+    elif gqa == "repeat":
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
 
     def launch():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
     return launch
+
+
+def _peer_setup(torch, case: Case, q, k, v, ref_of, *, check: bool, seed: int):
+    """The peer's row and launch for a case: checked once on these inputs, or n/a / FAILED /
+    error (then no launch). GQA: enable_gqa when cuDNN takes it, else repeated k/v heads."""
+    row = {"name": PEER, "shape": case.name, "status": "ok"}
+    why = _peer_unavailable(case)
+    if why:
+        row.update(status="n/a", reason=why)
+        return row, None
+    modes = ("enable_gqa", "repeat") if case.gqa else (None,)
+    fn, first_error = None, None
+    for mode in modes:
+        try:
+            fn = _cudnn_launcher(torch, q, k, v, case.layout, causal=case.causal, gqa=mode)
+            o = fn()
+            torch.cuda.synchronize()
+            if mode:
+                row["gqa"] = mode if mode == "enable_gqa" else (
+                    "repeat: k/v heads repeated to q's count before timing (cuDNN did not "
+                    f"take enable_gqa: {first_error}); it reads {case.heads // case.heads_kv}x "
+                    "the k/v memory a GQA kernel reads")
+            break
+        except Exception as exc:
+            first_error = first_error or _one_line(exc)
+            fn = None
+    if fn is None:
+        row.update(status="error", reason=first_error)
+        return row, None
+    try:
+        if case.layout == "bshd":
+            o = o.transpose(1, 2)
+        if check:
+            row.update(ref_of().compare(o))
+            if not row["pass"]:
+                row.update(status="FAILED", reason=failure_reason(row))
+                fn = None
+        del o
+    except Exception as exc:
+        row.update(status="error", reason=_one_line(exc))
+        fn = None
+    return row, fn
+
+
+def _api_takes(name: str) -> bool:
+    """Whether attention.prepare() takes keyword `name` (causal, window: they arrive with the
+    masked production kernel; until then such cases are n/a, not errors)."""
+    import inspect
+    from . import attention
+    params = inspect.signature(attention.prepare).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                 for p in params.values())
+
+
+def _feature_kwargs(case: Case, lse: bool) -> dict:
+    kwargs = {}
+    if case.causal:
+        kwargs["causal"] = True
+    if case.window is not None:
+        kwargs["window"] = case.window
+    if lse:
+        kwargs["return_lse"] = True
+    return kwargs
+
+
+def kernel_takes(stage, case: Case, lse: bool = False) -> str | None:
+    """Why a kernel cannot run a case yet (shown as n/a), or None when it can."""
+    if case.gqa and not stage.gqa:
+        return "k/v with fewer heads than q (GQA/MQA)"
+    if lse and not stage.lse:
+        return "LSE out"
+    if case.masked and not stage.production:
+        return "causal/window masks (lineage stages are dense)"
+    for name in _feature_kwargs(case, False):
+        if not _api_takes(name):
+            return f"attention() does not take {name}= yet"
+    why = stage.unsupported(case.head_dim, case.seq_q, case.seq_k)
+    if why:
+        return why
+    if stage.production:
+        try:
+            stage.specialize(case.head_dim, case.masked)
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 def validate_request(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld",
@@ -479,14 +893,18 @@ def validate_request(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld",
     layout = str(layout).lower()
     if layout not in ("bhld", "bshd"):
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
-    for name, value in (("reps", reps), ("rounds", rounds), ("block", block)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
+    _check_counts(reps, rounds, block)
     stage_list = [_stages.get_stage(s) for s in stages] if stages else list(_stages.all_stages())
     if not shapes:
         raise ValueError("shapes: expected at least one shape")
     shape_list = [parse_shape(s) for s in shapes]
     return stage_list, shape_list, layout
+
+
+def _check_counts(reps, rounds, block) -> None:
+    for name, value in (("reps", reps), ("rounds", rounds), ("block", block)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
 
 
 def _round_order(rng, labels: list[str], with_peer: bool) -> list[tuple[str, bool]]:
@@ -499,134 +917,217 @@ def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps
                   rounds: int = DEFAULT_ROUNDS, warmup: int = 3, block: int = 1,
                   peer: bool = True, check: bool = True, seed: int = 0,
                   log: Callable[[str], None] | None = None) -> dict:
-    """Time stages (and cuDNN) on shapes; returns the results dict that write_results saves.
+    """Time stages (and cuDNN) on square MHA shapes in one layout; see run_cases()."""
+    stage_list, shape_list, layout = validate_request(stages, shapes, layout, reps, rounds, block)
+    cases = [shape_case(name, dims, layout) for name, dims in shape_list]
+    return run_cases(cases, stage_list, reps=reps, rounds=rounds, warmup=warmup, block=block,
+                     peer=peer, check=check, seed=seed, log=log, layout=layout)
 
-    For each shape: one set of inputs, shared by every stage and the peer. The peer and each
-    stage are checked once on a NaN-poisoned output; a stage that fails (reference.passes,
-    and with a checked peer also ours <= 1.25 x the peer's rel L2 + 5e-4) is marked FAILED and
-    not timed. Then `rounds` rounds: each times every (stage, peer) pair in a seeded random
-    order, the two alternating in blocks of `block` launches until each has `reps` timed
-    launches (without a peer, each stage alone). Per round and stage: our median and the
-    peer's median from that pair, their ratio (peer / ours); the headline per shape is
-    100 x the median ratio over rounds with a 95% bootstrap interval; ms and TFLOP/s are
-    medians over rounds of the per-round medians; spread_pct is (max - min) / median.
+
+def run_set(name: str, cases=None, stages=None, *, layout: str | None = None,
+            reps: int | None = None, rounds: int | None = None, warmup: int = 3,
+            block: int = 1, peer: bool = True, check: bool = True, seed: int = 0,
+            log: Callable[[str], None] | None = None) -> dict:
+    """A named case set (SETS), or some of its cases; reps/rounds default to the set's."""
+    chosen = select_set(name, cases, layout)
+    reps = chosen.reps if reps is None else reps
+    rounds = chosen.rounds if rounds is None else rounds
+    _check_counts(reps, rounds, block)
+    stage_list = [_stages.get_stage(s) for s in stages] if stages else None
+    result = run_cases(chosen.cases, stage_list, reps=reps, rounds=rounds, warmup=warmup,
+                       block=block, peer=peer, check=check, seed=seed, log=log,
+                       layout=layout or ("bhld" if chosen.name == "lineage" else "per case"))
+    result["set"] = chosen.name
+    return result
+
+
+def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3,
+              block: int = 1, peer: bool = True, check: bool = True, seed: int = 0,
+              log: Callable[[str], None] | None = None, layout: str = "per case") -> dict:
+    """Time our kernels (and cuDNN) on cases; returns the results dict that write_results saves.
+
+    For each case: one set of inputs, shared by every kernel and the peer. The peer and each
+    kernel are checked once on a NaN-poisoned output (and LSE); a kernel that fails
+    (reference.passes, and with a checked peer also ours <= 1.25 x the peer's rel L2 + 5e-4)
+    is marked FAILED and not timed; one that cannot run the case yet is n/a. Then `rounds`
+    rounds: each times every (kernel, peer) pair in a seeded random order, the two
+    alternating in blocks of `block` launches until each has `reps` timed launches (without
+    a peer, each kernel alone). Per round and kernel: our median and the peer's median from
+    that pair, their ratio (peer / ours); the headline per case is 100 x the median ratio
+    over rounds with a 95% bootstrap interval; ms and TFLOP/s are medians over rounds of the
+    per-round medians; spread_pct is (max - min) / median. A case's `ratios` (ours vs ours)
+    are medians over rounds of the two kernels' per-round medians, with intervals too.
     """
     import numpy as np
 
     from . import attention, driver
 
-    stage_list, shape_list, layout = validate_request(stages, shapes, layout, reps, rounds, block)
+    _check_counts(reps, rounds, block)
     say = log or (lambda _msg: None)
     info = driver.device_info()                                 # NoGpuError without a GPU
     torch = _import_torch()
     rng = np.random.default_rng(seed)
     result = {
-        "schema": 2,
+        "schema": 3,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source_id(),
         "env": environment(info, torch),
         "protocol": {"layout": layout, "reps": reps, "rounds": rounds, "warmup": warmup,
                      "block": block, "seed": seed,
                      "inputs": "torch" if torch is not None else "numpy",
-                     "flops": "4*B*H*Lq*Lk*D", "statistic": "median",
-                     "order": "per round: (stage, peer) pairs in seeded random order; in a "
+                     "flops": "4*B*H*Lq*Lk*D; causal halved; windows 4*B*H*D*unmasked pairs "
+                              "(cases[...].flops_rule)",
+                     "statistic": "median",
+                     "order": "per round: (kernel, peer) pairs in seeded random order; in a "
                               "pair the two alternate in blocks of `block` launches",
                      "ratio": "pct_of_peer = 100 x median over rounds of (peer ms / our ms), "
                               "same pair, same round; pct_of_peer_ci: 95% bootstrap over rounds",
-                     "check": "rel L2 <= 4e-3, max|err| <= 1e-2 max|ref|, no NaN/Inf; with a "
-                              "peer also rel L2 <= 1.25 x peer's + 5e-4; failed: not timed"},
-        "shapes": {}, "results": [], "peer": [], "clocks": {},
+                     "ours_ratios": "100 x median over rounds of (b's ms / a's ms): a's speed "
+                                    "in % of b's, same rounds; ci: 95% bootstrap over rounds",
+                     "check": "rel L2 <= 4e-3, max|err| <= 1e-2 max|ref|, no NaN/Inf; LSE "
+                              f"max|err| <= {LSE_TOL:g}; with a peer also rel L2 <= 1.25 x "
+                              "peer's + 5e-4; failed: not timed"},
+        "shapes": {}, "cases": {}, "results": [], "peer": [], "clocks": {},
     }
 
-    for shape_name, shape in shape_list:
-        batch, heads, seq, dim = shape
-        result["shapes"][shape_name] = [batch, heads, seq, seq, dim]
-        say(f"{shape_name}: B={batch} H={heads} L={seq} D={dim} {layout}")
-        q, k, v = _inputs(torch, shape, layout, seed)
+    for case in cases:
+        result["shapes"][case.name] = [case.batch, case.heads, case.seq_q, case.seq_k,
+                                       case.head_dim]
+        result["cases"][case.name] = case.params()
+        say(f"{case.name}: {case.describe()}")
+        kernels = case_kernels(case, stage_list)
+        # what cannot run needs no inputs: n/a rows first
+        runnable = []
+        for label, stage, lse in kernels:
+            row = {"stage": label, "number": stage.number,
+                   "name": "" if stage.production else stage.name,
+                   "shape": case.name, "lse": lse, "status": "ok"}
+            result["results"].append(row)
+            why = kernel_takes(stage, case, lse)
+            if why:
+                row.update(status="n/a", reason=why)
+                say(f"  {label}: n/a ({why})")
+            else:
+                runnable.append((row, stage, lse))
+        with_peer = peer and torch is not None
+        if not runnable and not (with_peer and _peer_unavailable(case) is None):
+            continue
+        q, k, v = _inputs(torch, case, seed)
         qd, kd, vd = (_device(torch, x) for x in (q, k, v))
-        ref = None                        # ReferenceSubset, made at the first check only
+        refs: list = []
+
+        def ref_of():                     # the float64 reference, made at the first check only
+            if not refs:
+                refs.append(ReferenceSubset(q, k, v, case.layout, seed=seed, causal=case.causal,
+                                            window=case.window))
+            return refs[0]
 
         # the peer first: its error on these inputs sets the relative bar for ours
         peer_row, peer_fn, peer_stream = None, None, None
-        if peer and torch is not None:
-            peer_row = {"name": PEER, "shape": shape_name, "status": "ok"}
+        if with_peer:
+            peer_row, peer_fn = _peer_setup(torch, case, q, k, v, ref_of, check=check, seed=seed)
             result["peer"].append(peer_row)
-            try:
-                peer_fn = _cudnn_launcher(torch, q, k, v, layout)
-                o = peer_fn()
-                if layout == "bshd":
-                    o = o.transpose(1, 2)
-                torch.cuda.synchronize()
-                if check:
-                    ref = ref or ReferenceSubset(q, k, v, layout, seed=seed)
-                    peer_row.update(ref.compare(o))
-                    if not peer_row["pass"]:
-                        peer_row.update(status="FAILED", reason=failure_reason(peer_row))
-                        peer_fn = None
-                del o
-            except Exception as exc:
-                peer_row.update(status="error", reason=_one_line(exc))
-                peer_fn = None
             peer_stream = torch.cuda.current_stream().cuda_stream
             if peer_fn is None:
                 say(f"  {PEER}: {peer_row['status']} {peer_row.get('reason', '')}")
 
         entries = {}                      # label -> (result row, launch, stream)
-        for stage in stage_list:
-            row = {"stage": stage.label, "number": stage.number, "name": stage.name,
-                   "shape": shape_name, "status": "ok"}
-            result["results"].append(row)
-            why = stage.unsupported(dim, seq, seq)
-            if why:
-                row.update(status="skipped", reason=why)
-                continue
+        for row, stage, lse in runnable:
+            label = row["stage"]
             try:
                 out_torch, out_dev = _poisoned_out(torch, q)
-                prepared = attention.prepare(qd, kd, vd, stage=stage, layout=layout, out=out_dev)
+                prepared = attention.prepare(qd, kd, vd, stage=stage, layout=case.layout,
+                                             out=out_dev, **_feature_kwargs(case, lse))
                 if check:
+                    if lse:
+                        _poison_f32(prepared.lse)
                     prepared.launch()
                     driver.synchronize()
                     out = out_torch if out_torch is not None else out_dev.to_numpy()
-                    ref = ref or ReferenceSubset(q, k, v, layout, seed=seed)
-                    row.update(apply_peer_bar(ref.compare(out), peer_row))
-            except Exception as exc:     # record and go on: one broken stage spoils no table
+                    metrics = ref_of().compare(out)
+                    if lse:
+                        metrics.update(ref_of().compare_lse(prepared.lse.to_numpy()))
+                        metrics["pass"] = bool(metrics["pass"] and metrics["lse_pass"])
+                    row.update(apply_peer_bar(metrics, peer_row))
+            except Exception as exc:     # record and go on: one broken kernel spoils no table
                 row.update(status="error", reason=_one_line(exc))
-                say(f"  {stage.label}: {row['reason']}")
+                say(f"  {label}: {row['reason']}")
                 continue
             if check and not row["pass"]:
                 row.update(status="FAILED", reason=failure_reason(row))
-                say(f"  {stage.label}: FAILED, not timed ({row['reason']})")
+                say(f"  {label}: FAILED, not timed ({row['reason']})")
                 continue
-            entries[stage.label] = (row, prepared.launch, prepared.stream)
+            entries[label] = (row, prepared.launch, prepared.stream)
 
         timed = time_rounds({label: (fn, stream) for label, (_, fn, stream) in entries.items()},
                             (peer_fn, peer_stream) if peer_fn is not None else None,
                             rounds=rounds, reps=reps, block=block, warmup=warmup, rng=rng)
-        clocks = timed["clocks"]
-        orders = timed["orders"]
         raw, peer_raw, peer_all = timed["raw"], timed["peer_raw"], timed["peer_all"]
-        with_peer = peer_fn is not None
         for label, why in timed["errors"].items():
             target = peer_row if label == PEER else entries[label][0]
             target.update(status="error", reason=why)
-        result["clocks"][shape_name] = clocks
-        result.setdefault("orders", {})[shape_name] = orders
+        result["clocks"][case.name] = timed["clocks"]
+        result.setdefault("orders", {})[case.name] = timed["orders"]
 
         for label, (row, _, _) in entries.items():
             if row["status"] != "ok" or not raw[label]:
                 continue
-            _summarize(row, raw[label], shape)
-            if with_peer and len(peer_raw[label]) == len(raw[label]):
+            _summarize(row, raw[label], case)
+            if peer_fn is not None and len(peer_raw[label]) == len(raw[label]):
                 pair_figures(row, peer_raw[label], seed=seed)
-            say(f"  {row['stage']}: {row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s"
-                + (f"  {row['pct_of_peer']:.1f}% of {PEER}" if "pct_of_peer" in row else ""))
+        ours_ratios({label: row for label, (row, _, _) in entries.items()}, case.ratios,
+                    seed=seed)
+        for label, (row, _, _) in entries.items():
+            if "ms" in row:
+                say(f"  {label}: {row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s"
+                    + (f"  {row['pct_of_peer']:.1f}% of {PEER}" if "pct_of_peer" in row else "")
+                    + "".join(f"  {x['pct']:.1f}% of {x['vs']}"
+                              for x in row.get("ours_ratios", [])))
         if peer_row is not None and peer_row["status"] == "ok" and peer_all:
-            _summarize(peer_row, peer_all, shape)
+            _summarize(peer_row, peer_all, case)
             say(f"  {PEER}: {peer_row['ms']:.3f} ms  {peer_row['tflops']:.1f} TFLOP/s")
         if torch is not None:
-            del q, k, v, qd, kd, vd
+            del q, k, v, qd, kd, vd, refs
+            entries.clear()
             torch.cuda.empty_cache()
+    result["comparisons"] = compare_cases(result, cases)
     return result
+
+
+def ours_ratios(rows: dict, ratios, *, seed: int = 0) -> None:
+    """For each (a, b) of a case's ratios, where both were timed in every round: into row a,
+    {"vs": b, "pct": 100 x median over rounds of (b ms / a ms), "ci": 95% bootstrap,
+    "rounds": the per-round ratios}. Same rounds, same inputs: clock drift cancels as it does
+    for the peer's ratio."""
+    for a, b in ratios:
+        ra, rb = rows.get(a), rows.get(b)
+        if not (ra and rb and ra.get("ms_rounds") and rb.get("ms_rounds")
+                and len(ra["ms_rounds"]) == len(rb["ms_rounds"])):
+            continue
+        per_round = [tb / ta for ta, tb in zip(ra["ms_rounds"], rb["ms_rounds"])]
+        lo, hi = bootstrap_ci(per_round, seed=seed)
+        ra.setdefault("ours_ratios", []).append(
+            {"vs": b, "pct": 100.0 * median(per_round), "ci": [100.0 * lo, 100.0 * hi],
+             "rounds": per_round})
+
+
+def compare_cases(result: dict, cases) -> list[dict]:
+    """Each case with `versus`: its production TFLOP/s in % of the other case's (e.g. 4095 vs
+    4096, GQA vs MHA 8k, window vs causal 16k). Timed in different rounds: no interval."""
+    rows = {(r["shape"], r["stage"]): r for r in result["results"]}
+    out = []
+    for case in cases:
+        if not case.versus:
+            continue
+        a, b = rows.get((case.name, "production")), rows.get((case.versus, "production"))
+        entry = {"case": case.name, "versus": case.versus, "kernel": "production"}
+        if a and b and a.get("tflops") and b.get("tflops"):
+            entry.update(tflops=a["tflops"], versus_tflops=b["tflops"],
+                         pct=100.0 * a["tflops"] / b["tflops"])
+        else:
+            entry["status"] = "not measured in both"
+        out.append(entry)
+    return out
 
 
 def time_rounds(ours: dict, peer, *, rounds: int, reps: int, block: int = 1, warmup: int = 3,
@@ -694,14 +1195,13 @@ def pair_figures(row: dict, peer_rounds: list[list[float]], *, seed: int = 0) ->
     row["pct_of_peer_ci"] = [100.0 * lo, 100.0 * hi]
 
 
-def _summarize(row: dict, raw_rounds: list[list[float]], shape) -> None:
-    """Per-round medians, their median, TFLOP/s and spread, and the raw times, into row."""
-    batch, heads, seq, dim = shape
+def _summarize(row: dict, raw_rounds: list[list[float]], case: Case) -> None:
+    """Per-round medians, their median, TFLOP/s (case_flops) and spread, and the raw times."""
     row["ms_raw"] = [[round(t, 6) for t in times] for times in raw_rounds]
     row["ms_rounds"] = [median(times) for times in raw_rounds]
     row["ms"] = median(row["ms_rounds"])
-    row["tflops"] = tflops(batch, heads, seq, seq, dim, row["ms"])
-    row["tflops_rounds"] = [tflops(batch, heads, seq, seq, dim, ms) for ms in row["ms_rounds"]]
+    row["tflops"] = case_tflops(case, row["ms"])
+    row["tflops_rounds"] = [case_tflops(case, ms) for ms in row["ms_rounds"]]
     row["spread_pct"] = spread_pct(row["ms_rounds"])
 
 
@@ -724,11 +1224,12 @@ def _one_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- output
 
 def results_filename(result: dict) -> str:
-    """<date>-<gpu>.json, e.g. 2026-11-29-h200.json."""
+    """<date>-<gpu>[-<set>].json, e.g. 2026-11-29-h200.json, 2026-12-01-h200-production.json."""
     date = str(result.get("date", ""))[:10] or _dt.date.today().isoformat()
     gpu = str(result.get("env", {}).get("gpu") or "gpu").lower().replace("nvidia", "")
     slug = re.sub(r"[^a-z0-9]+", "-", gpu).strip("-") or "gpu"
-    return f"{date}-{slug}.json"
+    suffix = f"-{result['set']}" if result.get("set") else ""
+    return f"{date}-{slug}{suffix}.json"
 
 
 def write_results(result: dict, path) -> Path:
@@ -771,12 +1272,12 @@ def filter_results(result: dict, stages=None, shapes=None) -> dict:
     out = dict(result)
     if stages:
         wanted = {_stages.get_stage(s).label for s in stages}
-        have = {r["stage"] for r in result["results"]}
+        have = {_base_label(r["stage"]) for r in result["results"]}
         missing = sorted(wanted - have)
         if missing:
             raise ValueError(f"stages: {', '.join(missing)} not in these results "
                              f"(they hold {', '.join(sorted(have))})")
-        out["results"] = [r for r in out["results"] if r["stage"] in wanted]
+        out["results"] = [r for r in out["results"] if _base_label(r["stage"]) in wanted]
     if shapes:
         names = []
         for text in shapes:
@@ -788,7 +1289,16 @@ def filter_results(result: dict, stages=None, shapes=None) -> dict:
         out["shapes"] = {k: v for k, v in result["shapes"].items() if k in names}
         out["results"] = [r for r in out["results"] if r["shape"] in names]
         out["peer"] = [p for p in result.get("peer", []) if p["shape"] in names]
+        if "cases" in result:
+            out["cases"] = {k: v for k, v in result["cases"].items() if k in names}
+        out["comparisons"] = [c for c in result.get("comparisons", [])
+                              if c["case"] in names and c["versus"] in names]
     return out
+
+
+def _base_label(label: str) -> str:
+    """The kernel of a row label: "production+lse" -> "production"."""
+    return label.split("+", 1)[0]
 
 
 def _fmt(value, spec: str) -> str:
@@ -800,17 +1310,24 @@ def _ci(row: dict) -> str:
     return f"{ci[0]:.1f}-{ci[1]:.1f}" if ci else "-"
 
 
+def _ours(row: dict) -> str:
+    """The ours-vs-ours ratios of a row: "99.1% of stage14 (98.0-100.2)"."""
+    return "; ".join(f"{x['pct']:.1f}% of {x['vs']} ({x['ci'][0]:.1f}-{x['ci'][1]:.1f})"
+                     for x in row.get("ours_ratios", [])) or "-"
+
+
 def format_table(result: dict) -> str:
-    """stage, shape, ms, TFLOP/s, % of cuDNN (same run) with its 95% interval, spread over
-    rounds, rel err ours and cuDNN's, check (ok / FAILED / skipped / error)."""
+    """kernel, case, ms, TFLOP/s, % of cuDNN (same run) with its 95% interval, ours vs ours
+    (same rounds, 95% interval), spread over rounds, rel err ours and cuDNN's, check (ok /
+    FAILED / n/a / error); then why rows were not timed, cross-case ratios, and the cases."""
     head = ("stage", "shape", "ms", "TFLOP/s", f"% {PEER}", "95% CI", "spread%", "rel err",
-            f"rel err {PEER}", "check")
+            f"rel err {PEER}", "check", "vs ours, same rounds (95% CI)")
     rows = []
     peers = {p["shape"]: p for p in result.get("peer", [])}
     order = list(result.get("shapes", {}))
     ours = sorted(result.get("results", []),
                   key=lambda r: (order.index(r["shape"]) if r["shape"] in order else 99,
-                                 r.get("number", 0)))
+                                 r.get("number", 0), r["stage"]))
     shown_peer = set()
     for r in ours:
         p = peers.get(r["shape"], {})
@@ -818,17 +1335,19 @@ def format_table(result: dict) -> str:
             shown_peer.add(r["shape"])
             rows.append((PEER, p["shape"], _fmt(p.get("ms"), ".3f"), _fmt(p.get("tflops"), ".1f"),
                          "100.0" if p.get("ms") else "-", "", _fmt(p.get("spread_pct"), ".1f"),
-                         _fmt(p.get("rel_l2"), ".1e"), "", _status(p)))
+                         _fmt(p.get("rel_l2"), ".1e"), "", _status(p), ""))
         rows.append((f"{r['stage']} {r.get('name', '')}".strip(), r["shape"],
                      _fmt(r.get("ms"), ".3f"), _fmt(r.get("tflops"), ".1f"),
                      _fmt(r.get("pct_of_peer"), ".1f"), _ci(r), _fmt(r.get("spread_pct"), ".1f"),
-                     _fmt(r.get("rel_l2"), ".1e"), _fmt(p.get("rel_l2"), ".1e"), _status(r)))
+                     _fmt(r.get("rel_l2"), ".1e"), _fmt(p.get("rel_l2"), ".1e"), _status(r),
+                     _ours(r)))
     lines = _columns(head, rows, left=2)
     env = result.get("env", {})
     src = result.get("source") or {}
     proto = result.get("protocol", {})
     lines.insert(0, f"{env.get('gpu', '?')}, driver {env.get('driver_version', '?')}, "
-                    f"{proto.get('layout', '?')}, {result.get('date', '?')}"
+                    + (f"set {result['set']}, " if result.get("set") else "")
+                    + f"{proto.get('layout', '?')}, {result.get('date', '?')}"
                     + (f", cuDNN {env['cudnn']}" if env.get("cudnn") else "")
                     + (f", {proto['rounds']} rounds x {proto['reps']} reps"
                        if "rounds" in proto and "reps" in proto else "")
@@ -836,11 +1355,32 @@ def format_table(result: dict) -> str:
                        if src.get("commit") else
                        (f", tree {src['tree_sha256'][:12]}" if src.get("tree_sha256") else "")))
     for r in ours:
-        if r.get("status") in ("skipped", "error", "FAILED"):
+        if r.get("status") in ("skipped", "n/a", "error", "FAILED"):
             lines.append(f"{r['stage']} {r['shape']} {r['status']}: {r.get('reason', '')}")
     for p in result.get("peer", []):
-        if p.get("status") in ("error", "FAILED"):
+        if p.get("status") in ("n/a", "error", "FAILED"):
             lines.append(f"{PEER} {p['shape']} {p['status']}: {p.get('reason', '')}")
+        if p.get("gqa"):
+            lines.append(f"{PEER} {p['shape']} GQA by {p['gqa']}")
+    comparisons = result.get("comparisons", [])
+    if comparisons:
+        lines.append("across cases (production TFLOP/s, timed in different rounds: no "
+                     "interval):")
+        for c in comparisons:
+            lines.append(f"  {c['case']} vs {c['versus']}: "
+                         + (f"{c['pct']:.1f}% ({c['tflops']:.1f} / {c['versus_tflops']:.1f})"
+                            if "pct" in c else c.get("status", "-")))
+    cases = result.get("cases", {})
+    if cases and any(c.get("causal") or c.get("window") or c.get("heads_kv") != c.get("heads")
+                     or c.get("layout") != proto.get("layout") for c in cases.values()):
+        lines.append("cases (B, H[:Hkv], Lq[xLk], D, layout, mask; FLOPs):")
+        for name, c in cases.items():
+            mask = (f"window {c['window'][0]},{c['window'][1]}" if c.get("window")
+                    else "causal" if c.get("causal") else "dense")
+            heads = f"{c['heads']}" + (f":{c['heads_kv']}" if c["heads_kv"] != c["heads"] else "")
+            seq = f"{c['seq_q']}" + (f"x{c['seq_k']}" if c["seq_k"] != c["seq_q"] else "")
+            lines.append(f"  {name}: {c['batch']}, {heads}, {seq}, {c['head_dim']}, "
+                         f"{c['layout']}, {mask}; {c['flops']:.4g}")
     return "\n".join(lines)
 
 
@@ -851,7 +1391,7 @@ def _columns(head, rows, left: int) -> list[str]:
 
 
 def _status(row: dict) -> str:
-    if row.get("status") in ("skipped", "error", "FAILED"):
+    if row.get("status") in ("skipped", "n/a", "error", "FAILED"):
         return row["status"]
     if "pass" not in row:
         return ""
@@ -900,7 +1440,12 @@ def combine_results(results, names=None) -> dict:
             status = "ok"
         else:
             status = next(s for s in statuses if s != "ok")
+        ours: dict[str, list[float]] = {}
+        for r in measured:
+            for x in r.get("ours_ratios", []):
+                ours.setdefault(x["vs"], []).append(x["pct"])
         rows.append({**base, "shape": shape, "status": status, "runs": statuses,
+                     "ours_ranges": {vs: [min(v), max(v)] for vs, v in ours.items()},
                      "pct": pct, "pct_range": [min(pct), max(pct)] if pct else None,
                      "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
                      "peer_tflops_range": [min(peer_tf), max(peer_tf)] if peer_tf else None})
@@ -922,15 +1467,18 @@ def format_range(lo_hi, unit: str = "", spec: str = ".1f") -> str:
 
 def format_combined(combined: dict) -> str:
     """One line per stage and shape: % of cuDNN as a range over the runs, TFLOP/s range."""
-    head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs")
+    head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs",
+            "vs ours (range)")
     rows = []
     for r in combined["rows"]:
         measured = r["status"] == "ok"
+        ours = "; ".join(f"{format_range(v, '%')} of {vs}"
+                         for vs, v in r.get("ours_ranges", {}).items())
         rows.append((f"{r['stage']} {r['name']}".strip(), r["shape"],
                      format_range(r["pct_range"], "%") if measured else r["status"],
                      format_range(r["tflops_range"]) if measured else "-",
                      format_range(r["peer_tflops_range"]),
-                     ",".join(r["runs"])))
+                     ",".join(r["runs"]), (ours or "-") if measured else "-"))
     lines = _columns(head, rows, left=2)
     for i, run in enumerate(combined["runs"]):
         lines.insert(i, f"{run['name']}: {run.get('date', '?')}, {run.get('gpu', '?')}"

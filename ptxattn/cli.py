@@ -380,30 +380,39 @@ def _split(text: str | None) -> list[str] | None:
 
 
 @main.command()
+@click.option("--set", "set_name", type=click.Choice(["lineage", "production"],
+                                                     case_sensitive=False), default=None,
+              help="A named case set: lineage (every stage at 4k/8k/16k/1k) or production "
+                   "(the production kernel vs stage 14 vs cuDNN, and the feature shapes).")
 @click.option("--stages", "stage_list", default=None, help="Comma list, e.g. 1,2,5 (default all).")
 @click.option("--shapes", default=None,
-              help="Comma list of 4k, 8k, 16k, 1k, 512 or BxHxLxD  [default: 4k,8k,16k].")
-@_layout_option()
-@click.option("--reps", type=click.IntRange(1), default=20, show_default=True,
-              help="Timed launches per kernel per round (median).")
-@click.option("--rounds", type=click.IntRange(1), default=10, show_default=True,
-              help="Rounds; each times every (stage, cuDNN) pair in a random order.")
+              help="Comma list of 4k, 8k, 16k, 1k, 512 or BxHxLxD  [default: 4k,8k,16k]; "
+                   "with --set: names of the set's cases.")
+@click.option("--layout", type=click.Choice(["bhld", "bshd"], case_sensitive=False),
+              default=None, help="[default: bhld] (the production set fixes each case's).")
+@click.option("--reps", type=click.IntRange(1), default=None,
+              help="Timed launches per kernel per round (median)  [default: 20; the set's].")
+@click.option("--rounds", type=click.IntRange(1), default=None,
+              help="Rounds; each times every (kernel, cuDNN) pair in a random order  "
+                   "[default: 10; the set's].")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="Time cuDNN (PyTorch SDPA) alongside, when PyTorch is there.")
 @click.option("--check/--no-check", default=True, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Write <date>-<gpu>.json and bench.txt here.")
+              help="Write <date>-<gpu>[-<set>].json and bench[-<set>].txt here.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
               callback=_suffix_check(".png", ".svg"),
               help="Progression chart (.png or .svg; needs ptxattn[plot]).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
               multiple=True, help="Saved results instead of running (no GPU); give it twice "
                                   "or more to combine runs into ranges.")
-def bench(stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, out_dir,
-          plot_file, from_json):
-    """Benchmark stages against cuDNN on the same inputs in the same run."""
+@click.option("--estimate", is_flag=True,
+              help="Print the cases and a rough run time, run nothing (no GPU needed).")
+def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, out_dir,
+          plot_file, from_json, estimate):
+    """Benchmark kernels against cuDNN on the same inputs in the same run."""
     from . import bench as _bench
 
     if from_json:
@@ -418,18 +427,51 @@ def bench(stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, o
             return
         result = results[0]
     else:
-        result = _bench.run_benchmark(
-            _split(stage_list), _split(shapes) or list(_bench.DEFAULT_SHAPES), layout, reps,
-            rounds=rounds, warmup=warmup, peer=peer, check=check, seed=seed,
-            log=lambda msg: click.echo(msg, err=True))
+        plan = _bench_plan(_bench, set_name, stage_list, shapes, layout, reps, rounds)
+        cases, stage_objs, reps, rounds = plan
+        seconds = _bench.estimate_seconds(cases, stage_objs, reps=reps, rounds=rounds,
+                                          warmup=warmup, peer=peer)
+        line = (f"estimate: ~{seconds / 60:.1f} min for {len(cases)} cases x {rounds} rounds x "
+                f"{reps} reps (rough: assumed speeds, checks and JIT)")
+        if estimate:
+            for case in cases:
+                kernels = ", ".join(k[0] for k in _bench.case_kernels(case, stage_objs))
+                click.echo(f"{case.name}: {case.describe()}: {kernels}")
+            click.echo(line)
+            return
+        click.echo(line, err=True)
+        log = lambda msg: click.echo(msg, err=True)   # noqa: E731
+        if set_name:
+            result = _bench.run_set(set_name, _split(shapes), _split(stage_list), layout=layout,
+                                    reps=reps, rounds=rounds, warmup=warmup, peer=peer,
+                                    check=check, seed=seed, log=log)
+        else:
+            result = _bench.run_benchmark(
+                _split(stage_list), _split(shapes) or list(_bench.DEFAULT_SHAPES),
+                layout or "bhld", reps, rounds=rounds, warmup=warmup, peer=peer, check=check,
+                seed=seed, log=log)
     table = _bench.format_table(result)
     if out_dir:
         path = _bench.write_results(result, Path(out_dir) / _bench.results_filename(result))
-        (Path(out_dir) / "bench.txt").write_text(table + "\n")
+        suffix = f"-{result['set']}" if result.get("set") else ""
+        (Path(out_dir) / f"bench{suffix}.txt").write_text(table + "\n")
         click.echo(f"results: {path}", err=True)
     if plot_file:
         click.echo(f"plot: {_bench.plot_progression(result, plot_file)}", err=True)
     click.echo(table)
+
+
+def _bench_plan(_bench, set_name, stage_list, shapes, layout, reps, rounds):
+    """(cases, stages or None, reps, rounds) of a run, checked before the GPU is touched."""
+    if set_name:
+        chosen = _bench.select_set(set_name, _split(shapes), layout)
+        stage_objs = [_stages.get_stage(s) for s in _split(stage_list)] if stage_list else None
+        return (list(chosen.cases), stage_objs, reps or chosen.reps, rounds or chosen.rounds)
+    reps, rounds = reps or 20, rounds or _bench.DEFAULT_ROUNDS
+    stage_objs, shape_list, layout = _bench.validate_request(
+        _split(stage_list), _split(shapes) or list(_bench.DEFAULT_SHAPES), layout or "bhld",
+        reps, rounds)
+    return ([_bench.shape_case(n, d, layout) for n, d in shape_list], stage_objs, reps, rounds)
 
 
 # --------------------------------------------------------------------------- trace

@@ -81,7 +81,7 @@ def test_format_table_on_synthetic_results():
     row = next(line for line in lines if line.startswith("stage01 baseline") and " 4k " in line)
     cells = row.split()
     # ms, TFLOP/s, % of cuDNN (1.70 / 9.0), CI and spread (not in schema 1), rel errs, check
-    assert cells[3:] == ["9.000", "122.2", "18.9", "-", "-", "3.1e-03", "2.9e-03", "ok"]
+    assert cells[3:] == ["9.000", "122.2", "18.9", "-", "-", "3.1e-03", "2.9e-03", "ok", "-"]
     assert any(line.startswith("cuDNN") and " 4k " in line and "100.0" in line for line in lines)
     assert "stage03 8k skipped: synthetic: shape not supported" in text
 
@@ -179,7 +179,7 @@ def test_run_benchmark_flow_with_a_fake_gpu(monkeypatch):
     assert rows[("stage03", "1x2x128x128")]["ms"] == 2.0
     err = rows[("stage02", "1x2x128x128")]
     assert err["status"] == "error" and err["reason"] == "RuntimeError: fake JIT failure"
-    assert all(rows[(s, "1x1x96x128")]["status"] == "skipped" for s in ("stage01", "stage02",
+    assert all(rows[(s, "1x1x96x128")]["status"] == "n/a" for s in ("stage01", "stage02",
                                                                         "stage03"))
     assert "query length 96" in rows[("stage01", "1x1x96x128")]["reason"]
     assert launches == {1: 4, 3: 4}                # one checked launch + one per round
@@ -243,7 +243,7 @@ def test_run_benchmark_does_not_time_a_stage_that_fails_its_check(monkeypatch):
     assert rows["stage01"]["status"] == "ok" and rows["stage01"]["ms"] == 4.0
     table = bench.format_table(result)
     row = next(line for line in table.splitlines() if line.startswith("stage03"))
-    assert row.split()[-1] == "FAILED" and " - " in row
+    assert row.split()[-2:] == ["FAILED", "-"] and " - " in row
     assert "stage03 1x2x128x128 FAILED: check failed: rel L2" in table
 
 
@@ -609,6 +609,8 @@ def newest_results() -> tuple[Path, dict]:
             data = bench.load_results(path)
         except ValueError:
             continue
+        if data.get("set") not in (None, "lineage"):      # the production set: other kernels
+            continue
         found.append((str(data.get("date", "")), path.name, path, data))
     assert found, f"no benchmark results JSON in {RESULTS_DIR}"
     _, _, path, data = max(found)
@@ -624,7 +626,7 @@ def test_fastest_first_agrees_with_the_newest_results():
     path, data = newest_results()
     ms: dict[int, dict[str, float]] = {}
     for r in data["results"]:
-        if r.get("status") == "ok" and r.get("ms"):
+        if r.get("status") == "ok" and r.get("ms") and r.get("number"):   # lineage stages
             ms.setdefault(r["number"], {})[r["shape"]] = r["ms"]
     assert len(ms) >= 2, f"{path.name}: fewer than two measured stages"
     unlisted = sorted(set(ms) - set(stages.FASTEST_FIRST))
@@ -686,3 +688,315 @@ def test_sanitize_cases_cover_bshd_several_tiles_and_the_controls():
     assert ("--tool racecheck --racecheck-report analysis --error-exitcode 86 --print-limit 20 "
             f"{sys.executable} bench/sanitize_case.py --stage 1 -b 1 -H 2 -L 256 --layout bhld "
             "-D PTXATTN_PLANT_HAZARD=1") in dry.stdout
+
+
+# --------------------------------------------------------------------------- feature cases
+
+@pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (7, 7), (5, 13), (13, 5), (64, 64), (100, 37)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (3, 0)),
+                                           (False, (0, 2)), (False, (-1, 4)), (False, (6, -1)),
+                                           (True, (4, 9)), (False, (2, 2)), (False, (0, 0))])
+def test_unmasked_pairs_match_a_brute_force_count(seq_q, seq_k, causal, window):
+    from ptxattn import reference
+    bounds = reference._window(causal, window)
+    brute = (seq_q * seq_k if bounds is None else
+             int(reference.key_mask(np.arange(seq_q), seq_q, seq_k, bounds).sum()))
+    assert bench.unmasked_pairs(seq_q, seq_k, causal, window) == brute
+
+
+def test_case_flops_dense_causal_halved_window_exact():
+    dense = bench.Case("d", 2, 16, 4096, 4096, 128)
+    assert dense.flops == bench.attention_flops(2, 16, 4096, 4096, 128) and not dense.masked
+    causal = bench.Case("c", 2, 16, 4096, 4096, 128, causal=True)
+    assert causal.flops == dense.flops // 2                  # the convention, not L(L+1)/2
+    win = bench.Case("w", 2, 16, 16384, 16384, 128, window=(1024, 0))
+    # query i sees min(i, 1024) + 1 keys
+    pairs = sum(min(i, 1024) + 1 for i in range(16384))
+    assert win.pairs == pairs and win.flops == 4 * 2 * 16 * 128 * pairs
+    assert bench.case_tflops(win, 1.0) == pytest.approx(win.flops / 1e-3 / 1e12)
+    gqa = bench.Case("g", 4, 32, 8192, 8192, 128, heads_kv=4)
+    assert gqa.gqa and gqa.flops == bench.attention_flops(4, 32, 8192, 8192, 128)
+    assert bench.Case("m", 1, 8, 64, 64, 64).heads_kv == 8
+    params = win.params()
+    assert params["window"] == [1024, 0] and params["pairs"] == pairs
+    assert "exactly" in params["flops_rule"] and "halved" in causal.params()["flops_rule"]
+    json.dumps(params)
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    (dict(heads_kv=3), "heads_kv: expected a divisor of heads 16"),
+    (dict(seq_q=0), "seq_q: expected a whole number >= 1"),
+    (dict(layout="lbhd"), "layout"),
+    (dict(window=(1, "x")), "window"),
+    (dict(window=(-2, 0)), "window"),
+    (dict(kernels=("production",), ratios=(("production", "stage14"),)), "ratios"),
+])
+def test_case_rejects_bad_parameters_naming_them(kwargs, what):
+    base = dict(name="x", batch=1, heads=16, seq_q=64, seq_k=64, head_dim=128)
+    with pytest.raises(ValueError, match=what):
+        bench.Case(**{**base, **kwargs})
+
+
+def test_production_set_holds_the_issue_cases():
+    cases = {c.name: c for c in bench.SETS["production"].cases}
+    for shape in ("4k", "8k", "16k"):
+        for name in (shape, f"{shape}-bshd"):
+            assert cases[name].kernels[0] == "production" and "stage14" in cases[name].kernels
+            assert ("production", "stage14") in cases[name].ratios
+        assert (cases[shape].batch, cases[shape].heads, cases[shape].seq_q) == \
+            bench.SHAPES[shape][:3]
+        assert cases[f"{shape}-bshd"].layout == "bshd"
+        c = cases[f"causal-{shape}"]
+        assert c.causal and (c.batch, c.heads, c.seq_q) == bench.SHAPES[shape][:3]
+    assert ("production+lse", "production") in cases["8k"].ratios
+    assert (cases["4095"].seq_q, cases["4095"].versus) == (4095, "4k")
+    assert (cases["8191"].seq_q, cases["8191"].versus) == (8191, "8k")
+    g = cases["gqa32:4-8k"]
+    assert (g.batch, g.heads, g.heads_kv, g.seq_q, g.head_dim) == (4, 32, 4, 8192, 128)
+    v = cases["video"]
+    assert (v.batch, v.heads, v.seq_q, v.head_dim, v.layout) == (1, 12, 32760, 128, "bshd")
+    assert [(cases[n].batch, cases[n].heads, cases[n].seq_q, cases[n].head_dim) for n in
+            ("d64-8k", "d64-16k", "d256-8k", "d256-16k")] == [
+        (4, 32, 8192, 64), (2, 32, 16384, 64), (4, 8, 8192, 256), (2, 8, 16384, 256)]
+    gc = cases["gqa32:4-causal-8k"]
+    assert gc.causal and gc.heads_kv == 4 and gc.heads == 32
+    w = cases["window1024-16k"]
+    assert w.window == (1024, 0) and not w.causal and w.versus == "causal-16k"
+    assert bench.SETS["production"].reps == 10 and bench.SETS["production"].rounds == 10
+    lineage = bench.SETS["lineage"]
+    assert [c.name for c in lineage.cases] == ["4k", "8k", "16k", "1k"]
+    assert (lineage.reps, lineage.rounds) == (20, 10)
+    for case in cases.values():
+        json.dumps(case.params())
+        assert bench._peer_unavailable(case) == (
+            "no cuDNN peer for sliding windows through SDPA" if case.window else None)
+
+
+def test_select_set_cuts_cases_and_guards_the_layout():
+    picked = bench.select_set("production", ["CAUSAL-8k", "8k"])
+    assert [c.name for c in picked.cases] == ["8k", "causal-8k"]        # the set's order
+    with pytest.raises(ValueError, match="shapes: 'nope' not in the production set"):
+        bench.select_set("production", ["nope"])
+    with pytest.raises(ValueError, match="layout: the production set fixes"):
+        bench.select_set("production", layout="bshd")
+    assert {c.layout for c in bench.select_set("lineage", layout="BSHD").cases} == {"bshd"}
+    with pytest.raises(ValueError, match="set: expected one of lineage, production"):
+        bench.select_set("fast")
+
+
+def test_estimate_grows_with_the_work():
+    cases = bench.SETS["production"].cases
+    small = bench.estimate_seconds(cases, reps=10, rounds=10)
+    assert small > 0
+    assert bench.estimate_seconds(cases, reps=20, rounds=10) > small
+    assert bench.estimate_seconds(cases, reps=10, rounds=10, peer=False) < small
+
+
+def tiny_production_cases():
+    """The production set's cases shrunk to CPU size, kinds kept (GQA, masks, tails, D)."""
+    import dataclasses
+    out = []
+    for c in bench.SETS["production"].cases:
+        seq = 130 if c.seq_q % 2 else 128
+        out.append(dataclasses.replace(
+            c, batch=1, heads=4 if c.gqa else 2, heads_kv=1 if c.gqa else 0, seq_q=seq,
+            seq_k=seq, window=(40, 0) if c.window else None))
+    return out
+
+
+def test_production_set_with_a_fake_gpu_that_takes_masks(monkeypatch):
+    """Every case runs (the fake takes causal/window and any D); ours-vs-ours ratios come
+    out of the same rounds, cross-case ratios from the TFLOP/s, the LSE is checked."""
+    import fake_gpu
+    from ptxattn import stages
+    # the fake takes every head dim and masks: a production build for each
+    variants = {(d, m): stages.PRODUCTION_VARIANTS[(128, False)]
+                for d in (64, 128, 256) for m in (False, True)}
+    monkeypatch.setattr(stages, "PRODUCTION_VARIANTS", variants)
+    monkeypatch.setattr(stages, "PRODUCTION",
+                        __import__("dataclasses").replace(stages.PRODUCTION,
+                                                          head_dims=(64, 128, 256)))
+    launches = fake_gpu.install(monkeypatch, {0: 2.0, (0, "lse"): 2.02, 14: 2.1,
+                                              (0, "causal"): 1.0})
+    result = bench.run_cases(tiny_production_cases(), reps=3, rounds=4)
+    json.dumps(result)
+    rows = {(r["stage"], r["shape"]): r for r in result["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), [
+        (k, r.get("reason")) for k, r in rows.items() if r["status"] != "ok"]
+    p8 = rows[("production", "8k")]
+    [vs14] = [x for x in p8["ours_ratios"] if x["vs"] == "stage14"]
+    assert vs14["pct"] == pytest.approx(105.0) and vs14["ci"] == [pytest.approx(105.0)] * 2
+    assert len(vs14["rounds"]) == 4
+    lse = rows[("production+lse", "8k")]
+    assert lse["lse"] and lse["lse_pass"] and lse["lse_max_abs"] < 1e-5
+    assert lse["ours_ratios"][0]["vs"] == "production"
+    assert lse["ours_ratios"][0]["pct"] == pytest.approx(100 * 2.0 / 2.02)
+    causal = rows[("production", "causal-8k")]
+    case = bench.Case("c", 1, 2, 128, 128, 128, causal=True)
+    assert causal["tflops"] == pytest.approx(bench.case_tflops(case, 1.0))
+    assert result["cases"]["window1024-16k"]["window"] == [40, 0]
+    assert result["cases"]["gqa32:4-8k"]["heads_kv"] == 1
+    comp = {c["case"]: c for c in result["comparisons"]}
+    assert comp["4095"]["versus"] == "4k" and comp["4095"]["pct"] == pytest.approx(
+        100 * 130 * 130 / (128 * 128))
+    assert comp["window1024-16k"]["pct"] > 0
+    assert launches[0] > 0 and launches[14] > 0
+    table = bench.format_table(result)
+    assert "105.0% of stage14 (105.0-105.0)" in table
+    assert "99.0% of production" in table
+    assert "across cases" in table
+    assert f"4095 vs 4k: {100 * 130 * 130 / 128 ** 2:.1f}%" in table
+    assert "window1024-16k: 1, 2, 128, 128, bhld, window 40,0;" in table
+    assert "gqa32:4-8k: 1, 4:1, 128, 128, bhld, dense;" in table
+
+
+def test_features_the_api_does_not_take_yet_are_na(monkeypatch):
+    """Before attention() takes causal=/window= (and before the D=64/256 builds), those cases
+    are n/a, not errors, and nothing is launched for them; the rest runs."""
+    import fake_gpu
+    launches = fake_gpu.install(monkeypatch, {0: 2.0, 14: 2.1}, masks=False)
+    cases = {c.name: c for c in tiny_production_cases()}
+    picked = [cases[n] for n in ("4k", "causal-8k", "window1024-16k", "d64-8k")]
+    result = bench.run_cases(picked, reps=2, rounds=2)
+    rows = {(r["stage"], r["shape"]): r for r in result["results"]}
+    assert rows[("production", "4k")]["status"] == "ok"
+    for name, why in (("causal-8k", "attention() does not take causal= yet"),
+                      ("window1024-16k", "attention() does not take window= yet"),
+                      ("d64-8k", "head dim 64")):
+        row = rows[("production", name)]
+        assert row["status"] == "n/a" and why in row["reason"], row
+        assert "ms" not in row
+    assert launches == {0: 3, 14: 3}                 # 4k only: one check + one per round
+    table = bench.format_table(result)
+    assert "production causal-8k n/a: attention() does not take causal= yet" in table
+    line = next(x for x in table.splitlines() if x.startswith("production") and "causal-8k" in x)
+    assert " n/a " in f"{line} "
+
+
+def test_lineage_stages_are_na_on_gqa_lse_and_masks():
+    from ptxattn import stages
+    s14 = stages.get_stage(14)
+    assert "GQA" in bench.kernel_takes(s14, bench.Case("g", 1, 4, 128, 128, 128, heads_kv=2))
+    assert bench.kernel_takes(s14, bench.Case("l", 1, 4, 128, 128, 128), lse=True) == "LSE out"
+    assert "masks" in bench.kernel_takes(s14, bench.Case("c", 1, 4, 128, 128, 128, causal=True))
+    assert "length 4095" in bench.kernel_takes(s14, bench.Case("t", 1, 4, 4095, 4095, 128))
+    assert bench.kernel_takes(s14, bench.Case("ok", 1, 4, 256, 256, 128)) is None
+    assert bench.case_kernels(bench.Case("x", 1, 1, 128, 128, 128,
+                                         kernels=("production", "production+lse", "stage14")),
+                              [stages.get_stage(14)]) == [("stage14", s14, False)]
+
+
+def test_a_wrong_lse_fails_the_check_and_is_not_timed(monkeypatch):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {0: 2.0, (0, "lse"): 2.0, 14: 2.1}, wrong_lse=True)
+    [case] = [c for c in tiny_production_cases() if c.name == "8k"]
+    result = bench.run_cases([case], reps=2, rounds=2)
+    rows = {r["stage"]: r for r in result["results"]}
+    bad = rows["production+lse"]
+    assert bad["status"] == "FAILED" and not bad["lse_pass"] and "ms" not in bad
+    assert "LSE max |err| 1.00e-02" in bad["reason"]
+    assert rows["production"]["status"] == "ok"
+    assert [x["vs"] for x in rows["production"]["ours_ratios"]] == ["stage14"]
+
+
+def test_combine_keeps_feature_cases_and_ours_ratio_ranges(monkeypatch):
+    import fake_gpu
+    runs = []
+    for ms14 in (2.1, 2.2):
+        fake_gpu.install(monkeypatch, {0: 2.0, (0, "lse"): 2.02, 14: ms14})
+        cases = [c for c in tiny_production_cases() if c.name in ("8k", "gqa32:4-8k")]
+        runs.append(bench.run_cases(cases, reps=2, rounds=2))
+    combined = bench.combine_results(runs, names=["a", "b"])
+    rows = {(r["stage"], r["shape"]): r for r in combined["rows"]}
+    assert rows[("production", "gqa32:4-8k")]["status"] == "ok"
+    assert rows[("production", "8k")]["ours_ranges"]["stage14"] == [
+        pytest.approx(105.0), pytest.approx(110.0)]
+    text = bench.format_combined(combined)
+    line = next(x for x in text.splitlines() if x.startswith("production ") and " 8k " in x)
+    assert "105.0-110.0% of stage14" in line
+
+
+# --------------------------------------------------------------------------- --set on the CLI
+
+def test_cli_bench_set_production_with_a_fake_gpu(monkeypatch, tmp_path):
+    import fake_gpu
+    fake_gpu.install(monkeypatch, {0: 2.0, (0, "lse"): 2.02, 14: 2.1}, masks=False)
+    cases = {c.name: c for c in tiny_production_cases()}
+    prod = bench.SETS["production"]
+    import dataclasses
+    monkeypatch.setitem(bench.SETS, "production", dataclasses.replace(
+        prod, cases=tuple(cases[n] for n in ("8k", "causal-8k"))))
+    result = _cli("bench", "--set", "production", "--rounds", "2", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "estimate: ~" in result.output and "2 cases x 2 rounds x 10 reps" in result.output
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "bench-production.txt" in files
+    [json_file] = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert json_file.name.endswith("-fake-gpu-production.json")
+    data = json.loads(json_file.read_text())
+    assert data["set"] == "production" and data["protocol"]["reps"] == 10
+    assert data["cases"]["causal-8k"]["causal"] is True
+    assert "99.0% of production" in (tmp_path / "bench-production.txt").read_text()
+    again = _cli("bench", "--from-json", json_file, "--stages", "production", "--shapes", "8k")
+    assert again.exit_code == 0, again.output
+    assert "production+lse" in again.output and "causal-8k" not in again.output
+
+
+def test_cli_bench_estimate_needs_no_gpu(monkeypatch):
+    from cli_helpers import one_clean_error
+    from ptxattn import driver
+
+    def no_gpu():
+        raise AssertionError("--estimate asked for the GPU")
+
+    monkeypatch.setattr(driver, "device_info", no_gpu)
+    out = _cli("bench", "--set", "production", "--estimate")
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "4k: B=8 H=16 L=4096 D=128 bhld: production, stage14"
+    assert "8k: B=4 H=16 L=8192 D=128 bhld: production, production+lse, stage14" in lines
+    assert "window1024-16k: B=2 H=16 L=16384 D=128 bhld window 1024,0: production" in lines
+    assert lines[-1].startswith("estimate: ~") and "19 cases x 10 rounds x 10 reps" in lines[-1]
+    lineage = _cli("bench", "--set", "lineage", "--estimate", "--stages", "14")
+    assert lineage.exit_code == 0 and "1k: B=8 H=16 L=1024 D=128 bhld: stage14" in lineage.output
+    assert "4 cases x 10 rounds x 20 reps" in lineage.output
+    one_clean_error(_cli("bench", "--set", "production", "--layout", "bshd"),
+                    "the production set fixes")
+    one_clean_error(_cli("bench", "--set", "production", "--shapes", "2k"),
+                    "'2k' not in the production set")
+
+
+def test_device_run_passes_each_set_its_arguments(tmp_path):
+    """bench/device_run.sh with a stand-in python3 that logs its arguments: both sets by
+    default, SETS/CASES/SHAPES/REPS routed to the right set, an unknown set is an error."""
+    import os
+    import subprocess
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
+    (stub / "python3").chmod(0o755)
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    (stub / "nvidia-smi").chmod(0o755)
+
+    def run(**env):
+        log.write_text("")
+        proc = subprocess.run(
+            ["bash", str(ROOT / "bench" / "device_run.sh")], cwd=ROOT, capture_output=True,
+            text=True, timeout=60,
+            env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                 "SKIP_SASS": "1", "SKIP_TESTS": "1", "SKIP_RUN": "1", **env})
+        benches = [x for x in log.read_text().splitlines()
+                   if x.startswith("-m ptxattn bench") and "--estimate" not in x]
+        return proc, benches
+
+    proc, benches = run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert benches == [f"-m ptxattn bench --set lineage --out {tmp_path / 'out'} --shapes "
+                       "4k,8k,16k,1k --layout bhld",
+                       f"-m ptxattn bench --set production --out {tmp_path / 'out'}"]
+    proc, benches = run(SETS="production", CASES="8k,causal-8k", REPS="5", ROUNDS="3")
+    assert benches == [f"-m ptxattn bench --set production --out {tmp_path / 'out'} --shapes "
+                       "8k,causal-8k --reps 5 --rounds 3"]
+    proc, benches = run(SETS="lineage,fast")
+    assert proc.returncode == 2 and "unknown set 'fast'" in proc.stdout
