@@ -477,50 +477,75 @@ def _bench_plan(_bench, set_name, stage_list, shapes, layout, reps, rounds):
 # --------------------------------------------------------------------------- trace
 
 @main.command()
-@click.argument("stage", required=False)
+@click.argument("stages", nargs=-1)
 @_shape_options("1x16x2048x128")
 @_layout_option()
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), required=True,
               callback=_suffix_check(".svg"), help="The timeline picture (.svg).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), default=None,
-              help="Also write the events and intervals as JSON.")
+              help="Also write the events as JSON (two stages: one file holding both).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="Draw a trace saved with --json instead of running (no GPU).")
-def trace(stage, shape, batch, heads, seq_len, head_dim, layout, seed, out_file, json_file,
-          from_json):
-    """Timeline of one CTA of STAGE, measured on the GPU with clock64 (a PTXATTN_TRACE build)."""
+              default=None, help="Draw saved traces instead of running (no GPU): a file "
+              "written by --json or by bench/trace_all.sh; STAGES pick from it.")
+@click.option("--compare", is_flag=True,
+              help="Two stages one above the other on one time axis (implied by two STAGES).")
+def trace(stages, shape, batch, heads, seq_len, head_dim, layout, seed, out_file, json_file,
+          from_json, compare):
+    """Timeline of one CTA of STAGE, measured on the GPU with clock64 (a PTXATTN_TRACE build).
+
+    Two stages (ptxattn trace 6 7 --out x.svg) draw both on one time axis."""
     from . import bench
     from . import trace as _trace
 
+    if len(stages) > 2:
+        raise click.UsageError(f"give one STAGE, or two to compare; got {len(stages)}")
+    if compare and len(stages) != 2:
+        raise click.UsageError("--compare needs two STAGES")
     if from_json:
-        if stage is not None or any(x is not None for x in (shape, batch, heads, seq_len,
-                                                             head_dim)):
-            raise click.UsageError("--from-json draws a saved trace: give no STAGE or shape")
-        recorded = _trace.Trace.read_json(from_json)
+        if any(x is not None for x in (shape, batch, heads, seq_len, head_dim)):
+            raise click.UsageError("--from-json draws saved traces: give no shape")
+        saved = _trace.Collection.read_json(from_json)
+        if stages:
+            picked = [saved.get(s) for s in stages]
+        elif len(saved.traces) == 1:
+            picked = list(saved.traces.values())
+        else:
+            have = ", ".join(f"stage{n:02d}" for n in sorted(saved.traces))
+            raise click.UsageError(f"{from_json} holds several traces ({have}): name one STAGE "
+                                   f"or two to compare")
     else:
-        if stage is None:
+        if not stages:
             raise click.UsageError("missing STAGE (or --from-json FILE)")
-        st = _trace.check_traced(stage)
+        chosen = [_trace.check_traced(s) for s in stages]
         name, dims = bench.parse_shape(shape or "1x16x2048x128")
         b, h, seq, d = (x if x is not None else y for x, y in
                         zip((batch, heads, seq_len, head_dim), dims))
         if (b, h, seq, d) != dims:
             name = f"{b}x{h}x{seq}x{d}"
-        why = st.unsupported(d, seq, seq)
-        if why:
-            raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
-        recorded = _trace.record(st, batch=b, heads=h, seq_len=seq, head_dim=d, layout=layout,
-                                 seed=seed)
+        for st in chosen:
+            why = st.unsupported(d, seq, seq)
+            if why:
+                raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
+        picked = [_trace.record(st, batch=b, heads=h, seq_len=seq, head_dim=d, layout=layout,
+                                seed=seed) for st in chosen]
     svg = Path(out_file)
-    _trace.render_svg(recorded, svg)
-    click.echo(_trace.summary(recorded))
-    if recorded.check is not None:
-        c = recorded.check
-        click.echo(f"check   rel_l2 {c['rel_l2']:.2e}  max_abs {c['max_abs']:.2e}  "
-                   f"{'PASS' if c['pass'] else 'FAIL'} (traced build)")
+    if len(picked) == 2:
+        _trace.render_compare_svg(picked, svg)
+    else:
+        _trace.render_svg(picked[0], svg)
+    for recorded in picked:
+        click.echo(_trace.summary(recorded))
+        if recorded.check is not None:
+            c = recorded.check
+            click.echo(f"check   rel_l2 {c['rel_l2']:.2e}  max_abs {c['max_abs']:.2e}  "
+                       f"{'PASS' if c['pass'] else 'FAIL'} (traced build)")
     click.echo(f"svg     {svg}")
     if json_file:
-        click.echo(f"json    {recorded.write_json(json_file)}")
-    if recorded.check is not None and not recorded.check["pass"]:
+        if len(picked) == 1:
+            written = picked[0].write_json(json_file)
+        else:
+            written = _trace.Collection({t.stage: t for t in picked}).write_json(json_file)
+        click.echo(f"json    {written}")
+    if any(r.check is not None and not r.check["pass"] for r in picked):
         raise click.exceptions.Exit(1)

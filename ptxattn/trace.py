@@ -426,6 +426,90 @@ def record(stage, *, batch: int = 1, heads: int = 16, seq_len: int = 2048,
                  truncated=full_slots(raw), check=metrics)
 
 
+# --------------------------------------------------------------------------- many stages
+
+COLLECTION_FORMAT = "ptxattn-traces/1"
+
+
+@dataclass
+class Collection:
+    """Traces of several stages, recorded in one session on the same shape (one JSON file:
+    bench/results/traces-<date>-<gpu>.json). `errors` holds, per stage number, why a stage
+    gave no trace (the others are still kept)."""
+    traces: dict[int, Trace]
+    errors: dict[int, str] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def get(self, stage) -> Trace:
+        st = _stages.get_stage(stage)
+        if st.number not in self.traces:
+            have = ", ".join(f"stage{n:02d}" for n in sorted(self.traces)) or "none"
+            why = f" (it failed: {self.errors[st.number]})" if st.number in self.errors else ""
+            raise ValueError(f"stage: no trace of {st.label} in this file{why}; it has: {have}")
+        return self.traces[st.number]
+
+    def to_dict(self) -> dict:
+        # intervals are derived from the events: left out to halve the file
+        def lean(tr: Trace) -> dict:
+            d = tr.to_dict()
+            d.pop("intervals", None)
+            return d
+        return {"format": COLLECTION_FORMAT, **self.meta,
+                "errors": {str(k): v for k, v in sorted(self.errors.items())},
+                "traces": [lean(self.traces[k]) for k in sorted(self.traces)]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Collection":
+        if d.get("format") == "ptxattn-trace/1":          # one trace: a collection of one
+            tr = Trace.from_dict(d)
+            return cls({tr.stage: tr})
+        if d.get("format") != COLLECTION_FORMAT:
+            raise ValueError(f"trace: expected a ptxattn trace JSON (format ptxattn-trace/1 or "
+                             f"{COLLECTION_FORMAT}), got format {d.get('format')!r}")
+        traces = [Trace.from_dict(t) for t in d.get("traces", [])]
+        meta = {k: v for k, v in d.items() if k not in ("format", "errors", "traces")}
+        return cls({tr.stage: tr for tr in traces},
+                   {int(k): v for k, v in d.get("errors", {}).items()}, meta)
+
+    def write_json(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # one trace per line: small diffs when a stage is re-recorded
+        doc = self.to_dict()
+        traces = doc.pop("traces")
+        head = json.dumps(doc, sort_keys=True)[:-1]
+        body = ",\n".join(json.dumps(t, separators=(",", ":")) for t in traces)
+        path.write_text(f'{head}, "traces": [\n{body}\n]}}\n')
+        return path
+
+    @classmethod
+    def read_json(cls, path) -> "Collection":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def record_all(stage_list=None, *, progress=None, **shape) -> Collection:
+    """record() every traced stage (or those given) on the same shape, in one process.
+
+    A stage that fails (JIT error, failed check is NOT a failure: its trace keeps the check)
+    is noted in `errors` and the others go on. `progress(text)` is called per stage."""
+    import time
+    chosen = [_stages.get_stage(s) for s in stage_list] if stage_list else traced_stages()
+    col = Collection({}, meta={"shape_args": dict(shape),
+                               "recorded": time.strftime("%Y-%m-%d %H:%M:%S")})
+    for st in chosen:
+        try:
+            tr = record(st, **shape)
+        except Exception as exc:      # noqa: BLE001 - one stage's failure must not lose the rest
+            col.errors[st.number] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if progress:
+                progress(f"{st.label}: FAILED {col.errors[st.number]}")
+            continue
+        col.traces[st.number] = tr
+        if progress:
+            progress(summary(tr))
+    return col
+
+
 # --------------------------------------------------------------------------- SVG
 
 _W = 1200                  # picture width
@@ -457,44 +541,38 @@ def _esc(text: str) -> str:
     return html.escape(str(text), quote=True)
 
 
-def render_svg(trace: Trace, path=None) -> str:
-    """The timeline as SVG text (written to `path` when given). Pure Python, no GPU.
-
-    One lane per warpgroup that recorded (producer, consumer 0, consumer 1; stage 1: its one
-    warpgroup), each with a row per kind of work that can overlap: TMA issues (ticks),
-    barrier waits, QK^T in flight, softmax/epilogue, PV in flight. Hover a bar for its times.
-    `path` must end in .svg: the file holds SVG, whatever it is called.
-    """
+def _check_svg_path(path) -> None:
     if path is not None and Path(path).suffix.lower() != ".svg":
         raise ValueError(f"path: the timeline is SVG; name the file *.svg, got {str(path)!r}")
-    ivs = trace.intervals()
+
+
+def _time_fn(trace: Trace):
+    """(unit, t) for one trace: t(clock) is the time since its first event, in us (kcycles
+    when no ns/cycle is known)."""
     npc = trace.ns_per_cycle
     t0 = min((e.clock for e in trace.events), default=0)
-    unit = "\u00b5s" if npc else "kcycles"
+    if npc:
+        return "\u00b5s", lambda clock: (clock - t0) * npc / 1000.0
+    return "kcycles", lambda clock: (clock - t0) / 1000.0
 
-    def t(clock: int) -> float:
-        return (clock - t0) * npc / 1000.0 if npc else (clock - t0) / 1000.0
 
-    span = t(t0 + trace.span_cycles)
-    scale_span = span if span > 0 else 1.0
-    plot_w = _W - _GUTTER - _RIGHT
-
-    def x(value: float) -> float:
-        return _GUTTER + value / scale_span * plot_w
-
-    parts: list[str] = []
-    y = _TOP
+def _draw_lanes(trace: Trace, y: float, x, parts: list[str], legend_kinds: list[Kind],
+                lane_title=None) -> float:
+    """The lanes of one trace from height y down (one per recording warpgroup); returns the
+    y below them. x maps a time (in the trace's unit) to a picture coordinate."""
+    unit, t = _time_fn(trace)
+    ivs = trace.intervals()
     lanes = trace.warps()
-    legend_kinds: list[Kind] = []
     for warp in lanes:
         mine = [i for i in ivs if i.warp == warp]
         rows = [r for r in ROWS if any(i.row == r[0] for i in mine)]
         n_events = sum(1 for e in trace.events if e.warp == warp)
         height = _LANE_HEAD + max(len(rows), 1) * (_ROW_H + _ROW_GAP)
+        title = role(warp, trace.threads) if lane_title is None else lane_title(warp)
         parts.append(f'<rect x="4" y="{y - 4}" width="{_W - 8}" height="{height + 4}" '
                      f'fill="#f4f4f4" rx="3"/>')
         parts.append(f'<text x="10" y="{y + 10}" font-size="12" font-weight="bold">'
-                     f'{_esc(role(warp, trace.threads))}</text>')
+                     f'{_esc(title)}</text>')
         parts.append(f'<text x="{_W - _RIGHT}" y="{y + 10}" font-size="10" fill="#666" '
                      f'text-anchor="end">warp {warp}, {n_events} events'
                      f'{" (slot full: later events lost)" if warp in trace.truncated else ""}'
@@ -526,6 +604,66 @@ def render_svg(trace: Trace, path=None) -> str:
         parts.append(f'<text x="{_GUTTER}" y="{y + 14}" font-size="12" fill="#a00">no events '
                      f'recorded</text>')
         y += 30
+    return y
+
+
+def _subtitle(trace: Trace, with_shape: bool = True) -> str:
+    b, h, lq, lk, d = trace.shape
+    npc = trace.ns_per_cycle
+    sub = [f"B={b} H={h} Lq={lq} Lk={lk} D={d} {trace.layout}"] if with_shape else []
+    sub.append("CTA (0, 0, 0)")
+    if trace.kernel_ms is not None:
+        sub.append(f"whole kernel {trace.kernel_ms:.3f} ms")
+    if trace.gpu and with_shape:
+        sub.append(trace.gpu)
+    if npc:
+        sub.append(f"clock64 at {npc:.3f} ns/cycle ({trace.ns_per_cycle_source})")
+    else:
+        sub.append("clock64 cycles (no ns/cycle measured)")
+    if trace.truncated:
+        sub.append(f"warps {', '.join(map(str, trace.truncated))} ran out of trace slots")
+    return " \u00b7 ".join(sub)
+
+
+def _span_text(trace: Trace) -> str:
+    unit, t = _time_fn(trace)
+    span = t(min((e.clock for e in trace.events), default=0) + trace.span_cycles)
+    return f"{span:.1f} {unit}"
+
+
+def _picture(traces, title: str, subtitle: str, headed: bool, path) -> str:
+    """The SVG of one or more traces stacked on one time axis (each from its first event)."""
+    _check_svg_path(path)
+    units = {_time_fn(tr)[0] for tr in traces}
+    if len(units) > 1:
+        raise ValueError("traces: cannot share a time axis between a trace in \u00b5s and one in "
+                         "cycles (one has no ns/cycle)")
+    unit = units.pop()
+    span = 0.0
+    for tr in traces:
+        _, t = _time_fn(tr)
+        span = max(span, t(min((e.clock for e in tr.events), default=0) + tr.span_cycles))
+    scale_span = span if span > 0 else 1.0
+    plot_w = _W - _GUTTER - _RIGHT
+
+    def x(value: float) -> float:
+        return _GUTTER + value / scale_span * plot_w
+
+    parts: list[str] = []
+    legend_kinds: list[Kind] = []
+    y = _TOP
+    for tr in traces:
+        if headed:
+            parts.append(f'<text x="10" y="{y + 4}" font-size="13" font-weight="bold">'
+                         f'{_esc(f"{tr.label} {tr.name}: {_span_text(tr)}")}</text>')
+            parts.append(f'<text x="{_GUTTER}" y="{y + 4}" font-size="10" fill="#555">'
+                         f'{_esc(_subtitle(tr, with_shape=False))}</text>')
+            y += 16
+            y = _draw_lanes(tr, y, x, parts, legend_kinds,
+                            lane_title=lambda w, tr=tr: f"{tr.label}: {role(w, tr.threads)}")
+            y += 6
+        else:
+            y = _draw_lanes(tr, y, x, parts, legend_kinds)
 
     # time axis, with grid lines through the lanes
     axis_y = y
@@ -564,24 +702,8 @@ def render_svg(trace: Trace, path=None) -> str:
         lx += w
     height = y + 16
 
-    b, h, lq, lk, d = trace.shape
-    total = (f"{span:.1f} {unit}" if npc else f"{span:.1f} kcycles")
-    title = f"{trace.label} {trace.name}: one CTA's timeline, {total}"
-    sub = [f"B={b} H={h} Lq={lq} Lk={lk} D={d} {trace.layout}", "CTA (0, 0, 0)"]
-    if trace.kernel_ms is not None:
-        sub.append(f"whole kernel {trace.kernel_ms:.3f} ms")
-    if trace.gpu:
-        sub.append(trace.gpu)
-    if npc:
-        sub.append(f"clock64 at {npc:.3f} ns/cycle ({trace.ns_per_cycle_source})")
-    else:
-        sub.append("clock64 cycles (no ns/cycle measured)")
-    if trace.truncated:
-        sub.append(f"warps {', '.join(map(str, trace.truncated))} ran out of trace slots")
-    subtitle = " \u00b7 ".join(sub)
     head = [f'<text x="10" y="24" font-size="15" font-weight="bold">{_esc(title)}</text>',
             f'<text x="10" y="44" font-size="11" fill="#444">{_esc(subtitle)}</text>']
-
     svg = "\n".join([
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{height:.0f}" '
@@ -594,6 +716,40 @@ def render_svg(trace: Trace, path=None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(svg, encoding="utf-8")
     return svg
+
+
+def render_svg(trace: Trace, path=None) -> str:
+    """The timeline as SVG text (written to `path` when given). Pure Python, no GPU.
+
+    One lane per warpgroup that recorded (producer, consumer 0, consumer 1; stages 1-3: their
+    one warpgroup), each with a row per kind of work that can overlap: TMA issues (ticks),
+    barrier waits, QK^T in flight, softmax/epilogue, PV in flight. Hover a bar for its times.
+    `path` must end in .svg: the file holds SVG, whatever it is called.
+    """
+    _check_svg_path(path)
+    title = f"{trace.label} {trace.name}: one CTA's timeline, {_span_text(trace)}"
+    return _picture([trace], title, _subtitle(trace), headed=False, path=path)
+
+
+def render_compare_svg(traces, path=None) -> str:
+    """Two (or more) stages' timelines one above the other on ONE time axis, each from its own
+    first event, so that lengths compare directly. Pure Python, no GPU. The traces must be of
+    the same shape and layout (the same CTA's work), else the comparison means nothing."""
+    traces = list(traces)
+    if len(traces) < 2:
+        raise ValueError(f"traces: a comparison needs at least two, got {len(traces)}")
+    shapes = {(tr.shape, tr.layout) for tr in traces}
+    if len(shapes) > 1:
+        got = ", ".join(f"{tr.label} {'x'.join(map(str, tr.shape))} {tr.layout}" for tr in traces)
+        raise ValueError(f"traces: compare the same shape and layout; got {got}")
+    first = traces[0]
+    b, h, lq, lk, d = first.shape
+    names = " vs ".join(f"{tr.label} ({_span_text(tr)})" for tr in traces)
+    title = f"{names}: CTA (0, 0, 0) on one time axis"
+    sub = [f"B={b} H={h} Lq={lq} Lk={lk} D={d} {first.layout}"]
+    gpus = sorted({tr.gpu for tr in traces if tr.gpu})
+    sub += gpus
+    return _picture(traces, title, " \u00b7 ".join(sub), headed=True, path=path)
 
 
 def summary(trace: Trace) -> str:
