@@ -1000,3 +1000,27 @@ def test_device_run_passes_each_set_its_arguments(tmp_path):
                        "8k,causal-8k --reps 5 --rounds 3"]
     proc, benches = run(SETS="lineage,fast")
     assert proc.returncode == 2 and "unknown set 'fast'" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_production_set_small_on_the_gpu():
+    """The production set's cases at CPU-checkable sizes on the real GPU: every kernel row is
+    measured and passes, or is n/a (a feature not built yet); never an error. With PyTorch,
+    cuDNN is the peer of the dense cases (GQA by enable_gqa or repeated heads)."""
+    result = bench.run_cases(tiny_production_cases(), reps=2, rounds=2, warmup=1)
+    json.dumps(result)
+    for r in result["results"]:
+        assert r["status"] in ("ok", "n/a"), r
+        if r["status"] == "ok":
+            assert r["pass"] and r["ms"] > 0 and r["tflops"] > 0, r
+    rows = {(r["stage"], r["shape"]): r for r in result["results"]}
+    p8 = rows[("production", "8k")]
+    assert p8["status"] == "ok" and [x["vs"] for x in p8["ours_ratios"]] == ["stage14"]
+    lse = rows[("production+lse", "8k")]
+    assert lse["status"] == "ok" and lse["lse_pass"], lse
+    if result["env"]["torch"] is not None:
+        peers = {p["shape"]: p for p in result["peer"]}
+        for name in ("4k", "8k-bshd", "4095", "gqa32:4-8k", "video", "d64-8k", "d256-8k"):
+            assert peers[name]["status"] in ("ok",), peers[name]
+        assert peers["gqa32:4-8k"]["gqa"].startswith(("enable_gqa", "repeat"))
+        assert "pct_of_peer" in p8
