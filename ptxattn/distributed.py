@@ -343,6 +343,10 @@ def ptxattn_local_attention(q, k, v, *, causal: bool, scale: float, layout: str)
     which would stall the ring in the middle of an exchange. The LSE is ptxattn's; ring_attention
     keeps it alive until the end of the call for the same reason."""
     torch = _torch()
+    import os
+    # ptxattn runs on one device per process, PTXATTN_DEVICE (read when its context is made):
+    # under torchrun, one process per GPU, that is the device of this rank's tensors
+    os.environ.setdefault("PTXATTN_DEVICE", str(q.device.index or 0))
     from . import attention as module
     kwargs = {}
     if causal:

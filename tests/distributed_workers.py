@@ -18,16 +18,17 @@ from ptxattn import reference
 
 
 def case_inputs(case: dict):
-    """Full-sequence q, k, v of a case as NumPy arrays (float64 or bf16-valued float32)."""
+    """Full-sequence q, k, v of a case: bf16 values, in float64 or float32 arrays."""
     rng = np.random.default_rng(case["seed"])
     b, h, hkv, lq, lk, d = (case[n] for n in ("batch", "heads", "heads_kv", "seq_len",
                                              "seq_len_k", "head_dim"))
 
     def one(heads, seq):
         shape = (b, heads, seq, d) if case["layout"] == "bhld" else (b, seq, heads, d)
-        x = rng.standard_normal(shape)
-        return x if case["dtype"] == "float64" else \
-            x.astype(np.float32).astype(reference.BF16).astype(np.float32)
+        # bf16-valued, as the reference rounds its inputs to bf16 (float64 cases then differ
+        # from it by float64 rounding alone)
+        x = rng.standard_normal(shape).astype(np.float32).astype(reference.BF16)
+        return x.astype(np.float64 if case["dtype"] == "float64" else np.float32)
 
     return one(h, lq), one(hkv, lk), one(hkv, lk)
 
