@@ -33,8 +33,9 @@ def case_inputs(case: dict):
     return one(h, lq), one(hkv, lk), one(hkv, lk)
 
 
-def _run_case(torch, dist, rank: int, world: int, case: dict, out_dir: str) -> None:
+def _run_case(torch, dist, group, case: dict, out_dir: str, tag: str) -> None:
     from ptxattn import distributed as cp
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     q, k, v = case_inputs(case)
     dtype = torch.float64 if case["dtype"] == "float64" else torch.bfloat16
     plan = cp.ShardPlan(case["seq_len"], world, causal=case["causal"], scheme=case["scheme"],
@@ -45,18 +46,28 @@ def _run_case(torch, dist, rank: int, world: int, case: dict, out_dir: str) -> N
     out, lse = cp.ring_attention(qs, ks, vs, seq_len=case["seq_len"],
                                  seq_len_k=case["seq_len_k"], causal=case["causal"],
                                  scheme=case["scheme"], layout=layout, return_lse=True,
-                                 local_attention=cp.torch_local_attention)
-    full = cp.gather(out, plan, layout=layout)
-    full_lse = cp.gather(lse, plan, layout="bhl")
-    np.savez(os.path.join(out_dir, f"{case['name']}-rank{rank}.npz"),
+                                 group=group, local_attention=cp.torch_local_attention)
+    full = cp.gather(out, plan, group=group, layout=layout)
+    full_lse = cp.gather(lse, plan, group=group, layout="bhl")
+    np.savez(os.path.join(out_dir, f"{tag}-{case['name']}-rank{rank}.npz"),
              out=out.to(torch.float64).numpy(), lse=lse.to(torch.float64).numpy(),
              full=full.to(torch.float64).numpy(), full_lse=full_lse.to(torch.float64).numpy(),
              out_dtype=str(out.dtype), lse_dtype=str(lse.dtype))
 
 
-def ring_worker(rank: int, world: int, rendezvous: str, cases: list, out_dir: str) -> None:
-    """One rank: gloo over a file rendezvous, every case in turn; an exception is written
-    to rank<r>-error.txt (and re-raised) so that the test shows it."""
+def group_members(size: int, world: int) -> list[int]:
+    """The global ranks of the ring of `size`: the last `size` ranks, so that a sub-group's
+    ranks differ from the global ones (ring peers must be translated); the world itself
+    when size == world."""
+    return list(range(world - size, world))
+
+
+def ring_worker(rank: int, world: int, rendezvous: str, sizes: list, cases: list,
+                out_dir: str) -> None:
+    """One rank of `world` gloo processes (a file rendezvous). For each ring size, the ranks
+    of group_members run every case on that sub-group (the default group for the whole
+    world). One spawn serves every ring size: each process pays for its torch import once.
+    An exception is written to rank<r>-error.txt (and re-raised) so that the test shows it."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -64,8 +75,13 @@ def ring_worker(rank: int, world: int, rendezvous: str, cases: list, out_dir: st
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                                 world_size=world)
         try:
-            for case in cases:
-                _run_case(torch, dist, rank, world, case, out_dir)
+            for size in sizes:
+                members = group_members(size, world)
+                # new_group is collective over the whole world, members or not
+                group = None if size == world else dist.new_group(members)
+                if rank in members:
+                    for case in cases:
+                        _run_case(torch, dist, group, case, out_dir, f"ring{size}")
         finally:
             dist.destroy_process_group()
     except BaseException:

@@ -280,28 +280,36 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
-def ring_run(request, tmp_path_factory):
-    """Spawn `world` gloo ranks once and run every case; the directory of their .npz files."""
+RING_SIZES = [2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def ring_dir(tmp_path_factory):
+    """Start 4 gloo ranks once; rings of 2, 3 (sub-groups) and 4 ranks run every case; the
+    directory of their .npz files."""
     _torch()
     import torch.multiprocessing as mp
     from distributed_workers import ring_worker
-    world = request.param
-    out_dir = tmp_path_factory.mktemp(f"ring{world}")
+    world = max(RING_SIZES)
+    out_dir = tmp_path_factory.mktemp("ring")
     try:
-        mp.spawn(ring_worker, args=(world, str(out_dir / "rendezvous"), CASES, str(out_dir)),
-                 nprocs=world, join=True)
+        # fork: the ranks inherit the torch this process imported (a spawned rank imports it
+        # again, 10-45 s on a busy 2-core machine); no CUDA here, so fork is safe
+        mp.start_processes(ring_worker, args=(world, str(out_dir / "rendezvous"), RING_SIZES,
+                                              CASES, str(out_dir)),
+                           nprocs=world, join=True, start_method="fork")
     except Exception as exc:
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("rank*-error.txt")))
         pytest.fail(f"ring on {world} gloo ranks failed: {exc}\n{errors}")
-    return world, out_dir
+    return out_dir
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_ring_equals_full_attention(ring_run, case):
+@pytest.mark.parametrize("world", RING_SIZES, ids=lambda w: f"ring{w}")
+def test_ring_equals_full_attention(ring_dir, world, case):
     from distributed_workers import case_inputs
-    world, out_dir = ring_run
+    out_dir = ring_dir
     q, k, v = case_inputs(case)
     layout = case["layout"]
     ref, ref_lse = reference.attention_reference(q, k, v, layout=layout, causal=case["causal"],
@@ -309,7 +317,7 @@ def test_ring_equals_full_attention(ring_run, case):
     plan = cp.ShardPlan(case["seq_len"], world, causal=case["causal"], scheme=case["scheme"],
                         seq_len_k=case["seq_len_k"])
     ax = 2 if layout == "bhld" else 1
-    got = [np.load(out_dir / f"{case['name']}-rank{r}.npz") for r in range(world)]
+    got = [np.load(out_dir / f"ring{world}-{case['name']}-rank{r}.npz") for r in range(world)]
     for r, g in enumerate(got):
         rows = plan.indices(r)
         want = np.take(ref, rows, axis=ax)
@@ -336,6 +344,6 @@ def test_gloo_cases_cover_the_brief():
     assert {c["layout"] for c in CASES} == {"bhld", "bshd"}
     assert any(c["causal"] for c in CASES) and any(not c["causal"] for c in CASES)
     assert any(c["heads_kv"] < c["heads"] for c in CASES)
-    for world in (2, 3, 4):
+    for world in RING_SIZES:
         assert any(c["seq_len"] % world for c in CASES)
     assert any(c["seq_len"] != c["seq_len_k"] for c in CASES)
