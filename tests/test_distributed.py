@@ -347,3 +347,38 @@ def test_gloo_cases_cover_the_brief():
     for world in RING_SIZES:
         assert any(c["seq_len"] % world for c in CASES)
     assert any(c["seq_len"] != c["seq_len_k"] for c in CASES)
+
+
+# --------------------------------------------------------------------------- bench/cp_bench.py
+
+def _cp_bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "cp_bench.py"
+    spec = importlib.util.spec_from_file_location("cp_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)          # imports neither torch nor the GPU
+    return module
+
+
+def test_cp_bench_line_reports_speedup_hidden_share_and_check():
+    bench = _cp_bench()
+    row = {"seq_len": 65536, "causal": False, "world": 2, "status": "pass",
+           "single_ms_median": 500.0, "single_tflops": 563.0, "ring_ms_median": 260.0,
+           "ring_tflops": 1083.0, "speedup": 1.923, "speedup_ci": [1.9, 1.95],
+           "hidden_min": 0.97,
+           "check": {"context_parallel": {"rel_l2": 2.9e-3}, "single_gpu": {"rel_l2": 2.3e-3}}}
+    line = bench._line(row)
+    assert "speedup 1.923 [1.900, 1.950]" in line and "97%" in line and "2.90e-03" in line
+    failed = bench._line({**row, "status": "fail"})
+    assert "not timed" in failed
+
+
+def test_cp_bench_help_runs_without_torch_or_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "cp_bench.py"
+    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--lengths" in done.stdout and "torchrun" not in done.stderr
