@@ -432,8 +432,8 @@ def ring_attention(q, k, v, *, seq_len: int, seq_len_k: int | None = None,
     q, k, v: this rank's shards (`shard(x, plan, rank)`), torch tensors, q (B, H, Lq_r, D)
     and k, v (B, Hkv, Lk_r, D) for 'bhld' (B, L_r, H, D) for 'bshd'; Hkv divides H (GQA).
     seq_len / seq_len_k: the global lengths of q and of k/v (seq_len_k defaults to
-    seq_len); every rank must pass the same (they fix every shard's length); causal: the causal mask over the global
-    sequence; scheme: 'contiguous' or 'zigzag' (default: zigzag when causal), as sharded.
+    seq_len); every rank must pass the same (they fix every shard's length); causal: the
+    causal mask over the global sequence; scheme: 'contiguous' or 'zigzag' (default: zigzag when causal), as sharded.
     group: the process group (default: the world). Returns out (q's dtype, layout and
     shape), or (out, lse) with lse float32 (B, H, Lq_r), natural log.
     local_attention(q, k, v, *, causal, scale, layout) -> (out, lse): the kernel for one

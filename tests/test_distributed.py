@@ -260,6 +260,35 @@ def test_ring_attention_needs_an_initialized_group():
         cp.ring_attention(x, x, x, seq_len=4)
 
 
+def test_ring_attention_on_one_rank_and_its_errors(tmp_path):
+    """A world of one (in this process, gloo): the ring is the local attention; bad shards
+    are refused with the argument named."""
+    torch = _torch()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
+                            world_size=1)
+    try:
+        q, k, v = (torch.from_numpy(x.astype(np.float64))
+                   for x in reference.random_qkv(1, 2, 10, 10, 8, "bshd", seed=7))
+        out = cp.ring_attention(q, k, v, seq_len=10, causal=True, layout="bshd",
+                                local_attention=cp.torch_local_attention)
+        ref = reference.attention_reference(q.numpy(), k.numpy(), v.numpy(), layout="bshd",
+                                            causal=True)
+        assert np.allclose(out.numpy(), ref, atol=1e-12)
+        with pytest.raises(ValueError, match="q: rank 0 should hold 12"):
+            cp.ring_attention(q, k, v, seq_len=12, local_attention=cp.torch_local_attention)
+        with pytest.raises(ValueError, match="v: expected the same shape as k"):
+            cp.ring_attention(q, k, v[:, :9], seq_len=10)
+        with pytest.raises(ValueError, match="layout"):
+            cp.ring_attention(q, k, v, seq_len=10, layout="bhsd")
+        with pytest.raises(ValueError, match="seq_len_k"):
+            cp.ring_attention(q, k, v, seq_len=10, seq_len_k=12, causal=True)
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- the ring on gloo
 
 def _case(name, *, layout="bhld", causal=False, scheme=None, seq_len=37,
