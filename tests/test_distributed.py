@@ -411,3 +411,12 @@ def test_cp_bench_help_runs_without_torch_or_gpu():
     done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--lengths" in done.stdout and "torchrun" not in done.stderr
+
+
+def test_readme_context_parallel_block_compiles_and_uses_this_api():
+    from readme_blocks import python_blocks
+    blocks = python_blocks("## Context parallel: one sequence over several GPUs")
+    assert len(blocks) == 1
+    compile(blocks[0], "README.md", "exec")
+    for name in ("ShardPlan", "shard", "ring_attention", "gather"):
+        assert f"cp.{name}(" in blocks[0] and hasattr(cp, name)
