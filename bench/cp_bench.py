@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         result = {"kind": "context_parallel", "date": datetime.date.today().isoformat(),
                   "world": world, "source": bench.source_id(),
                   "environment": bench.environment(driver.device_info(), torch),
-                  "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                  "nccl": _nccl_version(torch),
                   "args": vars(args), "rows": rows}
         out = Path(args.out or Path(__file__).parent / "results" /
                    f"cp-{result['date']}-{world}gpu.json")
@@ -222,6 +222,11 @@ def main(argv=None) -> int:
                 print(f"L={row['seq_len']} causal: skipped ({row['why']})")
     dist.destroy_process_group()
     return 0
+
+
+def _nccl_version(torch) -> str:
+    v = torch.cuda.nccl.version()           # a tuple (2, 27, 3) in recent torch, an int before
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _line(row: dict) -> str:

@@ -77,7 +77,7 @@ def _worker(rank: int, rendezvous: str, cases: list, out_dir: str) -> None:
                                 scheme=case["scheme"], seq_len_k=case["seq_len_k"])
 
             def dev(x):
-                return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16).cuda()
+                return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
 
             shards = [cp.shard(dev(x), plan, rank, layout=layout, keys=keys)
                       for x, keys in ((q, False), (k, True), (v, True))]
