@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _op, sdpa
+from . import sdpa
 
 NAME = "ptxattn"
 
@@ -54,7 +54,7 @@ def ptxattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     why = sdpa.fallback_reason(qb, kb, vb, attention_mask, dropout, causal, groups > 1, "bshd")
     if why is not None:
         return fallback(why)
-    out = _op.attention(qb, kb, vb, scale=scaling, layout="bshd", is_causal=causal)
+    out = sdpa._kernel(qb, kb, vb, causal, scaling, "bshd")
     return out, None
 
 
