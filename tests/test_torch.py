@@ -295,3 +295,30 @@ def test_transformers_padding_mask_falls_back_to_sdpa(routed, monkeypatch):
             got = _tiny_llama("ptxattn")(ids, attention_mask=mask).logits
     assert routed == [] and pt.fallback_counts() == {"attn_mask": 1}
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- capstone configs
+
+@pytest.mark.parametrize("which", ["wan", "ltx", "llama"])
+def test_capstone_configs_build(which):
+    """The published configurations embedded in bench/models/capstone.py are accepted by the
+    installed diffusers/transformers (built on the meta device: no memory, no weights)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[1] / "bench" / "models" / "capstone.py"
+    spec = importlib.util.spec_from_file_location("capstone", path)
+    cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cap)
+    with torch.device("meta"):
+        if which == "llama":
+            transformers = pytest.importorskip("transformers")
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                **{**cap.LLAMA_3_1_8B, "num_hidden_layers": 1}))
+            attn = model.model.layers[0].self_attn
+            assert (attn.head_dim, attn.num_key_value_groups) == (128, 4)
+        else:
+            diffusers = pytest.importorskip("diffusers")
+            cls, cfg = ((diffusers.WanTransformer3DModel, cap.WAN_T2V_1_3B) if which == "wan"
+                        else (diffusers.LTXVideoTransformer3DModel, cap.LTX_VIDEO))
+            model = cls(**{**cfg, "num_layers": 1})
+            assert model.config.attention_head_dim == cfg["attention_head_dim"]
