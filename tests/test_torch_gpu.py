@@ -222,3 +222,19 @@ def test_transformers_llama_tiny(torch, pt, monkeypatch):
     else:                       # causal prefill: transformers' sdpa function, counted
         assert calls == [] and pt.fallback_counts() == {"causal": 2}
         assert torch.equal(got, expect)
+
+
+def test_readme_model_blocks_run(torch, pt):
+    """The python blocks of README "Use ptxattn in your model", as written (the diffusers one
+    skips without diffusers, an optional model library)."""
+    from readme_blocks import python_blocks
+    blocks = python_blocks("## Use ptxattn in your model")
+    assert len(blocks) == 2
+    for block in blocks:
+        if "diffusers" in block:
+            try:
+                import diffusers  # noqa: F401
+            except Exception as e:
+                pytest.skip(f"diffusers is not importable (optional, extra `models`): {e}")
+        pt.reset_fallback_counts()
+        exec(compile(block, "README.md", "exec"), {})
