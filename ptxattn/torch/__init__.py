@@ -1,0 +1,44 @@
+"""ptxattn inside PyTorch models (extra `torch`; the core library never imports this).
+
+- `ptxattn::attention`, a torch.library custom op (torch.compile(fullgraph=True) traces it;
+  CUDA graphs capture it): `ptxattn.torch.attention(q, k, v, scale=, layout=, return_lse=)`.
+- `scaled_dot_product_attention(...)`: torch's SDPA semantics, ptxattn where the kernel takes
+  the call, torch's SDPA elsewhere (warned once per reason, counted: fallback_counts()).
+- `register_diffusers()`: a "ptxattn" attention backend for diffusers
+  (`transformer.set_attention_backend("ptxattn")`).
+- `register_transformers()`: `attn_implementation="ptxattn"` for transformers models.
+
+Importing this module registers the op (torch.library needs torch >= 2.4).
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch
+except ImportError as e:            # pragma: no cover - depends on the environment
+    raise ImportError("ptxattn.torch needs PyTorch: pip install 'ptxattn[torch]'") from e
+
+if not hasattr(_torch.library, "custom_op"):  # pragma: no cover
+    raise ImportError(f"ptxattn.torch needs torch >= 2.4 (torch.library.custom_op); "
+                      f"this is torch {_torch.__version__}")
+
+from ._op import attention, library_takes_causal  # noqa: E402
+from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_counts,  # noqa: E402
+                   scaled_dot_product_attention)
+
+
+def register_diffusers() -> str:
+    """Register the "ptxattn" backend with diffusers' attention dispatch; returns its name."""
+    from .diffusers_backend import register
+    return register()
+
+
+def register_transformers() -> str:
+    """Register "ptxattn" with transformers' AttentionInterface; returns its name."""
+    from .transformers_backend import register
+    return register()
+
+
+__all__ = ["attention", "scaled_dot_product_attention", "fallback_counts",
+           "reset_fallback_counts", "fallback_reason", "REASONS", "library_takes_causal",
+           "register_diffusers", "register_transformers"]

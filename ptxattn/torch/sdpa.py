@@ -1,0 +1,179 @@
+"""scaled_dot_product_attention with PyTorch's semantics: ptxattn where the kernel takes the
+call, torch's own SDPA everywhere else.
+
+The decision reads tensor metadata only (dtype, device, shape, requires_grad): no host sync,
+no data access. Each fallback reason warns once per process and is counted
+(fallback_counts()), so a model that silently lost the fast path shows it. Outside the
+kernel's scope the call is torch's own, so ptxattn never raises an error that SDPA would not.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ptxattn.stages import PRODUCTION
+
+from . import _op
+
+# reason key -> what the warning says
+REASONS = {
+    "ndim": "q, k, v are not all 4-D (batch, heads, seq, head_dim)",
+    "nested": "nested (jagged) tensors",
+    "cpu": "tensors not on a CUDA device",
+    "device": "CUDA tensors on a device other than ptxattn's (PTXATTN_DEVICE)",
+    "compute_capability": "a GPU other than compute capability 9.0 (the kernels are sm_90a)",
+    "dtype": "dtypes other than bfloat16 for q, k and v",
+    "requires_grad": "tensors that require grad with grad mode on (ptxattn is forward only)",
+    "attn_mask": "an attn_mask",
+    "dropout": "dropout_p > 0",
+    "head_dim": "a head dim the kernel lacks (or v's head dim differs from q's)",
+    "shape": "batch or length of k and v differ, or batch of q differs from k's",
+    "gqa_without_enable_gqa": "k/v heads differ from q's and enable_gqa=False",
+    "gqa_heads": "k/v heads that do not divide q's heads",
+    "empty": "an empty tensor (no batch, heads, queries or keys)",
+    "causal_lengths": "is_causal with Lq != Lk (the kernel has no diagonal offset yet)",
+    "causal": "is_causal (the kernel has no causal mask yet)",
+    # transformers only: arguments of its attention functions that SDPA has no word for
+    "model_features": "position_bias, softcap or output_attentions (transformers)",
+}
+
+_lock = threading.Lock()
+_counts: collections.Counter = collections.Counter()
+_warned: set[str] = set()
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many calls fell back to torch's SDPA, per reason (a copy), since the last reset."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_fallback_counts() -> None:
+    """Zero the counts and re-arm the once-per-reason warnings."""
+    with _lock:
+        _counts.clear()
+        _warned.clear()
+
+
+def _note_fallback(reason: str) -> None:
+    # In a graph being compiled the decision is made once at trace time; warning or counting
+    # there would cost a graph break, so compiled calls are not counted.
+    if torch.compiler.is_compiling():
+        return
+    with _lock:
+        _counts[reason] += 1
+        first = reason not in _warned
+        _warned.add(reason)
+    if first:
+        warnings.warn(f"ptxattn.torch: falling back to torch's scaled_dot_product_attention "
+                      f"for {REASONS[reason]} (reason {reason!r}; warned once, counted in "
+                      f"ptxattn.torch.fallback_counts())", RuntimeWarning, stacklevel=4)
+
+
+def _ptxattn_device() -> int:
+    text = os.environ.get("PTXATTN_DEVICE", "0").strip() or "0"
+    return int(text) if text.isdigit() else -1
+
+
+def _device_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """cpu / device / compute_capability, or None for CUDA tensors ptxattn can run on."""
+    if any(t.device.type != "cuda" for t in (q, k, v)):
+        return "cpu"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if any(t.device != q.device for t in (k, v)) or index != _ptxattn_device():
+        return "device"
+    if not torch.compiler.is_compiling():
+        cc = _capability.get(index)
+        if cc is None:
+            cc = _capability[index] = torch.cuda.get_device_capability(index)
+        if cc != (9, 0):
+            return "compute_capability"
+    return None
+
+
+def fallback_reason(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    enable_gqa=False, layout: str = "bhld") -> str | None:
+    """Why the call goes to torch's SDPA (a key of REASONS), or None when ptxattn takes it.
+
+    layout "bhld" is SDPA's (batch, heads, seq, head_dim); "bshd" is diffusers'
+    (batch, seq, heads, head_dim). Metadata only: safe to call on every attention call."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "ndim"
+    if q.is_nested or k.is_nested or v.is_nested:
+        return "nested"
+    why = _device_reason(q, k, v)
+    if why:
+        return why
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return "dtype"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "requires_grad"
+    if attn_mask is not None:
+        return "attn_mask"
+    if dropout_p > 0.0:
+        return "dropout"
+    h_axis, l_axis = (1, 2) if layout == "bhld" else (2, 1)
+    d = q.shape[3]
+    if k.shape[3] != d or v.shape[3] != d or d not in PRODUCTION.head_dims:
+        return "head_dim"
+    if k.shape != v.shape or k.shape[0] != q.shape[0]:
+        return "shape"
+    hq, hk = q.shape[h_axis], k.shape[h_axis]
+    if hq != hk:
+        if not enable_gqa:
+            return "gqa_without_enable_gqa"
+        if hk == 0 or hq % hk:
+            return "gqa_heads"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty"
+    if is_causal:
+        if q.shape[l_axis] != k.shape[l_axis]:
+            return "causal_lengths"
+        if not _op.library_takes_causal():
+            return "causal"
+    return None
+
+
+def _torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout):
+    """torch's own SDPA, in either layout (bshd: permuted views in and out, as diffusers'
+    native backend does). enable_gqa only when set, so older torch keeps working."""
+    if layout == "bshd":
+        q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                         is_causal=is_causal, scale=scale, **extra)
+    return out.permute(0, 2, 1, 3) if layout == "bshd" else out
+
+
+def _kernel(q, k, v, is_causal, scale, layout):
+    """The ptxattn path (a seam the CPU tests replace)."""
+    return _op.attention(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, *, layout: str = "bhld"):
+    """SDPA semantics in `layout`; the shared body of the SDPA wrapper and the backends."""
+    why = fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layout)
+    if why is not None:
+        _note_fallback(why)
+        return _torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout)
+    return _kernel(q, k, v, is_causal, scale, layout)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention, through ptxattn where it can.
+
+    (batch, heads, seq, head_dim) tensors. ptxattn runs bf16 CUDA calls with a head dim in
+    stages.PRODUCTION.head_dims, no mask, no dropout, no grad, GQA with enable_gqa=True;
+    is_causal (top-left, as torch) once the kernel has it and only with Lq == Lk. Everything
+    else is torch's SDPA, warned once per reason and counted: see fallback_counts()."""
+    return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     layout="bhld")
