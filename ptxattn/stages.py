@@ -188,16 +188,25 @@ class Variant:
 
 # (head dim, masked) -> the build. masked: causal or sliding-window (the mask code is compiled
 # in only where it is used). One table, so the tile shape per design point is in one place.
+# The figures are those of the build table in production.ptx's header (smem: Q, the K/V ring,
+# O staging, then 10 mbarriers in 128 bytes, plus 1 KiB of slack to align the base to 1024);
+# tests/test_production_builds.py checks them against the PTX's own defines.
 PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
+    # D = 64: Q 16 KiB, K/V 2 x 2 x 16 KiB, O 16 KiB
+    (64, False): Variant(block_n=128, kv_stages=2, smem_bytes=6 * _KV16 + 128 + 1024),
+    # D = 128: Q 32 KiB, K/V 2 x 2 x 32 KiB, O 32 KiB
     (128, False): Variant(block_n=128, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024),
+    # D = 256: Q 64 KiB (O staged there), K/V 2 x 2 x 32 KiB of 64 rows: O's 128 registers
+    # per thread leave room for a 64 x 64 S tile only
+    (256, False): Variant(block_n=64, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024),
 }
 
 # The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).
 # attention() uses it by default; stage= picks a lineage stage instead.
 PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production.ptx",
                    idea="stage 14 + any lengths (ragged tiles masked), Lq != Lk, GQA/MQA, "
-                        "log-sum-exp out",
-                   block_n=128, persistent=True, production=True,
+                        "log-sum-exp out, head dims 64/128/256",
+                   block_n=128, persistent=True, production=True, head_dims=(64, 128, 256),
                    smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS)
 
 
