@@ -453,8 +453,15 @@ def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -
     stage = _stages.get_stage(stage)
     asm = assemble(stage, arch=arch, defines=defines)
     text = disassemble(asm.cubin)
-    return StageSass(stage, asm, text,
-                     summarize(text, asm.log, dynamic_smem=stage.smem_bytes))
+    smem = stage.smem_bytes
+    if stage.production and defines and "HEAD_DIM" in defines:
+        # -d HEAD_DIM=256: the shared memory of that build (PRODUCTION_VARIANTS)
+        try:
+            smem = stage.specialize(int(defines["HEAD_DIM"]),
+                                    str(defines.get("PTXATTN_MASKED", "0")) != "0").smem_bytes
+        except ValueError:
+            pass                                  # no such build: ptxas said so already
+    return StageSass(stage, asm, text, summarize(text, asm.log, dynamic_smem=smem))
 
 
 def _num(value) -> str:

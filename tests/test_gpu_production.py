@@ -2,8 +2,9 @@
 
 What it adds over stage 14, each checked on fresh standard-normal inputs with outputs (and the
 log-sum-exp) poisoned with NaN before the launch: any lengths (ragged Q and K/V tiles),
-Lq != Lk both ways, GQA/MQA, both layouts, the log-sum-exp. Rows are compared at random
-(seeded) positions, never at tile-aligned strides, plus every row's last tile edge.
+Lq != Lk both ways, GQA/MQA, both layouts, the log-sum-exp, and the builds for head dims 64
+and 256 (stages.PRODUCTION_VARIANTS). Rows are compared at random (seeded) positions, never at
+tile-aligned strides, plus every row's last tile edge.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ MAX_CHECKED_ROWS = 192
 LSE_TOL = 2e-3          # absolute, in natural-log units (lse is O(1..10) here)
 
 
-def qkv(B, H, Hkv, Lq, Lk, layout, seed):
+def qkv(B, H, Hkv, Lq, Lk, layout, seed, d=D):
     rng = np.random.default_rng(seed)
 
     def one(h, L):
-        shape = (B, h, L, D) if layout == "bhld" else (B, L, h, D)
+        shape = (B, h, L, d) if layout == "bhld" else (B, L, h, d)
         return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
 
     return one(H, Lq), one(Hkv, Lk), one(Hkv, Lk)
@@ -48,7 +49,11 @@ def launch(q, k, v, layout, *, lse=True, **mask):
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                                   # bf16 NaN
     p = ptxattn.prepare(qd, kd, vd, layout=layout, out=out, return_lse=lse, **mask)
-    assert p.stage.production
+    d = q.shape[-1]
+    masked = bool(mask.get("causal")) or mask.get("window") not in (None, (-1, -1))
+    assert p.stage.production and p.stage.head_dims == (d,)      # this head dim's build
+    assert p.stage.block_n == stages.PRODUCTION_VARIANTS[(d, masked)].block_n
+    assert (("PTXATTN_MASKED", "1") in p.stage.defines) == masked
     if lse:
         driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
     p.launch()
@@ -228,3 +233,108 @@ def test_masked_launches_are_deterministic():
     for _ in range(3):
         again, _ = launch(q, k, v, "bhld", causal=True)
         np.testing.assert_array_equal(again.view(np.uint16), first.view(np.uint16))
+
+
+# ---- head dims 64 and 256: their own builds (tile shape, carve-up, O staging) -----------------
+# D = 64: BLOCK_N 128, one 128-byte swizzle column per row. D = 256: BLOCK_N 64, O staged in
+# the consumer's Q rows and Q released only after the O store read them (production.ptx's
+# build table): the tests below walk ragged tiles, ring wrap-around and the Q/O hand-over.
+
+HEAD_DIM_BUILDS = [64, 256]
+TAILS = [1, 63, 129, 1000]
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+@pytest.mark.parametrize("L", TAILS)
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_head_dim_any_length(d, L, layout):
+    q, k, v = qkv(2, 3, 3, L, L, layout, seed=d + L, d=d)
+    check(q, k, v, layout, seed=d + L)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+@pytest.mark.parametrize("Lq,Lk", [(1, 1000), (1000, 63), (129, 4095), (63, 129)])
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_head_dim_cross_attention(d, Lq, Lk, layout):
+    q, k, v = qkv(2, 2, 2, Lq, Lk, layout, seed=d * 7 + Lq * 31 + Lk, d=d)
+    check(q, k, v, layout, seed=Lq + Lk)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_head_dim_gqa_and_mqa(d, H, Hkv, layout):
+    q, k, v = qkv(2, H, Hkv, 300, 517, layout, seed=d + H * 10 + Hkv, d=d)
+    check(q, k, v, layout, seed=H + Hkv)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+def test_head_dim_gqa_reads_the_right_kv_head(d):
+    q, k, v = qkv(1, 8, 2, 256, 384, "bhld", seed=5, d=d)
+    v = v.astype(np.float32)
+    v[:, 1] += 4.0                                    # K/V head 1 sits elsewhere
+    v = v.astype(BF16)
+    check(q, k, v, "bhld", seed=5)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+def test_head_dim_every_column_of_d_lands_in_place(d):
+    """V's columns scaled by their index: a 64-column block of D stored, read (LBO) or staged
+    in the wrong place moves whole columns, and the reference sees it."""
+    q, k, v = qkv(1, 2, 2, 200, 300, "bshd", seed=d + 1, d=d)
+    ramp = (1.0 + np.arange(d, dtype=np.float32) / 16.0)
+    v = (v.astype(np.float32) * ramp).astype(BF16)
+    check(q, k, v, "bshd", seed=d + 1)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+def test_head_dim_small_persistent_grid_walks_many_tiles(d, monkeypatch):
+    """Two CTAs walk every tile: the ring wraps many times, and at D = 256 each tile's O is
+    staged where the next tile's Q lands (the Q EMPTY hand-over after the store's read)."""
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
+    q, k, v = qkv(2, 3, 1, 1000, 1001, "bhld", seed=21 + d, d=d)
+    check(q, k, v, "bhld", seed=21)
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+def test_head_dim_repeated_launches_are_deterministic(d, monkeypatch):
+    """A race on the Q/O staging region (D = 256) or the ring shows as bits that move."""
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "4")
+    q, k, v = qkv(1, 4, 2, 1000, 777, "bshd", seed=9 + d, d=d)
+    first = launch(q, k, v, "bshd")
+    check(q, k, v, "bshd", seed=9)
+    for _ in range(4):
+        o, l = launch(q, k, v, "bshd")
+        np.testing.assert_array_equal(o.view(np.uint16), first[0].view(np.uint16))
+        np.testing.assert_array_equal(l.view(np.uint32), first[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("d", HEAD_DIM_BUILDS)
+def test_head_dim_numpy_path_returns_out_and_lse(d):
+    q, k, v = qkv(1, 4, 2, 129, 300, "bhld", seed=3 + d, d=d)
+    out, lse = ptxattn.attention(q, k, v, return_lse=True)
+    assert out.dtype == BF16 and out.shape == q.shape and lse.shape == (1, 4, 129)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True)
+    assert passes(error_metrics(out, ref))
+    assert np.abs(lse - ref_lse).max() <= LSE_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,H", [(64, 8), (256, 2)])
+def test_head_dim_long_sequence(d, H):
+    q, k, v = qkv(1, H, H, 8191, 8191, "bhld", seed=d, d=d)
+    check(q, k, v, "bhld", seed=d)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("Lq,Lk", [(1000, 1000), (300, 1301), (700, 300)])
+def test_head_dim_causal(d, Lq, Lk):
+    q, k, v = qkv(1, 4, 2, Lq, Lk, "bshd", seed=d + Lq, d=d)
+    check(q, k, v, "bshd", seed=d, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("window", [(100, 20), (0, 0)])
+def test_head_dim_window(d, window):
+    q, k, v = qkv(2, 2, 2, 777, 1001, "bhld", seed=d + sum(window), d=d)
+    check(q, k, v, "bhld", seed=d, window=window)

@@ -1,0 +1,174 @@
+"""The production kernel's builds per head dim (CPU only): the build table in
+ptx/sm90/production.ptx agrees with stages.PRODUCTION_VARIANTS and with itself (shared-memory
+carve-up, transaction bytes, descriptor steps, register lists), the launcher's TMA boxes move
+exactly the bytes the PTX expects, and each build assembles without spills with the HGMMA,
+STSM and MUFU counts its tile shape implies.
+
+The GPU side (every build against the reference) is tests/test_gpu_production.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ptxattn import attention as attn
+from ptxattn import sass, stages, tma
+
+SOURCE = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+DESC_HEADER = (stages.ptx_root() / "sm90" / "include" / "wgmma_desc.ptxh").read_text()
+MAX_DYNAMIC_SMEM = 227 * 1024          # per CTA on sm_90
+BARRIER_BYTES = 128                    # the 10 mbarriers' room at the end of the carve-up
+ALIGN_SLACK = 1024                     # the kernel rounds the dynamic base up to 1024
+HEAD_DIMS = sorted({d for d, _ in stages.PRODUCTION_VARIANTS})
+UNMASKED = [d for d in HEAD_DIMS if (d, False) in stages.PRODUCTION_VARIANTS]
+
+
+def build_defines(head_dim: int) -> dict[str, str]:
+    """The #defines of one row of production.ptx's build table (`#if HEAD_DIM == d` up to the
+    next #elif/#else), value text with any trailing comment removed."""
+    m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", SOURCE, re.M | re.S)
+    assert m, f"production.ptx has no build table row for HEAD_DIM {head_dim}"
+    out = {}
+    for line in m.group(1).splitlines():
+        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
+        if d:
+            out[d.group(1).split("(")[0]] = d.group(2)
+    return out
+
+
+def num(defs: dict, name: str) -> int:
+    return int(defs[name], 0)
+
+
+def desc_fields(bits_name: str) -> dict[str, int]:
+    m = re.search(rf"#define {bits_name}\s+(0x[0-9a-fA-F]+)", DESC_HEADER)
+    assert m, bits_name
+    value = int(m.group(1), 16)
+    return {"lbo": ((value >> 16) & 0x3FFF) << 4, "sbo": ((value >> 32) & 0x3FFF) << 4,
+            "swizzle": value >> 62}
+
+
+def test_the_registry_and_the_ptx_cover_the_same_head_dims():
+    in_ptx = sorted({int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$", SOURCE, re.M)})
+    assert in_ptx == HEAD_DIMS == [64, 128, 256]
+    assert stages.PRODUCTION.head_dims == (64, 128, 256)
+    assert set(UNMASKED) == {64, 128, 256}
+
+
+@pytest.mark.parametrize("d", UNMASKED)
+def test_build_table_row_is_consistent(d):
+    v = stages.PRODUCTION_VARIANTS[(d, False)]
+    f = build_defines(d)
+    n, ring = num(f, "BLOCK_N"), num(f, "KV_STAGES")
+    assert (n, ring) == (v.block_n, v.kv_stages)
+    assert 1 << num(f, "BLOCK_N_SHIFT") == n and 1 << num(f, "KV_STAGE_SHIFT") == ring
+    # tiles: [D / 64][rows][64 bf16], one consumer's Q (and O) box is 64 rows
+    q_box, kv_tile = num(f, "Q_TILE_BYTES"), num(f, "KV_TILE_BYTES")
+    assert q_box == 64 * d * 2 and kv_tile == n * d * 2
+    assert num(f, "KV_SLOT_DESC") == kv_tile >> 4
+    # the carve-up: Q (2 boxes) | K ring | V ring | O staging (or O in Q's place) | barriers
+    sq, sk, sv, so = (num(f, k) for k in ("SMEM_Q", "SMEM_K", "SMEM_V", "SMEM_O"))
+    assert sq == 0 and sk == sq + 2 * q_box and sv == sk + ring * kv_tile
+    end = sv + ring * kv_tile
+    if num(f, "O_STAGED_IN_Q"):
+        assert so == sq
+    else:
+        assert so == end
+        end += 2 * q_box
+    for base in (sq, sk, sv, so, kv_tile, q_box):
+        assert base % 1024 == 0, "a 128B-swizzle atom (8 rows x 128 B) needs 1024-byte alignment"
+    bars = [num(f, k) for k in ("SMEM_BAR_Q", "SMEM_BAR_FULL_K", "SMEM_BAR_FULL_V",
+                                "SMEM_BAR_EMPTY_K", "SMEM_BAR_EMPTY_V", "SMEM_BAR_Q_EMPTY")]
+    assert bars[0] == end
+    assert bars == [end, end + 8, end + 8 + 8 * ring, end + 8 + 16 * ring, end + 8 + 24 * ring,
+                    end + 8 + 32 * ring]
+    assert bars[-1] + 8 <= end + BARRIER_BYTES
+    assert v.smem_bytes == end + BARRIER_BYTES + ALIGN_SLACK <= MAX_DYNAMIC_SMEM
+    # register lists and the generated macros of this (N, D)
+    assert (num(f, "S_REGS"), num(f, "P_REGS"), num(f, "O_REGS")) == (n // 2, n // 4, d // 2)
+    assert f["QK_TILE"] == f"QK_N{n}_D{d}(DQ, DK)" and f["PV_TILE"] == f"PV_N{n}_D{d}(DV)"
+    for name in ("ZERO_O", "STMATRIX_O"):
+        assert f[name] == f"{name}_D{d}"
+    assert f["SCALE_O"] == f"SCALE_O_D{d}(LO, HI)"
+    for name in ("ROW_MAX_LO", "ROW_MAX_HI", "ROW_SUM_ADD_LO", "ROW_SUM_ADD_HI", "MASK_COLS",
+                 "PACK_P", "SCALE_EXP2"):
+        assert f[name].startswith(f"{name}_N{n}"), (name, f[name])
+    assert f'#include "gen_n{n}.ptxh"' in SOURCE and f'#include "gen_d{d}.ptxh"' in SOURCE
+
+
+@pytest.mark.parametrize("d", UNMASKED)
+def test_v_descriptor_strides_match_the_tile(d):
+    """V is read transposed (MN-major, 128B swizzle): SBO = 1024 (the next 8 key rows), LBO =
+    the next 64 columns of D, i.e. BLOCK_N rows * 128 B further (unused when D = 64)."""
+    f = build_defines(d)
+    fields = desc_fields(f["DESC_V_BITS"])
+    assert fields["swizzle"] == 1 and fields["sbo"] == 1024
+    if d > 64:
+        assert fields["lbo"] == num(f, "BLOCK_N") * 128
+
+
+@pytest.mark.parametrize("d", UNMASKED)
+def test_tma_boxes_move_the_bytes_the_barriers_expect(d):
+    """The launcher's boxes (tma.map_geometry with the build's rows) against the PTX's
+    expect_tx counts: a Q box is Q_TILE_BYTES (2 per CTA), a K or V box KV_TILE_BYTES."""
+    build = stages.PRODUCTION.specialize(d)
+    f = build_defines(d)
+    chunk = build.tma_chunk
+    assert chunk == 64                                     # 128 bytes: one swizzle row
+    for rows, expected in ((build.q_box_rows, num(f, "Q_TILE_BYTES")),
+                           (build.block_n, num(f, "KV_TILE_BYTES"))):
+        for layout in ("bhld", "bshd"):
+            g = tma.map_geometry(layout, 2, 3, 1000, d, rows, chunk)
+            box = g["box"]
+            assert max(box) <= 256 and box[0] * 2 == 128
+            assert box[0] * box[1] * box[2] * 2 == expected, (layout, box)
+    assert "2 * Q_TILE_BYTES" in SOURCE and SOURCE.count("], KV_TILE_BYTES;") == 2
+
+
+@pytest.mark.parametrize("d", UNMASKED)
+def test_specialize_picks_the_row(d):
+    build = stages.PRODUCTION.specialize(d)
+    v = stages.PRODUCTION_VARIANTS[(d, False)]
+    assert build.head_dims == (d,) and build.block_n == v.block_n
+    assert build.smem_bytes == v.smem_bytes and dict(build.defines) == {"HEAD_DIM": str(d)}
+
+
+def test_a_head_dim_without_a_build_is_refused():
+    with pytest.raises(ValueError, match="no build for head dim 96"):
+        stages.PRODUCTION.specialize(96)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_the_default_kernel_takes_head_dims_64_and_256(d):
+    for lq, lk in ((1, 1), (1000, 63), (129, 8191)):
+        assert attn._pick_stage(None, d, lq, lk, gqa=True, lse=True) is stages.PRODUCTION
+    with pytest.raises(ValueError, match=f"head dim {d} \\(takes 128\\)"):
+        attn._pick_stage(14, d, 128, 128)
+
+
+requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
+                                    reason="no ptxas anywhere (pip install 'ptxattn[tools]')")
+
+
+@requires_ptxas
+@pytest.mark.parametrize("d", [64, 256])
+def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
+    """ptxas on the HEAD_DIM build: no spills or local memory (O is 128 registers per thread at
+    D = 256), setmaxnreg kept, wgmma not serialized, and the counts the tile shape implies:
+    QK^T is D/16 k-steps and PV BLOCK_N/16, each issued twice (prologue and loop; loop and the
+    last tile); exponentials BLOCK_N/2 per thread twice plus 4 corrections; one stmatrix per 8
+    of O's D/2 registers."""
+    n = stages.PRODUCTION.specialize(d).block_n
+    result = sass.inspect_stage(stages.PRODUCTION, defines={"HEAD_DIM": str(d)})
+    s = result.summary
+    assert s.spill_bytes == 0 and s.stack_frame == 0, (s.spill_bytes, s.stack_frame)
+    assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")
+    assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
+    assert s.classes["USETMAXREG"] == 2
+    assert s.classes["HGMMA"] == 2 * (d // 16 + n // 16)
+    assert s.classes["STSM"] == d // 16
+    assert s.classes["MUFU.EX2"] == 2 * (n // 2) + 4
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass     # S waited with PV in flight
+    assert s.dynamic_smem == stages.PRODUCTION_VARIANTS[(d, False)].smem_bytes
