@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import ptxattn  # noqa: E402
 from ptxattn import attention as attn  # noqa: E402
-from ptxattn import driver, tensors  # noqa: E402
+from ptxattn import driver, tensors, tma  # noqa: E402
 
 SMALL = (1, 2, 128, 128)
 ONE_K = (8, 16, 1024, 128)
@@ -138,18 +138,23 @@ def fake_driver():
         if name.startswith("cu") and callable(fn) and not isinstance(fn, type):
             saved[name] = fn
             setattr(d, name, answers.get(name, lambda *a, **k: (ok,)))
-    saved_context, saved_kernels = driver.context, dict(attn._KERNELS)
+    # pretend functions, maps and launch configs must not outlive the pretence
+    caches = (attn._KERNELS, tma._MAPS, driver._CONFIGS)
+    saved_caches = [dict(c) for c in caches]
+    saved_context = driver.context
     ctx = _FakeContext()
     driver.context = lambda: ctx
-    attn._KERNELS.clear()
+    for c in caches:
+        c.clear()
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(d, name, fn)
         driver.context = saved_context
-        attn._KERNELS.clear()
-        attn._KERNELS.update(saved_kernels)
+        for c, saved_c in zip(caches, saved_caches):
+            c.clear()
+            c.update(saved_c)
 
 
 # --------------------------------------------------------------------------- inputs

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import tma
+from . import driver, stages, tensors, tma
+from .errors import PtxattnError
 from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
@@ -105,7 +106,6 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
     """_pick_uncached, remembered per arguments: the answer depends on them and on the
     registry alone, and a model asks the same question every call. The memory is dropped
     whenever the registry objects change (tests swap them); errors are never remembered."""
-    from . import stages
     registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
     if any(a is not b for a, b in zip(registry, _PICKS_REGISTRY)):
         _PICKS.clear()
@@ -284,7 +284,7 @@ def _caller_stream(arrays):
 
 
 def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False) -> _Plan:
-    from .driver import stream_handle
+    stream_handle = driver.stream_handle
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
                          f"(batch, seq, heads, head_dim), got {layout!r}")
@@ -476,9 +476,6 @@ def _bhl_strides(layout, shape, strides):
 
 
 def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
-    from . import driver, tensors
-    from .errors import PtxattnError
-
     if plan.empty:   # nothing to compute: an empty output, no launch, no driver
         device = None if plan.host else plan.q.device
         out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(

@@ -29,6 +29,7 @@ from ctypes import POINTER, Structure, c_int32, c_int64, c_uint8, c_uint16, c_ui
 import ml_dtypes
 import numpy as np
 
+from . import driver
 from .tma import contiguous_strides
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -220,10 +221,9 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
     array will be used; a DLPack producer makes its pending writes visible
     there. Raises TypeError for host arrays and non-bf16 dtypes.
     """
-    from .driver import stream_handle
     if isinstance(obj, DeviceArray):
         return obj
-    handle = stream_handle(stream)
+    handle = driver.stream_handle(stream)
     fast = _from_torch(obj, handle)
     if fast is not None:
         return fast
