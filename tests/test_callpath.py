@@ -184,3 +184,25 @@ def test_callpath_bench_runs_with_the_pretend_driver(tmp_path, monkeypatch):
     assert not getattr(cu.cuLaunchKernelEx, "__name__", "").startswith("<lambda")
     assert np.isfinite(record["host"]["launch"]["median_us"])
     sys.modules.pop("callpath", None)
+
+
+def test_a_second_launch_passes_a_void_array_packed_once(gpu):
+    """From the second launch on, kernelParams is the address of our own void*[]: each slot
+    must point at the same bytes the tuple form describes (maps: their own 128 bytes)."""
+    import ctypes
+    q, k, v = (dev(SHAPE, i) for i in range(3))
+    p = attn.prepare(q, k, v, return_lse=True)
+    p.launch()
+    p.launch()
+    p.launch()
+    first, second, third = (c[2] for c in gpu["cuLaunchKernelEx"])
+    values, types = first
+    assert isinstance(first, tuple) and isinstance(second, int) and third == second
+    slots = (ctypes.c_void_p * len(values)).from_address(second)
+    for i, (value, ctype) in enumerate(zip(values, types)):
+        if ctype is None:
+            assert slots[i] == value.getPtr()            # the map's own bytes, by value
+        else:
+            got = ctype.from_address(slots[i]).value
+            assert got == (pytest.approx(value) if ctype is ctypes.c_float else value), i
+    assert values[-1] == p.lse.ptr and values[4] == p.out.ptr
