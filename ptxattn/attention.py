@@ -437,12 +437,19 @@ def kernel(stage: Stage, defines: dict | None = None):
     """The stage's ptxattn_fwd, JIT-compiled once per (device, defines), smem opt-in once.
     The build's own defines (stage.defines, a production variant) come first; `defines`
     (tools: PTXATTN_TRACE, knobs) are added to them."""
-    from . import driver, ptx
-    defines = {**dict(stage.defines), **(defines or {})} or None
+    from . import ptx
     ctx = driver.context()
+    # A call's own build (no tool defines) is found by what names it, before any merging.
+    build_key = (ctx.ordinal, stage.file, stage.defines, "build") if not defines else None
+    function = _KERNELS.get(build_key) if build_key else None
+    if function is not None:
+        return function
+    defines = {**dict(stage.defines), **(defines or {})} or None
     key = (ctx.ordinal, stage.file, tuple(sorted((defines or {}).items())))
     function = _KERNELS.get(key)
     if function is not None:
+        if build_key:
+            _KERNELS[build_key] = function
         return function
     with _KERNELS_LOCK:
         if key not in _KERNELS:
@@ -452,6 +459,8 @@ def kernel(stage: Stage, defines: dict | None = None):
             function = module.function(ENTRY)
             function.set_max_dynamic_smem(stage.smem_bytes)
             _KERNELS[key] = function
+        if build_key:
+            _KERNELS[build_key] = _KERNELS[key]
         return _KERNELS[key]
 
 
