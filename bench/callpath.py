@@ -139,7 +139,9 @@ def fake_driver():
             saved[name] = fn
             setattr(d, name, answers.get(name, lambda *a, **k: (ok,)))
     # pretend functions, maps and launch configs must not outlive the pretence
-    caches = (attn._KERNELS, tma._MAPS, driver._CONFIGS)
+    # (getattr: the script also profiles commits from before these caches existed)
+    caches = tuple(c for c in (getattr(attn, "_KERNELS", None), getattr(tma, "_MAPS", None),
+                               getattr(driver, "_CONFIGS", None)) if c is not None)
     saved_caches = [dict(c) for c in caches]
     saved_context = driver.context
     ctx = _FakeContext()

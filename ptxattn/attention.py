@@ -197,6 +197,7 @@ def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
     return a0 < b1 and b0 < a1
 
 
+@functools.lru_cache(maxsize=256)
 def _self_overlapping(shape, strides) -> bool:
     """True when two different indices of the view share an element."""
     extent = 1

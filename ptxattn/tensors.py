@@ -22,6 +22,7 @@ a Python-level destructor cannot keep an exception that is in flight).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 from ctypes import POINTER, Structure, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
@@ -376,12 +377,7 @@ class DeviceArray:
 
     def span(self) -> tuple[int, int]:
         """[first, last+1) byte addresses this view can touch."""
-        if self.size == 0:
-            return (self.ptr, self.ptr)
-        lo = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
-        hi = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
-        item = self.dtype.itemsize
-        return (self.ptr + lo * item, self.ptr + (hi + 1) * item)
+        return _span(self.ptr, self.shape, self.strides, self.dtype.itemsize)
 
     def __repr__(self) -> str:
         return (f"DeviceArray(shape={self.shape}, strides={self.strides}, dtype=bfloat16, "
@@ -438,6 +434,16 @@ class DeviceArray:
         return make_capsule(self.ptr, self.shape, self.strides, _DLPACK_CODES[self.dtype],
                             self.__dlpack_device__(), self, versioned=versioned,
                             readonly=self.readonly)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(ptr: int, shape: tuple, strides: tuple, item: int) -> tuple[int, int]:
+    # remembered: the overlap checks of every call with out= ask it for the same arrays
+    if math.prod(shape) == 0:
+        return (ptr, ptr)
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides))
+    return (ptr + lo * item, ptr + (hi + 1) * item)
 
 
 def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
