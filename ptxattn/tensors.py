@@ -272,7 +272,10 @@ def _from_torch(obj, stream: int) -> "DeviceArray | None":
             or obj.layout is not torch.strided or obj.is_conj() or obj.is_neg()):
         return None
     device = obj.get_device()
-    current = torch.cuda.current_stream(device).cuda_stream
+    # the raw handle without building a torch Stream object (what torch's own compiled code
+    # reads); the public call where that private one is missing
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current = int(raw(device)) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     if current != stream:
         from .driver import stream_wait
         stream_wait(stream, current)

@@ -206,3 +206,59 @@ def test_a_second_launch_passes_a_void_array_packed_once(gpu):
             got = ctype.from_address(slots[i]).value
             assert got == (pytest.approx(value) if ctype is ctypes.c_float else value), i
     assert values[-1] == p.lse.ptr and values[4] == p.out.ptr
+
+
+def test_plain_torch_tensors_are_read_without_a_capsule(gpu, monkeypatch):
+    """A stand-in torch module: exact CUDA bf16 Tensors are read directly, with torch's stream
+    handshake (our stream waits for torch's current one when they differ); anything DLPack
+    might treat differently (requires_grad here) still goes through __dlpack__."""
+    import types
+
+    torch = types.ModuleType("torch")
+    torch.bfloat16, torch.strided = object(), object()
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: 0x7A00)
+
+    class Tensor(FakeDLPack):
+        is_cuda = True
+        requires_grad = False
+        layout = torch.strided
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.dtype = torch.bfloat16      # torch's dtype object (FakeDLPack's is a name)
+            self.dlpack_dtype = "bfloat16"
+
+        def __dlpack__(self, *args, **kwargs):
+            self.dtype, saved = self.dlpack_dtype, self.dtype
+            try:
+                return super().__dlpack__(*args, **kwargs)
+            finally:
+                self.dtype = saved
+
+        def is_conj(self):
+            return False
+
+        def is_neg(self):
+            return False
+
+        def get_device(self):
+            return 0
+
+        def data_ptr(self):
+            return self.ptr
+
+        def stride(self):
+            return self.strides
+    torch.Tensor = Tensor
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    from ptxattn import tensors
+    t = Tensor(SHAPE, ptr=FAKE_BASE + 0x100, strides=(4 * 128 * 128, 128, 512, 1))
+    a = tensors.as_device_array(t, stream=0x7A00)
+    assert (a.ptr, a.shape, a.strides, a.device, a.owner) == (t.ptr, SHAPE, t.strides, 0, t)
+    assert t.calls == [] and not gpu["cuStreamWaitEvent"]          # no capsule, no wait
+    tensors.as_device_array(t, stream=0x5100)                     # another stream: it waits
+    (stream, event, flags), = gpu["cuStreamWaitEvent"]
+    assert int(stream) == 0x5100 and int(gpu["cuEventRecord"][0][1]) == 0x7A00
+    t.requires_grad = True
+    tensors.as_device_array(t, stream=0x7A00)
+    assert len(t.calls) == 1                                      # DLPack decides then

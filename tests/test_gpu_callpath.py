@@ -70,27 +70,31 @@ def test_repeated_calls_with_new_addresses_shapes_strides_and_streams():
 
 
 def test_an_output_read_on_another_stream_survives_its_free():
-    """The output is freed (stream-ordered) while a copy of it is still queued on another
-    stream behind a long kernel; the block must not be handed out and overwritten first."""
+    """The output is freed (stream-ordered, on the legacy stream) while a copy of it is still
+    queued on another stream behind long kernels. New allocations on the legacy stream then
+    take the block back and a copy engine fills them with zeros (not a kernel: it runs while
+    the SMs are busy). Without the free waiting for the reader's stream, the reader copies
+    zeros; with it, the attention output."""
     a = host_qkv(SHAPE, 7)
     da = device(a)
     big = device(host_qkv((2, 16, 8192, 128), 8))
-    slow = ptxattn.prepare(*big)                         # ~1 ms per launch
     reader = driver.Stream()
+    slow = ptxattn.prepare(*big, stream=reader)          # ~2 ms per launch, all SMs
+    slow.launch()
+    reader.synchronize()                                 # JIT done before the timed part
     out = ptxattn.attention(*da)                         # legacy stream
     copy = tensors.empty(SHAPE, stream=reader)
-    capsule_user = out.__dlpack__(stream=reader.handle)  # the reader's stream waits for out
-    slow_on_reader = ptxattn.prepare(*big, stream=reader)
-    for _ in range(5):                                   # keep `reader` busy, then copy out
-        slow_on_reader.launch()
+    capsule = out.__dlpack__(stream=reader.handle)       # the reader waits for `out`
+    for _ in range(5):
+        slow.launch()
     d = driver.cu()
     driver.check(d.cuMemcpyDtoDAsync(d.CUdeviceptr(copy.ptr), d.CUdeviceptr(out.ptr),
                                      out.nbytes, d.CUstream(reader.handle)), "cuMemcpyDtoDAsync")
-    del out, capsule_user                                # freed now, in stream order
-    for seed in range(4):                                # new outputs that could take the block
-        ptxattn.attention(*device(host_qkv(SHAPE, 20 + seed)))
-    slow.launch()
-    copy.stream = reader.handle
+    freed = out.ptr
+    del out, capsule                                     # freed now, in stream order
+    zeros = np.zeros(SHAPE, BF16)
+    taken = [tensors.from_numpy(zeros, stream=0) for _ in range(4)]
+    assert freed in {t.ptr for t in taken}, "the pool did not hand the block back"
     assert_passes(check_rows(*a, copy.to_numpy()), "copy read after the free")
 
 
