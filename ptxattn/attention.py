@@ -7,6 +7,7 @@ and nothing is ever written to the caller's `out` when an error is raised.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import tma
+from . import driver, stages, tensors, tma
+from .errors import PtxattnError
 from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
@@ -108,6 +110,39 @@ def _arch_ok(arch: str, cc: tuple[int, int]) -> bool:
 
 def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,
                 lse: bool = False, masked: bool = False) -> Stage:
+    """_pick_uncached, remembered per arguments: the answer depends on them and on the
+    registry alone, and a model asks the same question every call. The memory is dropped
+    whenever the registry objects change (tests swap them); errors are never remembered."""
+    registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
+    if any(a is not b for a, b in zip(registry, _PICKS_REGISTRY)):
+        _PICKS.clear()
+        _PICKS_REGISTRY[:] = registry
+    key = (stage, head_dim, seq_q, seq_k, cc, gqa, lse, masked)
+    try:
+        hit = _PICKS.get(key)
+    except TypeError:                   # an unhashable `stage` argument: answer it uncached
+        return _pick_uncached(stage, head_dim, seq_q, seq_k, cc, gqa=gqa, lse=lse, masked=masked)
+    if hit is None:
+        hit = _pick_uncached(stage, head_dim, seq_q, seq_k, cc, gqa=gqa, lse=lse, masked=masked)
+        if len(_PICKS) >= 512:
+            _PICKS.clear()
+        _PICKS[key] = hit
+    return hit
+
+
+_PICKS: dict[tuple, Stage] = {}
+_PICKS_REGISTRY: list = [None, None, None]
+
+
+@functools.lru_cache(maxsize=256)
+def _specialized(stage: Stage, head_dim: int, masked: bool) -> Stage:
+    """stage.specialize(head_dim, masked), built once per triple (a dataclasses.replace per
+    call is a measurable part of a small call's host time)."""
+    return stage.specialize(head_dim, masked)
+
+
+def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,
+                   lse: bool = False, masked: bool = False) -> Stage:
     """The requested kernel, checked; or the production kernel when it takes the call, else
     the fastest lineage stage (stages.by_speed) that does (and, once the device is known,
     runs on its compute capability). gqa: k/v have fewer heads than q; lse: return_lse."""
@@ -171,6 +206,7 @@ def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
     return a0 < b1 and b0 < a1
 
 
+@functools.lru_cache(maxsize=256)
 def _self_overlapping(shape, strides) -> bool:
     """True when two different indices of the view share an element."""
     extent = 1
@@ -291,7 +327,7 @@ def _window(causal, window, diagonal) -> tuple[int, int]:
 
 def _validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, causal=False,
               window=None, diagonal="bottom_right") -> _Plan:
-    from .driver import stream_handle
+    stream_handle = driver.stream_handle
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
                          f"(batch, seq, heads, head_dim), got {layout!r}")
@@ -449,12 +485,19 @@ def kernel(stage: Stage, defines: dict | None = None):
     """The stage's ptxattn_fwd, JIT-compiled once per (device, defines), smem opt-in once.
     The build's own defines (stage.defines, a production variant) come first; `defines`
     (tools: PTXATTN_TRACE, knobs) are added to them."""
-    from . import driver, ptx
-    defines = {**dict(stage.defines), **(defines or {})} or None
+    from . import ptx
     ctx = driver.context()
+    # A call's own build (no tool defines) is found by what names it, before any merging.
+    build_key = (ctx.ordinal, stage.file, stage.defines, "build") if not defines else None
+    function = _KERNELS.get(build_key) if build_key else None
+    if function is not None:
+        return function
+    defines = {**dict(stage.defines), **(defines or {})} or None
     key = (ctx.ordinal, stage.file, tuple(sorted((defines or {}).items())))
     function = _KERNELS.get(key)
     if function is not None:
+        if build_key:
+            _KERNELS[build_key] = function
         return function
     with _KERNELS_LOCK:
         if key not in _KERNELS:
@@ -464,6 +507,8 @@ def kernel(stage: Stage, defines: dict | None = None):
             function = module.function(ENTRY)
             function.set_max_dynamic_smem(stage.smem_bytes)
             _KERNELS[key] = function
+        if build_key:
+            _KERNELS[build_key] = _KERNELS[key]
         return _KERNELS[key]
 
 
@@ -482,10 +527,12 @@ def persistent_ctas() -> int | None:
     return value
 
 
-def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
-    from . import driver, tensors
-    from .errors import PtxattnError
+@functools.lru_cache(maxsize=256)
+def _bhl_strides(layout, shape, strides):
+    return tma.bhl_strides(layout, shape, strides, "out")
 
+
+def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     if plan.empty:   # nothing to compute: an empty output, no launch, no driver
         device = None if plan.host else plan.q.device
         out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
@@ -499,7 +546,7 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     stage = _pick_stage(plan.stage if plan.stage_requested else None, plan.head_dim,
                         plan.seq_q, plan.seq_k, ctx.compute_capability,
                         gqa=plan.heads_kv != plan.heads, lse=plan.want_lse, masked=plan.masked)
-    stage = stage.specialize(plan.head_dim, plan.masked)   # the production build for this call
+    stage = _specialized(stage, plan.head_dim, plan.masked)   # the production build for this call
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
@@ -511,7 +558,10 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
         owned = (q, k, v, out)
     else:
         q, k, v = plan.q, plan.k, plan.v
-        out = plan.out if plan.out is not None else tensors.empty(plan.out_shape, stream=stream)
+        # A fresh output is stream-ordered memory (cuMemAllocAsync on the launch stream, freed
+        # there when the array goes): no allocation or free ever waits for the GPU.
+        out = plan.out if plan.out is not None else tensors.empty(
+            plan.out_shape, stream=stream, stream_owner=plan.stream_object)
         owned = () if plan.out is not None else (out,)
         for name, arr in (("q", q), ("k", k), ("v", v), ("out", out)):
             if arr.device is None:              # __cuda_array_interface__ does not say
@@ -525,6 +575,9 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
             pending = arr.producer_stream if arr.producer_stream is not None else arr.stream
             if pending is not None and pending != stream:
                 driver.stream_wait(stream, pending)
+            # our own stream-ordered memory used on this stream is not reused before the
+            # launch is done (a no-op for other producers' memory and on its own stream)
+            arr.used_on(stream)
     out.stream = stream
     # A stream object the caller passed (driver.Stream, cupy) must outlive the handle that
     # the output remembers for later readers (to_numpy, DLPack export).
@@ -543,14 +596,15 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     # CTA's block_m: stages with two consumers load Q (and store O) as 2 boxes.
     maps = (tmap("q", q, H, Lq, stage.q_box_rows), tmap("k", k, Hkv, Lk, stage.block_n),
             tmap("v", v, Hkv, Lk, stage.block_n), tmap("out", out, H, Lq, stage.q_box_rows))
-    o_batch, o_head, o_row, _ = tma.bhl_strides(plan.layout, out.shape, out.strides, "out")
+    o_batch, o_head, o_row, _ = _bhl_strides(plan.layout, out.shape, out.strides)
     values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale)
     types = (driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64,
                                       driver.U32, driver.U32, driver.U32, driver.U32, driver.F32)
     keep = [q, k, v, maps]
     lse = None
     if plan.want_lse:
-        lse = tensors.empty(plan.lse_shape, stream=stream, dtype=np.float32)
+        lse = tensors.empty(plan.lse_shape, stream=stream, dtype=np.float32,
+                            stream_owner=plan.stream_object)
         lse.stream = stream
         owned += (lse,)
     if stage.production:

@@ -78,6 +78,8 @@ class Context:
         )
         self.sm_count = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.max_smem_optin = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        # stream-ordered allocation (cuMemAllocAsync) from the device's default pool
+        self.memory_pools = bool(self.attribute(attr.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED))
 
     def make_current(self) -> None:
         # Cheap when it already is (the usual case, also when torch/cupy made
@@ -158,6 +160,7 @@ def _reset_for_tests() -> None:
     global _CONTEXT
     _CONTEXT = None
     _MODULES.clear()
+    _CONFIGS.clear()
 
 
 def _result_name(err) -> str:
@@ -305,40 +308,91 @@ def _c_string(buf: bytearray) -> str:
 
 # --------------------------------------------------------------------------- launch
 
+_CONFIGS: dict[tuple, tuple] = {}     # (grid, block, smem, cluster, stream) -> (config, attrs)
+_CONFIGS_MAX = 1024
+
+
+def _launch_config(grid, block, smem_bytes: int, cluster, stream: int):
+    """A CUlaunchConfig for this geometry and stream, built once and shared (never mutated
+    after it is cached: cuLaunchKernelEx only reads it)."""
+    key = (grid, block, smem_bytes, cluster, stream)
+    hit = _CONFIGS.get(key)
+    if hit is not None:
+        return hit
+    d = cu()
+    config = d.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem_bytes
+    config.hStream = d.CUstream(stream)
+    attrs = []
+    if cluster != (1, 1, 1):
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    if len(_CONFIGS) >= _CONFIGS_MAX:
+        _CONFIGS.pop(next(iter(_CONFIGS)), None)     # oldest first; rebuilt if needed again
+    _CONFIGS[key] = (config, attrs)
+    return config, attrs
+
+
+def pack_params(params) -> tuple[int, tuple]:
+    """The tuple form ((values...), (types...)) as a void*[] of our own: (its address, what
+    must stay alive while it is used). What the binding does on every call, done once: a
+    by-value CUtensorMap points at its own 128 bytes (getPtr), a number at a ctypes copy."""
+    values, types = params
+    holders = []
+    addresses = []
+    for value, ctype in zip(values, types):
+        if ctype is None:
+            addresses.append(int(value.getPtr()))
+            holders.append(value)
+        else:
+            held = ctype(value)
+            holders.append(held)
+            addresses.append(ctypes.addressof(held))
+    array = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
+    holders.append(array)
+    return ctypes.addressof(array), tuple(holders)
+
+
 class LaunchSpec:
     """A launch with everything built up front, so `launch()` only enqueues.
 
-    `params` is the tuple form ((values...), (types...)) of kernelParams.
+    `params` is the tuple form ((values...), (types...)) of kernelParams. The first launch
+    hands that to the binding (which packs it in C: the cheapest for a one-shot call); from
+    the second launch on, a void*[] packed once (pack_params) goes instead.
     """
 
     def __init__(self, function: Function, grid, block, smem_bytes: int, params,
                  *, cluster=(1, 1, 1), stream=0):
-        d = cu()
         grid, block, cluster = _dim3(grid), _dim3(block), _dim3(cluster)
-        config = d.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = int(smem_bytes)
-        config.hStream = d.CUstream(stream_handle(stream))
-        self._attrs = []
-        if cluster != (1, 1, 1):
-            attr = d.CUlaunchAttribute()
-            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-            self._attrs.append(attr)
-        config.attrs = self._attrs
-        config.numAttrs = len(self._attrs)
+        config, self._attrs = _launch_config(grid, block, int(smem_bytes), cluster,
+                                             stream_handle(stream))
         self.function, self.grid, self.block, self.cluster = function, grid, block, cluster
         self.smem_bytes, self.params, self.config = int(smem_bytes), params, config
-        self._launch = d.cuLaunchKernelEx
-        self._what = (f"cuLaunchKernelEx({function.module.label}.{function.name}, grid={grid}, "
-                      f"block={block}, cluster={cluster}, smem={self.smem_bytes})")
+        self._launch = cu().cuLaunchKernelEx
+        self._args = params           # what the next launch passes
+        self._launched = False
+        self._packed = None           # keeps the packed array and its values alive
+
+    @property
+    def _what(self) -> str:     # only built for an error message
+        return (f"cuLaunchKernelEx({self.function.module.label}.{self.function.name}, "
+                f"grid={self.grid}, block={self.block}, cluster={self.cluster}, "
+                f"smem={self.smem_bytes})")
 
     def __call__(self) -> None:
         # The hot path of a benchmark: one binding call, one integer check.
-        result = self._launch(self.config, self.function.handle, self.params, 0)
+        if self._launched and self._packed is None:
+            self._args, self._packed = pack_params(self.params)
+        result = self._launch(self.config, self.function.handle, self._args, 0)
         if int(result[0]) != 0:
             raise CudaError(int(result[0]), self._what)
+        self._launched = True
 
 
 def launch(function: Function, grid, block, smem_bytes: int, params, *,
@@ -488,22 +542,61 @@ def synchronize(stream=None) -> None:
 # --------------------------------------------------------------------------- memory
 
 class DeviceBuffer(_ClosedWhenCollected):
-    """cuMemAlloc'd bytes, freed by close() or when collected (while the context lives)."""
+    """Device bytes, freed by close() or when collected (while the context lives).
 
-    def __init__(self, nbytes: int):
+    stream=None: cuMemAlloc / cuMemFree (the free waits for the whole device). A stream:
+    stream-ordered, cuMemAllocAsync / cuMemFreeAsync on that stream from the device's default
+    memory pool, so neither call waits for the GPU and the memory is reused in stream order.
+    Lifetime across streams: every other stream the memory is handed to (a DLPack consumer's,
+    a later launch's) is noted with `used_on`; the free first makes the allocating stream wait
+    for the work queued on each of them so far (an event each), so no queued reader or writer
+    can see the block reused. `stream_owner` keeps the object behind the stream handle (a
+    ptxattn.Stream, a torch/cupy stream) alive until the free is enqueued.
+    """
+
+    def __init__(self, nbytes: int, stream=None, stream_owner=None):
         self.nbytes = int(nbytes)
         self.ptr = 0
         self._ctx = None
+        self.stream = None if stream is None else stream_handle(stream)
+        self.stream_owner = stream_owner
+        self._used_on: set[int] = set()
         if self.nbytes:
             self._ctx = context()
-            self.ptr = int(check(cu().cuMemAlloc(self.nbytes), f"cuMemAlloc({self.nbytes})"))
+            d = cu()
+            if self.stream is not None and getattr(self._ctx, "memory_pools", False):
+                self.ptr = int(check(d.cuMemAllocAsync(self.nbytes, d.CUstream(self.stream)),
+                                     f"cuMemAllocAsync({self.nbytes})"))
+            else:
+                self.stream = None          # no pools on this device: plain cuMemAlloc
+                self.ptr = int(check(d.cuMemAlloc(self.nbytes), f"cuMemAlloc({self.nbytes})"))
+
+    def used_on(self, stream) -> None:
+        """Note that work on `stream` (a handle or stream object) may use this memory."""
+        if self.stream is not None:
+            handle = stream_handle(stream)
+            if handle != self.stream:
+                self._used_on.add(handle)
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, 0
-        if ptr and self._ctx is not None and self._ctx.alive:
-            self._ctx.make_current()
-            check(cu().cuMemFree(cu().CUdeviceptr(ptr)), "cuMemFree")
-
+        if not ptr or self._ctx is None or not self._ctx.alive:
+            return
+        self._ctx.make_current()
+        d = cu()
+        if self.stream is None:
+            check(d.cuMemFree(d.CUdeviceptr(ptr)), "cuMemFree")
+            return
+        others, self._used_on = self._used_on, set()
+        try:
+            for other in sorted(others):
+                stream_wait(self.stream, other)
+        except CudaError:
+            # A stream it was used on is gone (its work ended with it, or will be waited for
+            # here): wait for the whole device rather than risk a reuse under a reader.
+            check(d.cuCtxSynchronize(), "cuCtxSynchronize")
+        check(d.cuMemFreeAsync(d.CUdeviceptr(ptr), d.CUstream(self.stream)), "cuMemFreeAsync")
+        self.stream_owner = None
 
     def __repr__(self) -> str:
         return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"

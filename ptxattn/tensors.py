@@ -22,11 +22,15 @@ a Python-level destructor cannot keep an exception that is in flight).
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
+import sys
 from ctypes import POINTER, Structure, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 
 import ml_dtypes
 import numpy as np
 
+from . import driver
 from .tma import contiguous_strides
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -141,6 +145,11 @@ def make_capsule(data: int, shape, strides, dtype: tuple[int, int, int],
 
 # --------------------------------------------------------------------------- import
 
+# A DLPack deleter, void (*)(void *): one prototype for all (making a ctypes function type per
+# call costs more than the call itself).
+_DELETER = ctypes.PYFUNCTYPE(None, c_void_p)
+
+
 class _Imported:
     """Owns a consumed DLPack tensor: calls its deleter when collected."""
 
@@ -154,7 +163,7 @@ class _Imported:
         deleter, self.deleter = self.deleter, None
         if deleter:
             try:
-                ctypes.PYFUNCTYPE(None, c_void_p)(deleter)(self.address)
+                _DELETER(deleter)(self.address)
             except Exception:
                 pass
 
@@ -213,10 +222,12 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
     array will be used; a DLPack producer makes its pending writes visible
     there. Raises TypeError for host arrays and non-bf16 dtypes.
     """
-    from .driver import stream_handle
     if isinstance(obj, DeviceArray):
         return obj
-    handle = stream_handle(stream)
+    handle = driver.stream_handle(stream)
+    fast = _from_torch(obj, handle)
+    if fast is not None:
+        return fast
     if hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__dlpack_device__"):
             dev_type, _ = obj.__dlpack_device__()
@@ -241,6 +252,34 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
         return _from_cai(cai, obj, name)
     raise TypeError(f"{name}: expected a NumPy array or a CUDA array (DLPack or "
                     f"__cuda_array_interface__), got {type(obj).__name__}")
+
+
+def _from_torch(obj, stream: int) -> "DeviceArray | None":
+    """A plain CUDA bf16 torch.Tensor read without a DLPack capsule, or None (then DLPack).
+
+    What torch's __dlpack__(stream=s) would give, at a fraction of its host time: the same
+    address (data_ptr() includes the storage offset), shape, strides, device, the tensor kept
+    alive as the owner, and the same stream handshake (when `stream` is not torch's current
+    stream of the device, `stream` waits for the work queued there so far). Only exact
+    torch.Tensor objects that DLPack would export as they are take this path; anything else
+    (subclasses, requires_grad, conjugate/negative views, other dtypes or devices) goes through
+    __dlpack__, which accepts it or raises its own error. torch is never imported here.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not getattr(torch, "Tensor", None):
+        return None
+    if (obj.dtype is not torch.bfloat16 or not obj.is_cuda or obj.requires_grad
+            or obj.layout is not torch.strided or obj.is_conj() or obj.is_neg()):
+        return None
+    device = obj.get_device()
+    # the raw handle without building a torch Stream object (what torch's own compiled code
+    # reads); the public call where that private one is missing
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current = int(raw(device)) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if current != stream:
+        from .driver import stream_wait
+        stream_wait(stream, current)
+    return DeviceArray(obj.data_ptr(), obj.shape, obj.stride(), device=device, owner=obj)
 
 
 def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
@@ -305,6 +344,13 @@ class DeviceArray:
         self.stream_owner = None      # keeps the object behind `stream` alive, if any
         self.producer_stream = producer_stream
 
+    def used_on(self, stream) -> None:
+        """Work on `stream` may read or write this array: memory this library allocated in
+        stream order is then not reused before that work (see driver.DeviceBuffer)."""
+        used_on = getattr(self.owner, "used_on", None)
+        if used_on is not None:
+            used_on(stream)
+
     def free(self) -> None:
         """Release the device memory now, if this array owns it (arrays from empty() and
         from_numpy()); views of other producers' memory are left alone. Later use of the
@@ -321,7 +367,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -334,15 +380,10 @@ class DeviceArray:
 
     def span(self) -> tuple[int, int]:
         """[first, last+1) byte addresses this view can touch."""
-        if self.size == 0:
-            return (self.ptr, self.ptr)
-        lo = sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
-        hi = sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
-        item = self.dtype.itemsize
-        return (self.ptr + lo * item, self.ptr + (hi + 1) * item)
+        return _span(self.ptr, self.shape, self.strides, self.dtype.itemsize)
 
     def __repr__(self) -> str:
-        return (f"DeviceArray(shape={self.shape}, strides={self.strides}, dtype=bfloat16, "
+        return (f"DeviceArray(shape={self.shape}, strides={self.strides}, dtype={self.dtype}, "
                 f"device={self.device}, ptr=0x{self.ptr:x})")
 
     # -- copies
@@ -391,21 +432,37 @@ class DeviceArray:
             if consumer != self.stream:
                 driver.context()
                 driver.stream_wait(consumer, self.stream)
+                self.used_on(consumer)
         versioned = max_version is not None and tuple(max_version) >= DLPACK_VERSION
         return make_capsule(self.ptr, self.shape, self.strides, _DLPACK_CODES[self.dtype],
                             self.__dlpack_device__(), self, versioned=versioned,
                             readonly=self.readonly)
 
 
-def empty(shape, *, stream=None, dtype=BF16) -> DeviceArray:
-    """An uninitialised contiguous device array (bf16 unless dtype says float32)."""
+@functools.lru_cache(maxsize=4096)
+def _span(ptr: int, shape: tuple, strides: tuple, item: int) -> tuple[int, int]:
+    # remembered: the overlap checks of every call with out= ask it for the same arrays
+    if math.prod(shape) == 0:
+        return (ptr, ptr)
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(shape, strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(shape, strides))
+    return (ptr + lo * item, ptr + (hi + 1) * item)
+
+
+def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
+    """An uninitialised contiguous device array (bf16 unless dtype says float32).
+
+    With a stream (a handle or stream object, 0 the legacy default stream) the memory is
+    stream-ordered: allocated and, when the array is freed or collected, released on that
+    stream (driver.DeviceBuffer), without waiting for the GPU. Without one, cuMemAlloc."""
     from . import driver
     shape = tuple(int(n) for n in shape)
-    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    buf = driver.DeviceBuffer(size * np.dtype(dtype).itemsize)
+    size = math.prod(shape)
+    handle = None if stream is None else driver.stream_handle(stream)
+    buf = driver.DeviceBuffer(size * np.dtype(dtype).itemsize, stream=handle,
+                              stream_owner=stream_owner)
     device = driver.context().ordinal
-    return DeviceArray(buf.ptr, shape, device=device, owner=buf, dtype=dtype,
-                       stream=None if stream is None else driver.stream_handle(stream))
+    return DeviceArray(buf.ptr, shape, device=device, owner=buf, dtype=dtype, stream=handle)
 
 
 def to_bf16(array: np.ndarray, name: str = "array") -> np.ndarray:

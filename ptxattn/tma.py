@@ -10,6 +10,9 @@ and lands in shared memory as [d_outer][row][chunk].
 
 from __future__ import annotations
 
+import functools
+import threading
+
 from .stages import SWIZZLE_128B, SWIZZLE_NONE
 
 ELEMENT_BYTES = 2            # bf16
@@ -52,6 +55,16 @@ def map_geometry(layout: str, batch: int, heads: int, seq: int, head_dim: int, r
     None means contiguous. Raises ValueError (naming `name`) when TMA cannot
     address the array.
     """
+    dims, byte_strides, box = _geometry(layout, batch, heads, seq, head_dim, rows, chunk,
+                                        None if strides is None else tuple(strides), name)
+    return {"dims": dims, "strides": byte_strides, "box": box,
+            "element_strides": (1, 1, 1, 1, 1)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name):
+    """(dims, byte strides, box) of map_geometry; a pure function of its arguments, so a call
+    path that sees the same geometry again pays a dict lookup (errors are not cached)."""
     layout = layout.lower()
     if layout not in ("bhld", "bshd"):
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
@@ -73,12 +86,7 @@ def map_geometry(layout: str, batch: int, heads: int, seq: int, head_dim: int, r
         if (s * ELEMENT_BYTES) % _TMA_ALIGN:
             raise ValueError(f"{name}: {label} stride of {s} elements ({s * ELEMENT_BYTES} bytes) "
                              f"is not a multiple of {_TMA_ALIGN} bytes, which TMA requires")
-    return {
-        "dims": dims,
-        "strides": byte_strides,
-        "box": (chunk, rows, head_dim // chunk, 1, 1),
-        "element_strides": (1, 1, 1, 1, 1),
-    }
+    return dims, byte_strides, (chunk, rows, head_dim // chunk, 1, 1)
 
 
 def check_base(ptr: int, name: str = "tensor") -> None:
@@ -87,13 +95,41 @@ def check_base(ptr: int, name: str = "tensor") -> None:
                          "which TMA requires")
 
 
+# Encoded maps by everything cuTensorMapEncodeTiled is given: (address, dims, byte strides,
+# box, swizzle) with the data type, rank, interleave, L2 promotion and OOB fill fixed here.
+# A map is a pure function of that key, so a hit can never be stale: a new address, shape,
+# stride, box or swizzle is a new key and a new encode. Bounded; the oldest go first.
+_MAPS: dict[tuple, object] = {}
+_MAPS_MAX = 8192             # 4 maps a call: a step of ~2000 distinct calls stays cached
+_MAPS_LOCK = threading.Lock()
+
+
+def clear_map_cache() -> None:
+    with _MAPS_LOCK:
+        _MAPS.clear()
+
+
 def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, head_dim: int,
                     rows: int, swizzle: str, chunk: int, strides=None, name: str = "tensor"):
-    """A bf16 CUtensorMap for one of Q, K, V, O (pass it by value, type None)."""
+    """A bf16 CUtensorMap for one of Q, K, V, O (pass it by value, type None); encoded once
+    per (address, geometry, swizzle) and shared after (the launch copies its bytes)."""
+    check_base(ptr, name)
+    dims, byte_strides, box = _geometry(layout, batch, heads, seq, head_dim, rows, chunk,
+                                        None if strides is None else tuple(strides), name)
+    key = (int(ptr), dims, byte_strides, box, swizzle)
+    tmap = _MAPS.get(key)
+    if tmap is None:
+        tmap = _encode(int(ptr), dims, byte_strides, box, swizzle, chunk, name)
+        with _MAPS_LOCK:
+            if len(_MAPS) >= _MAPS_MAX:
+                _MAPS.pop(next(iter(_MAPS)), None)
+            _MAPS[key] = tmap
+    return tmap
+
+
+def _encode(ptr, dims, byte_strides, box, swizzle, chunk, name):
     from .driver import check, cu  # driver only when a map is actually built
 
-    check_base(ptr, name)
-    g = map_geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name)
     if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
         raise ValueError(f"swizzle: expected {SWIZZLE_NONE!r} or {SWIZZLE_128B!r}, got {swizzle!r}")
     if swizzle == SWIZZLE_128B and chunk * ELEMENT_BYTES > 128:
@@ -104,13 +140,13 @@ def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, hea
     return check(d.cuTensorMapEncodeTiled(
         d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         5,
-        int(ptr),
-        [d.cuuint64_t(x) for x in g["dims"]],
-        [d.cuuint64_t(x) for x in g["strides"]],
-        [d.cuuint32_t(x) for x in g["box"]],
-        [d.cuuint32_t(x) for x in g["element_strides"]],
+        ptr,
+        [d.cuuint64_t(x) for x in dims],
+        [d.cuuint64_t(x) for x in byte_strides],
+        [d.cuuint32_t(x) for x in box],
+        [d.cuuint32_t(1)] * 5,
         d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         sw,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-    ), f"cuTensorMapEncodeTiled({name}: dims={g['dims']}, strides={g['strides']}, box={g['box']})")
+    ), f"cuTensorMapEncodeTiled({name}: dims={dims}, strides={byte_strides}, box={box})")

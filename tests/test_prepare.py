@@ -32,6 +32,7 @@ class FakeContext:
     sm_count = 132
     max_smem_optin = 227 * 1024
     alive = True
+    memory_pools = True
 
     def __init__(self, cc=(9, 0)):
         self.compute_capability = cc
@@ -47,6 +48,8 @@ def gpu(monkeypatch):
     monkeypatch.setattr(driver, "context", lambda: ctx)
     monkeypatch.setattr(driver, "_MODULES", {})
     monkeypatch.setattr(attn, "_KERNELS", {})
+    monkeypatch.setattr(tma, "_MAPS", {})              # every test sees its own encodes
+    monkeypatch.setattr(driver, "_CONFIGS", {})
     heap = [0x7E00_0000_0000]
 
     def record(name, result):
@@ -61,7 +64,8 @@ def gpu(monkeypatch):
         return (OK, cu.CUdeviceptr(ptr))
 
     record("cuMemAlloc", alloc)
-    for name in ("cuMemFree", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuStreamSynchronize",
+    record("cuMemAllocAsync", lambda nbytes, stream: alloc(nbytes))
+    for name in ("cuMemFree", "cuMemFreeAsync", "cuCtxSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuStreamSynchronize",
                  "cuFuncSetAttribute", "cuLaunchKernelEx", "cuEventRecord", "cuStreamWaitEvent",
                  "cuEventDestroy", "cuMemsetD16", "cuMemsetD8", "cuMemsetD8Async"):
         record(name, (OK,))
@@ -183,14 +187,17 @@ def test_stream_and_out_are_the_callers(gpu):
     assert int(config.hStream) == 0x5150 and values[4] == out.ptr
     assert out.stream == 0x5150                       # DLPack readers will wait for it
     assert q.calls[-1]["stream"] == 0x5150            # the producer syncs to our stream
-    assert not gpu["cuMemAlloc"]                      # nothing allocated
+    assert not gpu["cuMemAlloc"] and not gpu["cuMemAllocAsync"]   # nothing allocated
 
 
 def test_numpy_inputs_are_copied_in_and_out_on_the_stream(gpu):
     q = np.ones((1, 2, 64, 128), np.float32)          # float32: rounded to bf16
     out = attn.attention(q, q, q, stage=1)
     assert isinstance(out, np.ndarray) and out.dtype == BF16 and out.shape == q.shape
-    assert len(gpu["cuMemAlloc"]) == 4               # q, k, v, out
+    # q, k, v, out: stream-ordered on the launch stream, and freed there before returning
+    assert len(gpu["cuMemAllocAsync"]) == 4 and not gpu["cuMemAlloc"]
+    assert all(int(a[1]) == 0 for a in gpu["cuMemAllocAsync"])
+    assert len(gpu["cuMemFreeAsync"]) == 4 and not gpu["cuMemFree"]
     copies = gpu["cuMemcpyHtoDAsync"]
     assert len(copies) == 3 and all(c[2] == q.size * 2 for c in copies)
     (dst, src, nbytes, stream), = gpu["cuMemcpyDtoHAsync"]
@@ -330,12 +337,12 @@ def test_close_frees_what_prepare_allocated_and_nothing_else(gpu):
     q, k, v = (np.zeros((1, 1, 64, 128), np.float32) for _ in range(3))
     p = attn.prepare(q, k, v, stage=1)
     p.launch()
-    freed_before = len(gpu["cuMemFree"])
+    freed_before = len(gpu["cuMemFreeAsync"])
     p.close()
-    assert len(gpu["cuMemFree"]) - freed_before == 4
+    assert len(gpu["cuMemFreeAsync"]) - freed_before == 4
     assert p.out.ptr == 0
     p.close()                                  # idempotent
-    assert len(gpu["cuMemFree"]) - freed_before == 4
+    assert len(gpu["cuMemFreeAsync"]) - freed_before == 4
     qd, kd, vd = (dev((1, 1, 64, 128), i) for i in range(3))
     with attn.prepare(qd, kd, vd, stage=1) as p2:
         p2.launch()
