@@ -541,17 +541,23 @@ def synchronize(stream=None) -> None:
 
 # --------------------------------------------------------------------------- memory
 
+_DEFAULT_STREAMS = (0, 1, 2)   # legacy default (0 and its alias 1), per-thread default (2)
+
+
 class DeviceBuffer(_ClosedWhenCollected):
     """Device bytes, freed by close() or when collected (while the context lives).
 
-    stream=None: cuMemAlloc / cuMemFree (the free waits for the whole device). A stream:
-    stream-ordered, cuMemAllocAsync / cuMemFreeAsync on that stream from the device's default
-    memory pool, so neither call waits for the GPU and the memory is reused in stream order.
-    Lifetime across streams: every other stream the memory is handed to (a DLPack consumer's,
-    a later launch's) is noted with `used_on`; the free first makes the allocating stream wait
-    for the work queued on each of them so far (an event each), so no queued reader or writer
-    can see the block reused. `stream_owner` keeps the object behind the stream handle (a
-    ptxattn.Stream, a torch/cupy stream) alive until the free is enqueued.
+    stream=None: cuMemAlloc / cuMemFree (the free waits for the whole device). A stream that
+    is sure to outlive the buffer (the legacy or per-thread default stream, or a stream whose
+    object `stream_owner` holds: a ptxattn.Stream, a torch/cupy stream): stream-ordered,
+    cuMemAllocAsync / cuMemFreeAsync on that stream from the device's default memory pool, so
+    neither call waits for the GPU and the memory is reused in stream order. A bare handle of
+    any other stream gets cuMemAlloc: nothing guarantees that stream still exists at the free,
+    and a free enqueued on a destroyed stream is undefined behaviour.
+    Lifetime across streams: when the memory is handed to another stream (a DLPack consumer's,
+    a later launch's; `used_on`), the free first waits for the whole device. Waiting for just
+    that stream would be cheaper, but its handle may be gone by then, and a wait on a destroyed
+    stream crashed the process on the H200 (2026-12-01): a device wait is always defined.
     """
 
     def __init__(self, nbytes: int, stream=None, stream_owner=None):
@@ -560,11 +566,14 @@ class DeviceBuffer(_ClosedWhenCollected):
         self._ctx = None
         self.stream = None if stream is None else stream_handle(stream)
         self.stream_owner = stream_owner
-        self._used_on: set[int] = set()
+        self._used_elsewhere = False
+        # a stream object held by the buffer keeps its stream; a bare int handle does not
+        lives_on = self.stream in _DEFAULT_STREAMS or not (
+            stream_owner is None or isinstance(stream_owner, int))
         if self.nbytes:
             self._ctx = context()
             d = cu()
-            if self.stream is not None and getattr(self._ctx, "memory_pools", False):
+            if self.stream is not None and lives_on and getattr(self._ctx, "memory_pools", False):
                 self.ptr = int(check(d.cuMemAllocAsync(self.nbytes, d.CUstream(self.stream)),
                                      f"cuMemAllocAsync({self.nbytes})"))
             else:
@@ -576,7 +585,7 @@ class DeviceBuffer(_ClosedWhenCollected):
         if self.stream is not None:
             handle = stream_handle(stream)
             if handle != self.stream:
-                self._used_on.add(handle)
+                self._used_elsewhere = True
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, 0
@@ -587,15 +596,20 @@ class DeviceBuffer(_ClosedWhenCollected):
         if self.stream is None:
             check(d.cuMemFree(d.CUdeviceptr(ptr)), "cuMemFree")
             return
-        others, self._used_on = self._used_on, set()
+        on = self.stream
         try:
-            for other in sorted(others):
-                stream_wait(self.stream, other)
-        except CudaError:
-            # A stream it was used on is gone (its work ended with it, or will be waited for
-            # here): wait for the whole device rather than risk a reuse under a reader.
+            owner_alive = self.stream in _DEFAULT_STREAMS or \
+                stream_handle(self.stream_owner) == self.stream
+        except Exception:
+            owner_alive = False
+        if not owner_alive:
+            # the caller closed its stream object (a ptxattn.Stream reads 0 then): its handle
+            # is gone, so wait for the device and free on the legacy default stream
+            on = 0
+        if self._used_elsewhere or not owner_alive:
+            # queued work on another stream may still read or write it (see the class note)
             check(d.cuCtxSynchronize(), "cuCtxSynchronize")
-        check(d.cuMemFreeAsync(d.CUdeviceptr(ptr), d.CUstream(self.stream)), "cuMemFreeAsync")
+        check(d.cuMemFreeAsync(d.CUdeviceptr(ptr), d.CUstream(on)), "cuMemFreeAsync")
         self.stream_owner = None
 
     def __repr__(self) -> str:
