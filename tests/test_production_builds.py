@@ -157,9 +157,9 @@ requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
 def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
     """ptxas on the HEAD_DIM build: no spills or local memory (O is 128 registers per thread at
     D = 256), setmaxnreg kept, wgmma not serialized, and the counts the tile shape implies:
-    QK^T is D/16 k-steps and PV BLOCK_N/16, each issued twice (prologue and loop; loop and the
-    last tile); exponentials BLOCK_N/2 per thread twice plus 4 corrections; one stmatrix per 8
-    of O's D/2 registers."""
+    QK^T is D/16 k-steps and PV BLOCK_N/16, each issued three times (QK^T: the prologue and the
+    loop's plain and masked steps; PV: the two steps and the last tile); exponentials BLOCK_N/2
+    per thread three times plus 4 corrections; one stmatrix per 8 of O's D/2 registers."""
     n = stages.PRODUCTION.specialize(d).block_n
     result = sass.inspect_stage(stages.PRODUCTION, defines={"HEAD_DIM": str(d)})
     s = result.summary
@@ -167,8 +167,8 @@ def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
     assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")
     assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
     assert s.classes["USETMAXREG"] == 2
-    assert s.classes["HGMMA"] == 2 * (d // 16 + n // 16)
+    assert s.classes["HGMMA"] == 3 * (d // 16 + n // 16)
     assert s.classes["STSM"] == d // 16
-    assert s.classes["MUFU.EX2"] == 2 * (n // 2) + 4
+    assert s.classes["MUFU.EX2"] == 3 * (n // 2) + 4
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass     # S waited with PV in flight
     assert s.dynamic_smem == stages.PRODUCTION_VARIANTS[(d, False)].smem_bytes
