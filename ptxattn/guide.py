@@ -123,14 +123,17 @@ def _sass_table(cache: dict | None, prev, stage) -> list[str]:
 # --------------------------------------------------------------------------- speed
 
 def bench_runs(results: Path = RESULTS) -> list[Path]:
-    """The committed benchmark results: JSON files with a `results` list (not traces)."""
+    """The committed lineage benchmark runs under the current protocol (schema >= 2, the
+    `lineage` set): ranges are taken over runs of one protocol and one set only (the
+    production set times stage 14 in other rounds, and schema 1 timed cuDNN last)."""
     out = []
     for p in sorted(results.glob("*.json")):
         try:
             d = json.loads(p.read_text())
         except ValueError:
             continue
-        if isinstance(d, dict) and isinstance(d.get("results"), list) and "shapes" in d:
+        if (isinstance(d, dict) and isinstance(d.get("results"), list) and "shapes" in d
+                and d.get("schema", 1) >= 2 and d.get("set", "lineage") == "lineage"):
             out.append(p)
     return out
 
