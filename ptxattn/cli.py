@@ -330,12 +330,13 @@ def sass(stage, summary, opcode, as_json, arch, defines):
     if summary and as_json:
         raise click.UsageError("--summary and --json: give one (--json already holds the "
                                "summary)")
+    if opcode and as_json:
+        raise click.UsageError("--grep and --json: give one (--json holds every class count; "
+                               "--grep lists the instructions of one opcode)")
     result = _sass.inspect_stage(stage, arch=arch, defines=_defines(defines))
     matches = _sass.grep(result.sass, opcode) if opcode else None
     if as_json:
         data = {"stage": result.stage.label, "name": result.stage.name, **result.summary.to_dict()}
-        if matches is not None:
-            data["grep"] = {"opcode": opcode, "count": len(matches), "lines": matches}
         click.echo(json.dumps(data, indent=2))
         return
     if summary:
