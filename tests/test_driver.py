@@ -209,6 +209,43 @@ def test_launch_spec_builds_the_config_without_launching():
     assert (attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z) == (2, 1, 1)
 
 
+def test_a_launch_passes_the_packed_array_it_keeps_alive_even_when_packs_interleave():
+    """Two threads launching one spec at once may both pack its parameters. Whatever the
+    interleaving, every launch must pass the address of an array the spec (or the launching
+    call) still holds: here a second launch runs between the stores of the first one's pack."""
+    class F:
+        name, handle = "ptxattn_fwd", None
+        module = type("M", (), {"label": "stage01"})
+
+    class Racy(driver.LaunchSpec):
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+            if name in ("_args", "_packed") and value is not None \
+                    and self.__dict__.get("_launched") and not self.__dict__.get("_raced"):
+                object.__setattr__(self, "_raced", True)
+                self()                      # the other thread, mid-store
+
+    spec = Racy(F(), (1, 1, 1), 128, 0, ((7, 2.5), (ctypes.c_uint32, ctypes.c_float)))
+    passed = []
+    spec._launch = lambda config, handle, args, flags: (passed.append(args), (0,))[1]
+    for _ in range(4):
+        spec()
+    assert isinstance(passed[0], tuple) and len(passed) == 5
+
+    def arrays(x):        # the ctypes arrays the spec holds, however it nests them
+        if isinstance(x, ctypes.Array):
+            yield ctypes.addressof(x)
+        elif isinstance(x, tuple):
+            for item in x:
+                yield from arrays(item)
+    held = passed[-1]
+    assert held in set(arrays(spec._packed)), "the launch passed an array nobody keeps alive"
+    assert passed[-2] == held
+    slots = (ctypes.c_void_p * 2).from_address(held)
+    assert ctypes.c_uint32.from_address(slots[0]).value == 7
+    assert ctypes.c_float.from_address(slots[1]).value == 2.5
+
+
 def test_stream_handles():
     class Torch:
         cuda_stream = 11
