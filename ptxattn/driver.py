@@ -310,6 +310,9 @@ def _c_string(buf: bytearray) -> str:
 
 _CONFIGS: dict[tuple, tuple] = {}     # (grid, block, smem, cluster, stream) -> (config, attrs)
 _CONFIGS_MAX = 1024
+# Held to evict and insert (lookups need no lock): between iter() and next() of the eviction
+# another thread's insert would raise "dictionary changed size during iteration".
+_CONFIGS_LOCK = threading.Lock()
 
 
 def _launch_config(grid, block, smem_bytes: int, cluster, stream: int):
@@ -333,9 +336,10 @@ def _launch_config(grid, block, smem_bytes: int, cluster, stream: int):
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)
-    if len(_CONFIGS) >= _CONFIGS_MAX:
-        _CONFIGS.pop(next(iter(_CONFIGS)), None)     # oldest first; rebuilt if needed again
-    _CONFIGS[key] = (config, attrs)
+    with _CONFIGS_LOCK:
+        if len(_CONFIGS) >= _CONFIGS_MAX:
+            _CONFIGS.pop(next(iter(_CONFIGS)), None)     # oldest first; rebuilt if needed again
+        _CONFIGS[key] = (config, attrs)
     return config, attrs
 
 
