@@ -550,6 +550,8 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
+    # The JIT first: when it fails, nothing is allocated yet and no array is touched.
+    function = kernel(stage, defines)
     stream = plan.stream
 
     if plan.host:
@@ -583,7 +585,6 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     # the output remembers for later readers (to_numpy, DLPack export).
     out.stream_owner = plan.stream_object
 
-    function = kernel(stage, defines)
     B, H, Lq, Lk, D = plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim
 
     Hkv = plan.heads_kv

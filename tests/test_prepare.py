@@ -349,3 +349,22 @@ def test_close_frees_what_prepare_allocated_and_nothing_else(gpu):
         theirs = qd.ptr
     assert qd.ptr == theirs                     # the caller's input untouched
     assert p2.out.ptr == 0                      # the output we made is freed
+
+
+def test_a_failed_jit_allocates_nothing_and_leaves_out_as_it_was(gpu, monkeypatch):
+    """The JIT comes before any allocation: NumPy inputs are not copied in, no output is
+    made, and the caller's out= keeps its stream (nothing about it was changed)."""
+    from ptxattn.errors import JitError
+    monkeypatch.setattr(cu, "cuModuleLoadDataEx",
+                        lambda *a: (cu.CUresult.CUDA_ERROR_INVALID_PTX, None))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 128, 128)).astype(np.float32) for _ in range(3))
+    with pytest.raises(JitError):
+        attn.attention(q, k, v)
+    qd, kd, vd = (dev((1, 2, 128, 128), i) for i in range(3))
+    out = DeviceArray(FAKE_BASE + 3 * 256 * MiB, (1, 2, 128, 128), stream=0x77)
+    with pytest.raises(JitError):
+        attn.attention(qd, kd, vd, out=out, stream=0x51)
+    assert out.stream == 0x77
+    for name in ("cuMemAlloc", "cuMemAllocAsync", "cuMemcpyHtoDAsync", "cuStreamWaitEvent"):
+        assert not gpu[name], name
