@@ -691,15 +691,25 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     """
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                        return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
-    prepared.launch()
     if prepared.host:
-        result = prepared.out.to_numpy()          # waits for the launch stream
-        lse = prepared.lse.to_numpy() if return_lse else None
+        try:
+            prepared.launch()
+            result = prepared.out.to_numpy()      # waits for the launch stream
+            lse = prepared.lse.to_numpy() if return_lse else None
+        except BaseException:
+            # the device copies are ours: free them now, not when the traceback goes; a
+            # failure to free (a broken context) must not hide the error that got us here
+            try:
+                prepared.close()
+            except Exception:
+                pass
+            raise
         prepared.close()                          # the device copies are ours: free them now
         if out is not None:
             out[...] = result
             result = out
         return (result, lse) if return_lse else result
+    prepared.launch()
     result = out if out is not None else prepared.out
     return (result, prepared.lse) if return_lse else result
 

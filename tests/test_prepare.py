@@ -368,3 +368,20 @@ def test_a_failed_jit_allocates_nothing_and_leaves_out_as_it_was(gpu, monkeypatc
     assert out.stream == 0x77
     for name in ("cuMemAlloc", "cuMemAllocAsync", "cuMemcpyHtoDAsync", "cuStreamWaitEvent"):
         assert not gpu[name], name
+
+
+def test_a_failed_numpy_call_frees_its_device_copies_at_once(gpu, monkeypatch):
+    """NumPy in: when the launch fails, the copies of q, k, v and the output are freed before
+    the error reaches the caller (a traceback would otherwise hold them), and the error is
+    the launch's own."""
+    from ptxattn.errors import CudaError
+    monkeypatch.setattr(cu, "cuLaunchKernelEx",
+                        lambda *a: (cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,))
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 128, 128)).astype(np.float32) for _ in range(3))
+    with pytest.raises(CudaError, match="cuLaunchKernelEx") as info:
+        attn.attention(q, k, v, return_lse=True)
+    assert info.tb is not None                           # the traceback (and its frames) lives
+    allocated = len(gpu["cuMemAlloc"]) + len(gpu["cuMemAllocAsync"])
+    freed = len(gpu["cuMemFree"]) + len(gpu["cuMemFreeAsync"])
+    assert allocated == 5 and freed == allocated         # q, k, v, out, lse
