@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from fakes import at_once
 
 from ptxattn import driver, stages
 from ptxattn.errors import CudaError, JitError, NoGpuError, PtxattnError
@@ -249,25 +250,15 @@ def test_a_launch_passes_the_packed_array_it_keeps_alive_even_when_packs_interle
 def test_the_launch_config_cache_stays_bounded_with_threads_filling_it(monkeypatch):
     """Eight threads building configs for distinct streams at once, past the cap: the cache
     never exceeds it and no thread sees an error from the eviction."""
-    import threading
     monkeypatch.setattr(driver, "_CONFIGS", {})
     monkeypatch.setattr(driver, "_CONFIGS_MAX", 4)
-    errors, start = [], threading.Barrier(8)
 
     def fill(t):
-        start.wait()
-        try:
-            for i in range(200):
-                config, _ = driver._launch_config((1, 1, 1), (128, 1, 1), 0, (1, 1, 1),
-                                                  0x1000 * (t + 1) + i)
-                assert int(config.hStream) == 0x1000 * (t + 1) + i
-        except Exception as e:              # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=fill, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+        for i in range(200):
+            config, _ = driver._launch_config((1, 1, 1), (128, 1, 1), 0, (1, 1, 1),
+                                              0x1000 * (t + 1) + i)
+            assert int(config.hStream) == 0x1000 * (t + 1) + i
+    errors = at_once(fill, 8)
     assert not errors, errors
     assert 1 <= len(driver._CONFIGS) <= 4
 

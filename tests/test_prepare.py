@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from fakes import FAKE_BASE, FakeCAI, FakeDLPack
+from fakes import FAKE_BASE, FakeCAI, FakeDLPack, at_once
 
 from ptxattn import attention as attn
 from ptxattn import driver, stages, tma
@@ -273,7 +273,6 @@ def test_persistent_grid_cap_for_testing(gpu, monkeypatch):
 
 
 def test_threads_preparing_at_once_compile_each_stage_once(gpu, monkeypatch):
-    import threading
     import time
 
     real = cu.cuModuleLoadDataEx
@@ -282,21 +281,11 @@ def test_threads_preparing_at_once_compile_each_stage_once(gpu, monkeypatch):
         time.sleep(0.05)
         return real(*args)
     monkeypatch.setattr(cu, "cuModuleLoadDataEx", slow_jit)
-    start = threading.Barrier(8)
-    errors = []
 
     def worker(i):
-        try:
-            start.wait()
-            q, k, v = (dev((1, 1, 128, 128), 3 * i + j) for j in range(3))
-            attn.prepare(q, k, v, stage=1 + i % 2)
-        except Exception as e:               # surfaced below: a thread's exception is lost
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        q, k, v = (dev((1, 1, 128, 128), 3 * i + j) for j in range(3))
+        attn.prepare(q, k, v, stage=1 + i % 2)
+    errors = at_once(worker, 8)
     assert not errors, errors
     assert len(gpu["cuModuleLoadDataEx"]) == 2            # stages 1 and 2, once each
     assert len(gpu["cuFuncSetAttribute"]) == 2
