@@ -550,6 +550,8 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
+    # The JIT first: when it fails, nothing is allocated yet and no array is touched.
+    function = kernel(stage, defines)
     stream = plan.stream
 
     if plan.host:
@@ -583,7 +585,6 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     # the output remembers for later readers (to_numpy, DLPack export).
     out.stream_owner = plan.stream_object
 
-    function = kernel(stage, defines)
     B, H, Lq, Lk, D = plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim
 
     Hkv = plan.heads_kv
@@ -690,15 +691,25 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     """
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                        return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
-    prepared.launch()
     if prepared.host:
-        result = prepared.out.to_numpy()          # waits for the launch stream
-        lse = prepared.lse.to_numpy() if return_lse else None
+        try:
+            prepared.launch()
+            result = prepared.out.to_numpy()      # waits for the launch stream
+            lse = prepared.lse.to_numpy() if return_lse else None
+        except BaseException:
+            # the device copies are ours: free them now, not when the traceback goes; a
+            # failure to free (a broken context) must not hide the error that got us here
+            try:
+                prepared.close()
+            except Exception:
+                pass
+            raise
         prepared.close()                          # the device copies are ours: free them now
         if out is not None:
             out[...] = result
             result = out
         return (result, lse) if return_lse else result
+    prepared.launch()
     result = out if out is not None else prepared.out
     return (result, prepared.lse) if return_lse else result
 

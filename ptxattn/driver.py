@@ -310,6 +310,9 @@ def _c_string(buf: bytearray) -> str:
 
 _CONFIGS: dict[tuple, tuple] = {}     # (grid, block, smem, cluster, stream) -> (config, attrs)
 _CONFIGS_MAX = 1024
+# Held to evict and insert (lookups need no lock): between iter() and next() of the eviction
+# another thread's insert would raise "dictionary changed size during iteration".
+_CONFIGS_LOCK = threading.Lock()
 
 
 def _launch_config(grid, block, smem_bytes: int, cluster, stream: int):
@@ -333,9 +336,10 @@ def _launch_config(grid, block, smem_bytes: int, cluster, stream: int):
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)
-    if len(_CONFIGS) >= _CONFIGS_MAX:
-        _CONFIGS.pop(next(iter(_CONFIGS)), None)     # oldest first; rebuilt if needed again
-    _CONFIGS[key] = (config, attrs)
+    with _CONFIGS_LOCK:
+        if len(_CONFIGS) >= _CONFIGS_MAX:
+            _CONFIGS.pop(next(iter(_CONFIGS)), None)     # oldest first; rebuilt if needed again
+        _CONFIGS[key] = (config, attrs)
     return config, attrs
 
 
@@ -375,9 +379,11 @@ class LaunchSpec:
         self.function, self.grid, self.block, self.cluster = function, grid, block, cluster
         self.smem_bytes, self.params, self.config = int(smem_bytes), params, config
         self._launch = cu().cuLaunchKernelEx
-        self._args = params           # what the next launch passes
         self._launched = False
-        self._packed = None           # keeps the packed array and its values alive
+        # (address, holders) of pack_params, one object: a launch reads it once, so the
+        # address it passes and what keeps that address alive can never come from two packs
+        # (two threads launching at once may each pack; either result is complete)
+        self._packed = None
 
     @property
     def _what(self) -> str:     # only built for an error message
@@ -387,9 +393,11 @@ class LaunchSpec:
 
     def __call__(self) -> None:
         # The hot path of a benchmark: one binding call, one integer check.
-        if self._launched and self._packed is None:
-            self._args, self._packed = pack_params(self.params)
-        result = self._launch(self.config, self.function.handle, self._args, 0)
+        packed = self._packed
+        if packed is None and self._launched:
+            packed = self._packed = pack_params(self.params)
+        args = self.params if packed is None else packed[0]
+        result = self._launch(self.config, self.function.handle, args, 0)
         if int(result[0]) != 0:
             raise CudaError(int(result[0]), self._what)
         self._launched = True

@@ -55,3 +55,25 @@ class FakeCAI:
             "version": 3,
             "stream": stream,
         }
+
+
+def at_once(worker, n: int = 8, timeout: float = 60.0) -> list:
+    """Run worker(0) .. worker(n - 1) on n threads released together by a barrier; the
+    exceptions they raised (a thread's own exception is otherwise lost), plus one per thread
+    still running after `timeout`."""
+    import threading
+    start, errors = threading.Barrier(n), []
+
+    def run(i):
+        try:
+            start.wait()
+            worker(i)
+        except Exception as e:                   # noqa: BLE001 - returned to the test
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    errors += [TimeoutError(f"{t.name} still running") for t in threads if t.is_alive()]
+    return errors

@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from fakes import at_once
 
 from ptxattn import driver, stages
 from ptxattn.errors import CudaError, JitError, NoGpuError, PtxattnError
@@ -207,6 +208,59 @@ def test_launch_spec_builds_the_config_without_launching():
     attr = spec.config.attrs[0]
     assert attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     assert (attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z) == (2, 1, 1)
+
+
+def test_a_launch_passes_the_packed_array_it_keeps_alive_even_when_packs_interleave():
+    """Two threads launching one spec at once may both pack its parameters. Whatever the
+    interleaving, every launch must pass the address of an array the spec (or the launching
+    call) still holds: here a second launch runs between the stores of the first one's pack."""
+    class F:
+        name, handle = "ptxattn_fwd", None
+        module = type("M", (), {"label": "stage01"})
+
+    class Racy(driver.LaunchSpec):
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+            if name in ("_args", "_packed") and value is not None \
+                    and self.__dict__.get("_launched") and not self.__dict__.get("_raced"):
+                object.__setattr__(self, "_raced", True)
+                self()                      # the other thread, mid-store
+
+    spec = Racy(F(), (1, 1, 1), 128, 0, ((7, 2.5), (ctypes.c_uint32, ctypes.c_float)))
+    passed = []
+    spec._launch = lambda config, handle, args, flags: (passed.append(args), (0,))[1]
+    for _ in range(4):
+        spec()
+    assert isinstance(passed[0], tuple) and len(passed) == 5
+
+    def arrays(x):        # the ctypes arrays the spec holds, however it nests them
+        if isinstance(x, ctypes.Array):
+            yield ctypes.addressof(x)
+        elif isinstance(x, tuple):
+            for item in x:
+                yield from arrays(item)
+    held = passed[-1]
+    assert held in set(arrays(spec._packed)), "the launch passed an array nobody keeps alive"
+    assert passed[-2] == held
+    slots = (ctypes.c_void_p * 2).from_address(held)
+    assert ctypes.c_uint32.from_address(slots[0]).value == 7
+    assert ctypes.c_float.from_address(slots[1]).value == 2.5
+
+
+def test_the_launch_config_cache_stays_bounded_with_threads_filling_it(monkeypatch):
+    """Eight threads building configs for distinct streams at once, past the cap: the cache
+    never exceeds it and no thread sees an error from the eviction."""
+    monkeypatch.setattr(driver, "_CONFIGS", {})
+    monkeypatch.setattr(driver, "_CONFIGS_MAX", 4)
+
+    def fill(t):
+        for i in range(200):
+            config, _ = driver._launch_config((1, 1, 1), (128, 1, 1), 0, (1, 1, 1),
+                                              0x1000 * (t + 1) + i)
+            assert int(config.hStream) == 0x1000 * (t + 1) + i
+    errors = at_once(fill, 8)
+    assert not errors, errors
+    assert 1 <= len(driver._CONFIGS) <= 4
 
 
 def test_stream_handles():

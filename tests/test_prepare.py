@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from fakes import FAKE_BASE, FakeCAI, FakeDLPack
+from fakes import FAKE_BASE, FakeCAI, FakeDLPack, at_once
 
 from ptxattn import attention as attn
 from ptxattn import driver, stages, tma
@@ -273,7 +273,6 @@ def test_persistent_grid_cap_for_testing(gpu, monkeypatch):
 
 
 def test_threads_preparing_at_once_compile_each_stage_once(gpu, monkeypatch):
-    import threading
     import time
 
     real = cu.cuModuleLoadDataEx
@@ -282,21 +281,11 @@ def test_threads_preparing_at_once_compile_each_stage_once(gpu, monkeypatch):
         time.sleep(0.05)
         return real(*args)
     monkeypatch.setattr(cu, "cuModuleLoadDataEx", slow_jit)
-    start = threading.Barrier(8)
-    errors = []
 
     def worker(i):
-        try:
-            start.wait()
-            q, k, v = (dev((1, 1, 128, 128), 3 * i + j) for j in range(3))
-            attn.prepare(q, k, v, stage=1 + i % 2)
-        except Exception as e:               # surfaced below: a thread's exception is lost
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        q, k, v = (dev((1, 1, 128, 128), 3 * i + j) for j in range(3))
+        attn.prepare(q, k, v, stage=1 + i % 2)
+    errors = at_once(worker, 8)
     assert not errors, errors
     assert len(gpu["cuModuleLoadDataEx"]) == 2            # stages 1 and 2, once each
     assert len(gpu["cuFuncSetAttribute"]) == 2
@@ -349,3 +338,39 @@ def test_close_frees_what_prepare_allocated_and_nothing_else(gpu):
         theirs = qd.ptr
     assert qd.ptr == theirs                     # the caller's input untouched
     assert p2.out.ptr == 0                      # the output we made is freed
+
+
+def test_a_failed_jit_allocates_nothing_and_leaves_out_as_it_was(gpu, monkeypatch):
+    """The JIT comes before any allocation: NumPy inputs are not copied in, no output is
+    made, and the caller's out= keeps its stream (nothing about it was changed)."""
+    from ptxattn.errors import JitError
+    monkeypatch.setattr(cu, "cuModuleLoadDataEx",
+                        lambda *a: (cu.CUresult.CUDA_ERROR_INVALID_PTX, None))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 128, 128)).astype(np.float32) for _ in range(3))
+    with pytest.raises(JitError):
+        attn.attention(q, k, v)
+    qd, kd, vd = (dev((1, 2, 128, 128), i) for i in range(3))
+    out = DeviceArray(FAKE_BASE + 3 * 256 * MiB, (1, 2, 128, 128), stream=0x77)
+    with pytest.raises(JitError):
+        attn.attention(qd, kd, vd, out=out, stream=0x51)
+    assert out.stream == 0x77
+    for name in ("cuMemAlloc", "cuMemAllocAsync", "cuMemcpyHtoDAsync", "cuStreamWaitEvent"):
+        assert not gpu[name], name
+
+
+def test_a_failed_numpy_call_frees_its_device_copies_at_once(gpu, monkeypatch):
+    """NumPy in: when the launch fails, the copies of q, k, v and the output are freed before
+    the error reaches the caller (a traceback would otherwise hold them), and the error is
+    the launch's own."""
+    from ptxattn.errors import CudaError
+    monkeypatch.setattr(cu, "cuLaunchKernelEx",
+                        lambda *a: (cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,))
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 128, 128)).astype(np.float32) for _ in range(3))
+    with pytest.raises(CudaError, match="cuLaunchKernelEx") as info:
+        attn.attention(q, k, v, return_lse=True)
+    assert info.tb is not None                           # the traceback (and its frames) lives
+    allocated = len(gpu["cuMemAlloc"]) + len(gpu["cuMemAllocAsync"])
+    freed = len(gpu["cuMemFree"]) + len(gpu["cuMemFreeAsync"])
+    assert allocated == 5 and freed == allocated         # q, k, v, out, lse

@@ -89,17 +89,24 @@ class DiffusersCase(Case):
         return self.model(**self.inputs, return_dict=False)[0]
 
 
-def build_wan(args) -> Case:
-    import diffusers
+def diffusers_case(name: str, config: dict, model_class, args) -> DiffusersCase:
+    """A diffusers transformer in bf16 on the GPU: the published config (--layers cuts its
+    depth) with random weights, or --pretrained's weights."""
     c = DiffusersCase()
-    c.name, c.config = "wan2.1-t2v-1.3b", dict(WAN_T2V_1_3B)
+    c.name, c.config = name, dict(config)
     if args.layers:
         c.config["num_layers"] = args.layers
     if args.pretrained:
-        c.model = diffusers.WanTransformer3DModel.from_pretrained(
+        c.model = model_class.from_pretrained(
             args.pretrained, subfolder="transformer", torch_dtype=torch.bfloat16).cuda()
     else:
-        c.model = diffusers.WanTransformer3DModel(**c.config).to("cuda", torch.bfloat16)
+        c.model = model_class(**c.config).to("cuda", torch.bfloat16)
+    return c
+
+
+def build_wan(args) -> Case:
+    import diffusers
+    c = diffusers_case("wan2.1-t2v-1.3b", WAN_T2V_1_3B, diffusers.WanTransformer3DModel, args)
     # the Wan VAE: 8x spatial, 4x temporal compression; 16 latent channels
     frames = (args.frames - 1) // 4 + 1
     shape = (1, 16, frames, args.height // 8, args.width // 8)
@@ -112,15 +119,7 @@ def build_wan(args) -> Case:
 
 def build_ltx(args) -> Case:
     import diffusers
-    c = DiffusersCase()
-    c.name, c.config = "ltx-video", dict(LTX_VIDEO)
-    if args.layers:
-        c.config["num_layers"] = args.layers
-    if args.pretrained:
-        c.model = diffusers.LTXVideoTransformer3DModel.from_pretrained(
-            args.pretrained, subfolder="transformer", torch_dtype=torch.bfloat16).cuda()
-    else:
-        c.model = diffusers.LTXVideoTransformer3DModel(**c.config).to("cuda", torch.bfloat16)
+    c = diffusers_case("ltx-video", LTX_VIDEO, diffusers.LTXVideoTransformer3DModel, args)
     # LTX's VAE: 32x spatial, 8x temporal; default 704x480, 161 frames
     frames, h, w = (args.frames - 1) // 8 + 1, args.height // 32, args.width // 32
     tokens = frames * h * w
