@@ -85,9 +85,9 @@ def test_a_one_instruction_edit_of_a_real_stage_breaks_its_fingerprint(tmp_path)
     shutil.copytree(src.parent / "include", tmp_path / "include")
     text = src.read_text()
     (tmp_path / "copy.ptx").write_text(text)
-    (tmp_path / "edited.ptx").write_text(text.replace("bar.sync 0;", "bar.sync 5;", 1))
+    (tmp_path / "edited.ptx").write_text(text.replace("bar.sync BAR_CTA;", "bar.sync 5;", 1))
     inc = [tmp_path / "include"]
     copy = golden.fingerprint(ptx.expand_file(tmp_path / "copy.ptx", inc).text)
     edited = golden.fingerprint(ptx.expand_file(tmp_path / "edited.ptx", inc).text)
-    assert "bar.sync 0;" in text and copy == GOLDEN[st.label]["default"]
+    assert "bar.sync BAR_CTA;" in text and copy == GOLDEN[st.label]["default"]
     assert edited != copy and edited["statements"] == copy["statements"]
