@@ -10,7 +10,7 @@ library does no host sync on this path. (return_lse=True is the exception: see `
 
 from __future__ import annotations
 
-import inspect
+import functools
 import math
 
 import torch
@@ -22,11 +22,12 @@ from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 LAYOUTS = ("bhld", "bshd")
 
 
+@functools.lru_cache(maxsize=1)
 def library_takes_causal() -> bool:
-    """Whether ptxattn.attention() has a `causal` argument and the production kernel a masked
-    build (the lead adds both; until then is_causal calls go to torch's SDPA)."""
-    params = inspect.signature(ptxattn.attention.attention).parameters
-    return "causal" in params and any(masked for (_, masked) in PRODUCTION_VARIANTS)
+    """Whether the production kernel has a masked build (stages.PRODUCTION_VARIANTS), so that
+    is_causal calls can run on ptxattn. Answered once: the registry does not change while a
+    process runs, and this sits on every causal call's path (it used inspect.signature there)."""
+    return any(masked for (_, masked) in PRODUCTION_VARIANTS)
 
 
 def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[int, ...]:
