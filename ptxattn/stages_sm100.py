@@ -14,8 +14,7 @@ from __future__ import annotations
 from .stages import Stage
 
 
-def _sm100(number: int, name: str, idea: str, *, sass_needs: tuple[str, ...] = (),
-           **geometry) -> Stage:
+def _sm100(number: int, name: str, idea: str, **geometry) -> Stage:
     """A Blackwell stage: ptx/sm100/NN_name.ptx, built for sm_100a."""
     return Stage(number=number, name=name, idea=idea, arch="sm_100a",
                  file=f"sm100/{number:02d}_{name}.ptx", **geometry)
@@ -23,3 +22,7 @@ def _sm100(number: int, name: str, idea: str, *, sass_needs: tuple[str, ...] = (
 
 # In lineage order; a stage's diff from the one before it is its idea.
 SM100_STAGES: tuple[Stage, ...] = ()
+
+# What each stage's SASS must hold for its idea to be there (opcode names as cuobjdump prints
+# them for sm_100a), checked by tests/test_sm100.py: stage number -> opcode prefixes.
+SASS_NEEDS: dict[int, tuple[str, ...]] = {}
