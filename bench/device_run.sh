@@ -13,6 +13,8 @@
 #   production 10 x 10)  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (matplotlib)
 #   TRACE=1,14 (timelines of those stages: trace-stageNN.svg/.json and trace.txt in $OUT)
 #   TRACE_SHAPE=1x16x2048x128  PYTEST_ARGS="--maxfail=10" (default -x)
+#   VARIANTS=bench/experiments/<plan>.txt (same-run build comparisons: each non-comment line is
+#   the arguments of one bench/experiments/variants.py run; results in $OUT/variants.jsonl/.txt)
 #
 # $OUT gets files, no folders: device.txt, sass.txt, pytest-gpu.txt, run-stage1.txt, and per set
 # <date>-h200-<set>.json and bench-<set>.txt (and progression.png with PLOT=1, of the lineage set;
@@ -105,6 +107,18 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
         set -e
         (( rc == 0 )) || status=$rc
     done
+fi
+
+if [[ -n ${VARIANTS:-} ]]; then
+    section "same-run build comparisons: $VARIANTS"
+    : > "$OUT/variants.txt"
+    while read -r line; do
+        [[ -z $line || $line == \#* ]] && continue
+        echo "+ variants.py $line" | tee -a "$OUT/variants.txt"
+        # shellcheck disable=SC2086  (the line is a list of arguments)
+        python3 bench/experiments/variants.py $line --out "$OUT/variants.jsonl" 2>&1 \
+            | tee -a "$OUT/variants.txt" || status=1
+    done < "$VARIANTS"
 fi
 
 if [[ -n ${TRACE:-} ]]; then

@@ -116,6 +116,14 @@ def score_header(n: int) -> str:
                   "scores outside [LO, HI] of their row become -inf (causal, sliding windows, the\n"
                   "key tail). Bounds are b32 registers relative to this thread's first column,\n"
                   "2 * (lane % 4), per row: _LO for the thread's first row, _HI for the row 8 below")
+    body = [f"{_wgmma(8)} {{%rs0, %rs1, %rs2, %rs3}}, "
+            f"{{{', '.join(f'%p{4 * t + j}' for j in range(4))}}}, DONES, 1, 1, 1, 0;"
+            for t in range(n // K_STEP)]
+    out += _macro(f"ROW_SUM_MMA_N{n}", "DONES", body,
+                  f"%rs += P 1: the row sums of P on the tensor cores, {n // K_STEP} k-steps of "
+                  "m64n8k16 against a\nshared tile of bf16 ones (DONES: K-major, 8 rows of one "
+                  "swizzle atom; all ones, so it never steps). %rs0 (lo row)\nand %rs2 (hi row) each hold a full row's sum, "
+                  "%rs1 and %rs3 the same again (column 1)")
     for d in HEAD_DIMS:
         out += gemm_macros(n, d)
     return _guarded(f"gen_n{n}.ptxh", f"Score fragments of a 64 x {n} S tile ({regs} per thread); "

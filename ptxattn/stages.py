@@ -170,6 +170,13 @@ STAGES: tuple[Stage, ...] = (
           "persistent CTAs take tiles from a global counter (atom.add), fetched a tile ahead",
           block_n=128, persistent=True, dynamic_tiles=True,
           smem_bytes=12 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
+    # Past the peers (issue 13): each stage one idea on stage 14, measured against it.
+    _sm90(16, "rowsum_mma",
+          "row sums of P on the tensor cores (P times a tile of ones, beside PV): no FADD "
+          "per score",
+          block_n=128, persistent=True,
+          # stage 14's layout + the mbarriers' atom rounded up to 1 KiB + 2 KiB of ones
+          smem_bytes=12 * _KV16 + 1024 + 2048 + 1024, **_TWO_CONSUMERS),
 )
 
 
@@ -215,7 +222,7 @@ PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/produc
 # follows measurement, not numbering. Stages missing here come last, highest number first.
 # tests/test_bench.py checks this order against the newest results JSON in bench/results: no
 # stage may be slower than one listed after it by more than 2% (geometric mean over shapes).
-FASTEST_FIRST: tuple[int, ...] = (14, 15, 13, 12, 11, 10, 8, 9, 7, 3, 6, 4, 5, 2, 1)
+FASTEST_FIRST: tuple[int, ...] = (14, 15, 13, 12, 16, 11, 10, 8, 9, 7, 3, 6, 4, 5, 2, 1)
 
 
 def all_stages() -> tuple[Stage, ...]:

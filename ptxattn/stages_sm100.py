@@ -2,7 +2,7 @@
 
 The B200 steps of the published kernel, written in PTX with tcgen05 MMAs accumulating in tensor
 memory. No B200 is lent to this project: these kernels are assembled with ptxas for sm_100a and
-their SASS is checked in CI (tests/test_sm100.py), but none has run here. ptx/sm100/README.md
+their SASS is checked in CI, but none has run here. The README beside them in ptx/sm100/
 says what each stage is expected to do on a B200.
 
 Kept apart from stages.py (the Hopper lineage and the production kernel) so that the two
@@ -24,5 +24,5 @@ def _sm100(number: int, name: str, idea: str, **geometry) -> Stage:
 SM100_STAGES: tuple[Stage, ...] = ()
 
 # What each stage's SASS must hold for its idea to be there (opcode names as cuobjdump prints
-# them for sm_100a), checked by tests/test_sm100.py: stage number -> opcode prefixes.
+# them for sm_100a), checked in CI: stage number -> opcode prefixes.
 SASS_NEEDS: dict[int, tuple[str, ...]] = {}

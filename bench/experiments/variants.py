@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--causal", action="store_true", help="causal (bottom-right diagonal)")
+    ap.add_argument("--window", default=None, help="LEFT,RIGHT sliding window (-1: unbounded)")
     ap.add_argument("--out", default=None, help="append one JSON line here")
     args = ap.parse_args(argv)
     dims = [int(x) for x in args.shape.lower().split("x")]
@@ -55,13 +57,16 @@ def main(argv=None) -> int:
     q, k, v = reference.random_qkv(b, h, lq, lk, d, args.layout, seed=args.seed)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     rows = reference.sample_rows(lq, 128, seed=args.seed)
-    ref = reference.attention_reference(q, k, v, layout=args.layout, rows=rows)
+    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
+    mask = dict(causal=args.causal, window=window)
+    ref = reference.attention_reference(q, k, v, layout=args.layout, rows=rows, **mask)
     axis = 2 if args.layout == "bhld" else 1
     runs, failed = {}, {}
     for label, kernel, defines in variants:
         out = tensors.empty(q.shape)
         out.fill_u16(0xFFFF)
-        p = prepare(qd, kd, vd, stage=kernel, layout=args.layout, out=out, defines=defines or None)
+        p = prepare(qd, kd, vd, stage=kernel, layout=args.layout, out=out, defines=defines or None,
+                    **mask)
         p.launch()
         m = reference.error_metrics(np.take(out.to_numpy(), rows, axis=axis), ref)
         if not reference.passes(m):
@@ -77,14 +82,16 @@ def main(argv=None) -> int:
         times = bench.time_interleaved([runs[lab].launch for lab in order], args.reps)
         for lab, t in zip(order, times):
             per_round[lab].append(bench.median(t))
-    flops = 4 * b * h * lq * lk * d
+    # FLOPs over the (query, key) pairs the mask leaves (bench's rule: causal and windows exact)
+    flops = 4 * b * h * d * bench.unmasked_pairs(lq, lk, **mask)
     first = labels[0]
     result = {"shape": args.shape, "layout": args.layout, "rounds": args.rounds,
               "reps": args.reps, "gpu": driver.context().name if hasattr(driver.context(), "name")
               else None, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "source": bench.source_id(), "failed": {k: v for k, v in failed.items()},
               "variants": {}}
-    print(f"shape {args.shape} {args.layout}, {args.rounds} rounds x {args.reps} reps")
+    result["mask"] = {"causal": args.causal, "window": window}
+    print(f"shape {args.shape} {args.layout} {mask}, {args.rounds} rounds x {args.reps} reps")
     for lab in labels:
         ms = bench.median(per_round[lab])
         ratios = [a / c for a, c in zip(per_round[first], per_round[lab])]
