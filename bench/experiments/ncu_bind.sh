@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Nsight Compute on the H200 for "what binds" (issue 13): each line of KERNELS is the arguments
+# of bench/experiments/ncu_bind.py. One profiled launch per kernel; the report goes to
+# $OUT/ncu.txt. Run after device_run.sh (needs the same PYTHONPATH).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}
+KERNELS=${KERNELS:-"stage14 --shape 4x16x8192x128
+stage16 --shape 4x16x8192x128
+production --shape 2x16x16384x128 --causal"}
+: > "$OUT/ncu.txt"
+while read -r line; do
+    [[ -z $line ]] && continue
+    echo "===== ncu: $line" | tee -a "$OUT/ncu.txt"
+    # shellcheck disable=SC2086
+    timeout 240 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        -k ptxattn_fwd --launch-skip 1 --launch-count 1 \
+        python3 bench/experiments/ncu_bind.py $line >> "$OUT/ncu.txt" 2>&1
+    echo "ncu exit $?" | tee -a "$OUT/ncu.txt"
+done <<< "$KERNELS"
