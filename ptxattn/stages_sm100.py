@@ -53,6 +53,10 @@ SM100_STAGES: tuple[Stage, ...] = (
            **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
     _sm100(8, "hardware_exp2", "log2-domain softmax: scale folded into one FFMA, ex2.approx.ftz",
            **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
+    _sm100(9, "software_exp2",
+           "a share of the exponentials (SW_EXP2_PER_8, default 2 of 8) as a degree-3 "
+           "polynomial on the FMA pipe",
+           **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -62,6 +66,7 @@ SM100_STAGES: tuple[Stage, ...] = (
 #   LDTM / STTM tcgen05.ld / tcgen05.st           UTCATOMSWS  tcgen05.alloc / dealloc
 #   UTMALDG     TMA tensor load                   SYNCS       mbarrier wait / arrive
 #   USETMAXREG  setmaxnreg                        STS         P to shared memory (stage 1)
+#   MUFU.EX2    ex2.approx                        FADD.RM     the polynomial exp2's floor (stage 9)
 _EVERY = ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "SYNCS")
 SASS_NEEDS: dict[int, tuple[str, ...]] = {
     1: _EVERY + ("STS.128",),
@@ -72,4 +77,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     6: _EVERY + ("USETMAXREG",),
     7: _EVERY + ("USETMAXREG",),
     8: _EVERY + ("USETMAXREG", "MUFU.EX2"),
+    9: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
 }
