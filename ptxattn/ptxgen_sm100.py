@@ -97,6 +97,28 @@ def score_macros() -> list[str]:
     out += _macro("FFMA_EXP2_MIXED_S", "SCALE_LOG2, NEG_MAX, T_F32, T_INT, T_BITS", body,
                   "as FFMA_EX2_S, but slot j = i % 8 of every 8 scores takes EXP2_AT_j (exp2.ptxh):\n"
                   "MUFU.EX2, or the polynomial on the FMA pipe for the last SW_EXP2_PER_8 slots (stage 9 on)")
+    accs = ["S0", "S1", "S2", "S3"]
+    for h in range(2):
+        body = []
+        for j in range(h * n // 4, (h + 1) * n // 4):
+            lo, hi, acc = 2 * j, 2 * j + 1, accs[j % 4]
+            for i in (lo, hi):
+                body += [f"fma.rn.f32 %s{i}, %s{i}, SCALE_LOG2, NEG_MAX;",
+                         f"EXP2_AT_{i % 8}(%s{i}, T_F32, T_INT, T_BITS)"]
+            first = h == 0 and j < 4
+            body += [f"mov.f32 {acc}, %s{lo};" if first else f"add.f32 {acc}, {acc}, %s{lo};",
+                     f"add.f32 {acc}, {acc}, %s{hi};",
+                     f"cvt.rn.bf16x2.f32 %pk{j}, %s{hi}, %s{lo};"]
+        cols = f"{h * n // 2}..{(h + 1) * n // 2 - 1}"
+        out += _macro(f"EXP2_SUM_PACK_S_HALF{h}", "SCALE_LOG2, NEG_MAX, S0, S1, S2, S3, T_F32, T_INT, T_BITS",
+                      body,
+                      f"scores {cols} in one pass, a pair at a time: 2^(s * SCALE_LOG2 + NEG_MAX) (EXP2_AT_j),\n"
+                      f"added to the four partial sums S0-S3 ({'started' if h == 0 else 'continued'} here) "
+                      f"and packed to %pk{h * n // 4}..%pk{(h + 1) * n // 4 - 1}:\n"
+                      "each score register is dead once summed and packed")
+    for h in range(2):
+        out += _macro(f"P_LIST_{'LO' if h == 0 else 'HI'}", None, [_reg_list("pk", h * n // 4, n // 4)],
+                      f"P columns {h * n // 2}..{(h + 1) * n // 2 - 1} (bf16 pairs): one tcgen05.st .32x32b.x{n // 4}")
     out += _macro("PACK_P", None,
                   [f"cvt.rn.bf16x2.f32 %pk{j}, %s{2 * j + 1}, %s{2 * j};" for j in range(n // 2)],
                   "P (bf16 pairs, lower column in the low half) <- S")

@@ -57,6 +57,10 @@ SM100_STAGES: tuple[Stage, ...] = (
            "a share of the exponentials (SW_EXP2_PER_8, default 2 of 8) as a degree-3 "
            "polynomial on the FMA pipe",
            **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
+    _sm100(10, "register_caching",
+           "each score used once from the register it landed in: exponential, row sum and bf16 "
+           "pair in one pass; P stored in two halves as each is ready",
+           **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -78,4 +82,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     7: _EVERY + ("USETMAXREG",),
     8: _EVERY + ("USETMAXREG", "MUFU.EX2"),
     9: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
+    10: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
 }
