@@ -61,6 +61,10 @@ SM100_STAGES: tuple[Stage, ...] = (
            "each score used once from the register it landed in: exponential, row sum and bf16 "
            "pair in one pass; P stored in two halves as each is ready",
            **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
+    _sm100(11, "skip_o_rescale",
+           "rebase a row's running max only when it grows by more than 2^8; a warp with no "
+           "rebased row leaves O in TMEM alone",
+           **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -71,6 +75,7 @@ SM100_STAGES: tuple[Stage, ...] = (
 #   UTMALDG     TMA tensor load                   SYNCS       mbarrier wait / arrive
 #   USETMAXREG  setmaxnreg                        STS         P to shared memory (stage 1)
 #   MUFU.EX2    ex2.approx                        FADD.RM     the polynomial exp2's floor (stage 9)
+#   VOTE.ANY    the warp's rescale-or-skip vote (stage 11)
 _EVERY = ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "SYNCS")
 SASS_NEEDS: dict[int, tuple[str, ...]] = {
     1: _EVERY + ("STS.128",),
@@ -83,4 +88,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     8: _EVERY + ("USETMAXREG", "MUFU.EX2"),
     9: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
     10: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
+    11: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY"),
 }
