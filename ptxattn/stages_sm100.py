@@ -26,6 +26,8 @@ _TILE = 32768                  # one 128-row bf16 tile of D = 128 (Q, K or V)
 _SLACK = 1024                  # the kernels align the dynamic shared memory base to 1024 bytes
 _ONE_Q = dict(block_m=128, block_n=128, q_box_rows=128)
 _TWO_Q = dict(threads=384, block_m=256, block_n=128, q_box_rows=128, swizzle=SWIZZLE_128B)
+# Stage 12 on: two softmax warpgroups, a correction warpgroup and the issue warpgroup.
+_FOUR_WG = dict(_TWO_Q, threads=512)
 
 # In lineage order; a stage's diff from the one before it is its idea.
 SM100_STAGES: tuple[Stage, ...] = (
@@ -65,6 +67,10 @@ SM100_STAGES: tuple[Stage, ...] = (
            "rebase a row's running max only when it grows by more than 2^8; a warp with no "
            "rebased row leaves O in TMEM alone",
            **_TWO_Q, smem_bytes=6 * _TILE + 256 + _SLACK),
+    _sm100(12, "split_correction",
+           "a correction warpgroup rescales O in TMEM (and runs the epilogue) while the softmax "
+           "warpgroups compute the exponentials",
+           **_FOUR_WG, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -76,6 +82,7 @@ SM100_STAGES: tuple[Stage, ...] = (
 #   USETMAXREG  setmaxnreg                        STS         P to shared memory (stage 1)
 #   MUFU.EX2    ex2.approx                        FADD.RM     the polynomial exp2's floor (stage 9)
 #   VOTE.ANY    the warp's rescale-or-skip vote (stage 11)
+#   LDS         the correction factors handed to the correction warpgroup (stage 12)
 _EVERY = ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "SYNCS")
 SASS_NEEDS: dict[int, tuple[str, ...]] = {
     1: _EVERY + ("STS.128",),
@@ -89,4 +96,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     9: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
     10: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
     11: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY"),
+    12: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
 }
