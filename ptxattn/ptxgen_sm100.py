@@ -202,6 +202,25 @@ def mma_macros() -> list[str]:
     out += ts("PV_TS_SW128", steps_n, lambda t: v_step,
               f"O += P V, P in tensor memory, V MN-major 128-byte swizzled: a k-step is {K_STEP} rows\n"
               f"of 128 bytes (two 1024-byte atoms)")
+    # Early PV (stage 13): the same k-steps in two halves over the key rows, so that the
+    # first half can run as soon as the first 32 columns of P (keys 0-63) are in TMEM.
+    half = steps_n // 2
+    body = ["tcgen05.mma.cta_group::1.kind::f16 [TM], [TA], DB, IDESC, P_FIRST;"]
+    for t in range(1, half):
+        body += [f"add.s64 DB, DB, {v_step};",
+                 f"tcgen05.mma.cta_group::1.kind::f16 [TM], [TA+{t * K_STEP // 2}], DB, IDESC, P_ON;"]
+    body += [f"add.s64 DB, DB, {v_step};"]
+    out += _macro("PV_TS_SW128_LO", "TM, TA, DB, IDESC, P_FIRST, P_ON", body,
+                  f"PV_TS_SW128's first {half} k-steps (keys 0..{half * K_STEP - 1}, P columns "
+                  f"0..{half * K_STEP // 2 - 1}); DB is left at k-step {half}")
+    body = []
+    for t in range(half, steps_n):
+        if t > half:
+            body += [f"add.s64 DB, DB, {v_step};"]
+        body += [f"tcgen05.mma.cta_group::1.kind::f16 [TM], [TA+{t * K_STEP // 2}], DB, IDESC, P_ON;"]
+    body += [f"sub.s64 DB, DB, {(steps_n - 1) * v_step};"]
+    out += _macro("PV_TS_SW128_HI", "TM, TA, DB, IDESC, P_ON", body,
+                  f"the last {steps_n - half} k-steps, after PV_TS_SW128_LO; DB comes back to k-step 0")
     return out
 
 

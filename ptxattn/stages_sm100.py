@@ -71,6 +71,9 @@ SM100_STAGES: tuple[Stage, ...] = (
            "a correction warpgroup rescales O in TMEM (and runs the epilogue) while the softmax "
            "warpgroups compute the exponentials",
            **_FOUR_WG, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
+    _sm100(13, "early_pv",
+           "PV starts on the first half of P (keys 0-63) while the softmax computes the second",
+           **_FOUR_WG, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -97,4 +100,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     10: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM"),
     11: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY"),
     12: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
+    13: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
 }

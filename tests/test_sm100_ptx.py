@@ -88,6 +88,11 @@ def test_generated_mma_steps_walk_the_tiles_and_come_back():
             back = re.findall(rf"sub\.s64 {reg}, {reg}, (\d+);", body)
             if fwd:
                 assert back == [str(fwd)], (macro, reg)
+    # early PV's two halves issue exactly PV_TS_SW128's k-steps, in order
+    mmas = {m: re.findall(r"tcgen05\.mma[^;]*\[TA[^\]]*\]", text.split(f"#define {m}(")[1].split("\n\n")[0])
+            for m in ("PV_TS_SW128", "PV_TS_SW128_LO", "PV_TS_SW128_HI")}
+    assert mmas["PV_TS_SW128_LO"] + mmas["PV_TS_SW128_HI"] == mmas["PV_TS_SW128"]
+    assert len(mmas["PV_TS_SW128_LO"]) == len(mmas["PV_TS_SW128_HI"]) == 4
     sw = text.split("#define QK_SS_SW128(")[1].split("\n\n")[0]
     steps = [int(n) for n in re.findall(r"add\.s64 DA, DA, (\d+);", sw)]
     assert steps == [2, 2, 2, 128 * 128 // 16 - 6, 2, 2, 2]
