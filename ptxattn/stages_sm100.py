@@ -74,6 +74,9 @@ SM100_STAGES: tuple[Stage, ...] = (
     _sm100(13, "early_pv",
            "PV starts on the first half of P (keys 0-63) while the softmax computes the second",
            **_FOUR_WG, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
+    _sm100(14, "persistent",
+           "grid = SM count, static tile scheduler; the next tile's Q and S under the epilogue",
+           **_FOUR_WG, persistent=True, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
 )
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
@@ -101,4 +104,5 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     11: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY"),
     12: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
     13: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
+    14: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
 }

@@ -193,3 +193,12 @@ def test_stage_sass_holds_what_its_idea_needs(stage):
     missing = [need for need in SASS_NEEDS[stage.number]
                if not any(op.startswith(need) for op in opcodes)]
     assert missing == [], f"{stage.label}: no {missing} in its SASS"
+
+
+@requires_ptxas
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_only_persistent_stages_walk_a_tile_list(stage):
+    """A persistent stage strides through the tiles by the grid size (it reads nctaid.x);
+    the others take their tile from ctaid alone."""
+    _, text = _built(stage.file)
+    assert ("SR_NCTAID.X" in text) == stage.persistent, stage.label
