@@ -188,7 +188,9 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
         if cc is not None and not _arch_ok(chosen.arch, cc):
             # The lineages' numbers collide: say how to name the one this GPU runs.
             hint = ""
-            if blackwell and not chosen.production:
+            if blackwell and chosen.production:
+                hint = "; there is no production kernel for sm_100a"
+            elif blackwell:
                 hint = (f"; a plain number names a Hopper stage: name a Blackwell one as "
                         f"'sm100_stage{chosen.number:02d}' or "
                         f"stages.get_stage({chosen.number}, arch='sm_100a')")
