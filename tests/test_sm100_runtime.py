@@ -466,3 +466,57 @@ def test_run_arch_is_checked_before_the_gpu(sm100, monkeypatch):
     bad = cli("run", "1", "--arch", "sm_89")
     assert bad.exit_code == 2 and "--arch" in bad.output and "sm_89" in bad.output
     one_clean_error(cli("run", "5", "--arch", "sm_100a"), "unknown sm_100a stage '5'")
+
+
+# --------------------------------------------------------------------------- on the H200
+
+# The self-check's own device path (copies in, NaN poison, launch, copy out, reference) cannot
+# run on a B200 here; on Hopper it runs with a Hopper stage, which ensure() does not mind.
+@pytest.fixture
+def no_verdicts(monkeypatch):
+    monkeypatch.setattr(selfcheck, "_RESULTS", {})
+    monkeypatch.setattr(selfcheck, "_METRICS", {})
+
+
+@pytest.mark.gpu
+def test_gpu_the_self_check_passes_a_correct_kernel(no_verdicts):
+    stage = stages.get_stage(14)
+    figures = selfcheck.run(stage)
+    assert figures["pass"], figures
+    assert figures["nan_count"] == 0 and figures["shape"] == (2, 2, 256, 128)
+    assert figures["rel_l2"] < 4e-3
+    selfcheck.ensure(stage)                                   # a real pass is remembered
+    assert [m["pass"] for m in selfcheck.results().values()] == [True]
+
+
+@pytest.mark.gpu
+def test_gpu_the_self_check_refuses_a_wrong_result(no_verdicts, monkeypatch):
+    stage = stages.get_stage(14)
+    real = attn.prepare
+    # twice the softmax scale: the kernel runs as it should, on the wrong question
+    monkeypatch.setattr(attn, "prepare", lambda *a, **kw: real(*a, scale=2.0 / D ** 0.5, **kw))
+    with pytest.raises(SelfCheckError, match=r"stage14 \(persistent\) \(sm_90a\) failed its "
+                                             r"first-launch self-check"):
+        selfcheck.ensure(stage)
+
+    def rerun(*args, **kwargs):
+        raise AssertionError("the self-check ran again")
+    monkeypatch.setattr(selfcheck, "run", rerun)
+    with pytest.raises(SelfCheckError, match="refused for the rest of this process"):
+        selfcheck.ensure(stage)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_runs_without_self_checks_and_refuses_sm100_stages(sm100, monkeypatch):
+    one, last = sm100
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a self-check ran on Hopper")
+    monkeypatch.setattr(selfcheck, "ensure", refuse)
+    from ptxattn.reference import random_qkv
+    q, k, v = random_qkv(1, 2, 256, 256, D, "bhld", seed=3)
+    out = attn.attention(q, k, v)                            # the production kernel, as ever
+    assert out.shape == q.shape and np.isfinite(out.astype(np.float32)).all()
+    with pytest.raises(ValueError, match=r"sm100_stage14 \(persistent\) is built for sm_100a, "
+                                         r"which this GPU \(compute capability 9.0\) cannot run"):
+        attn.attention(q, k, v, stage=last)
