@@ -51,9 +51,11 @@ _LOCK = threading.RLock()
 
 def shape(stage: Stage) -> tuple[int, int, int, int]:
     """(batch, heads, seq, head_dim) of the check: the smallest length that is a multiple of
-    both tiles and at least MIN_SEQ; head dim 128 where the stage takes it."""
+    both tiles, at least MIN_SEQ and two query tiles (a CTA's or a persistent CTA's next tile,
+    not only its first); head dim 128 where the stage takes it."""
     tile = math.lcm(stage.block_m, stage.block_n)
-    seq = tile * max(1, -(-MIN_SEQ // tile))
+    least = max(MIN_SEQ, 2 * stage.block_m, 2 * stage.block_n)
+    seq = tile * -(-least // tile)
     head_dim = 128 if 128 in stage.head_dims else stage.head_dims[0]
     return BATCH, HEADS, seq, head_dim
 

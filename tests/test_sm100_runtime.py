@@ -256,7 +256,7 @@ def test_self_check_passes_a_correct_kernel_once(sm100, fake_launch):
     assert launches == {14: 1}
     (figures,) = selfcheck.results().values()
     assert figures["pass"] and figures["nan_count"] == 0 and figures["rel_l2"] < 4e-3
-    assert figures["shape"] == selfcheck.shape(last) == (2, 2, 256, 128)
+    assert figures["shape"] == selfcheck.shape(last) == (2, 2, 512, 128)   # 2 x 256-row tiles
 
 
 def test_self_check_refuses_a_wrong_kernel_and_remembers(sm100, fake_launch):
@@ -267,7 +267,7 @@ def test_self_check_refuses_a_wrong_kernel_and_remembers(sm100, fake_launch):
             selfcheck.ensure(last)
         message = str(info.value)
         assert "sm100_stage14 (persistent)" in message and "rel_l2" in message
-        assert "B=2 H=2 L=256 D=128" in message and "refused" in message
+        assert "B=2 H=2 L=512 D=128" in message and "refused" in message
     assert launches == {14: 1}                  # checked once, refused three times
     selfcheck.ensure(one)                       # stage 1 is not wrong: it passes
     assert launches == {14: 1, 1: 1}
@@ -327,10 +327,12 @@ def test_self_check_inputs_are_fresh_each_run(sm100, fake_launch):
 
 
 def test_self_check_shape_fits_both_tiles():
-    for bm, bn in ((64, 64), (128, 128), (256, 128), (192, 128), (128, 512)):
+    # the smallest length that is a multiple of both tiles, >= 256, two tiles of each
+    for bm, bn, want in ((64, 64, 256), (128, 128, 256), (256, 128, 512), (192, 128, 384),
+                         (128, 512, 1024)):
         stage = dataclasses.replace(stages.STAGES[0], block_m=bm, block_n=bn)
         b, h, seq, d = selfcheck.shape(stage)
-        assert seq % bm == 0 and seq % bn == 0 and seq >= selfcheck.MIN_SEQ, (bm, bn)
+        assert (b, h, seq, d) == (2, 2, want, 128), (bm, bn)
         assert stage.unsupported(d, seq, seq) is None
 
 
