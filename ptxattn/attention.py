@@ -190,7 +190,7 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
             hint = ""
             if blackwell and chosen.production:
                 hint = "; there is no production kernel for sm_100a"
-            elif blackwell:
+            elif blackwell and any(s.number == chosen.number for s in pool):
                 hint = (f"; a plain number names a Hopper stage: name a Blackwell one as "
                         f"'sm100_stage{chosen.number:02d}' or "
                         f"stages.get_stage({chosen.number}, arch='sm_100a')")

@@ -149,6 +149,10 @@ def test_a_stage_of_the_other_lineage_is_refused_clearly(sm100):
         attn._pick_stage(1, D, 512, 512, B200)
     assert "sm100_stage01" in str(info.value) and "arch='sm_100a'" in str(info.value)
     assert "sm100_stage14 (persistent)" in str(info.value)           # what would take it
+    with pytest.raises(ValueError, match=r"stage: stage05 \(two_q_tiles\) is built for sm_90a") \
+            as info:
+        attn._pick_stage(5, D, 512, 512, B200)
+    assert "sm100_stage05" not in str(info.value)         # no Blackwell stage 5 to point to
     with pytest.raises(ValueError, match="production is built for sm_90a.*no production kernel "
                                          "for sm_100a"):
         attn._pick_stage("production", D, 512, 512, B200)
@@ -304,6 +308,25 @@ def test_self_check_that_cannot_run_refuses_and_remembers(sm100, fake_launch):
                                                  r"not run its first-launch self-check: "
                                                  r"RuntimeError: fake JIT failure"):
             selfcheck.ensure(one)
+
+
+def test_threads_asking_at_once_share_one_self_check(sm100, monkeypatch):
+    import threading
+    import time
+
+    from fakes import at_once
+    one, last = sm100
+    runs, inside = [], threading.Lock()
+
+    def run(stage, seed=None):
+        assert inside.acquire(blocking=False), "two self-checks at once"
+        runs.append(stage)
+        time.sleep(0.05)                    # the others arrive while this one runs
+        inside.release()
+        return passing(stage)
+    monkeypatch.setattr(selfcheck, "run", run)
+    assert at_once(lambda i: selfcheck.ensure(last)) == []
+    assert runs == [last]
 
 
 def test_the_self_checks_own_launch_does_not_check_again(sm100, monkeypatch):
