@@ -4,8 +4,9 @@ The Blackwell lineage (stages_sm100.py) was assembled and SASS-checked, never ru
 lent to us. So before the first launch of each such kernel in a process, attention() runs it
 once on a small shape against the float64 NumPy reference, with the project's correctness bar
 (reference.passes: fresh random normal inputs, an output poisoned with NaN, no NaN/Inf,
-relative L2 <= 4e-3, max |error| <= 1e-2 * max |reference|). A kernel that fails is refused with SelfCheckError
-naming it, then and on every later call in the process, without running it again.
+relative L2 <= 4e-3, max |error| <= 1e-2 * max |reference|). A kernel that fails is refused
+with SelfCheckError naming it, then and on every later call in the process, without running
+it again.
 
     >>> from ptxattn import selfcheck, stages
     >>> selfcheck.ensure(stages.get_stage("sm100_stage01"))     # on a B200: checks once

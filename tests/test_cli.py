@@ -230,8 +230,8 @@ def bench_tflops(*args):
 
 @needs_sass
 def test_assembly_error_is_one_line_and_verbose_shows_the_mapped_log():
-    # sm_90a-only wgmma cannot be assembled for sm_100a: ptxas fails on a known line
-    # (sm_120a: sm_100a now names the Blackwell lineage, whose own stage 1 assembles there)
+    # sm_90a-only wgmma cannot be assembled for sm_120a: ptxas fails on a known line
+    # (not sm_100a: it names the Blackwell lineage now, whose own stage 1 assembles there)
     one_clean_error(cli("sass", "1", "--arch", "sm_120a"), "ptxas failed on stage01 (sm_120a)",
                     "ptx/sm90/01_baseline.ptx:", "ptxattn -v")
     verbose = CliRunner().invoke(main, ["-v", "sass", "1", "--arch", "sm_120a"])
