@@ -196,6 +196,23 @@ def test_prepare_on_a_b200_self_checks_then_launches_the_sm100_stage(gpu, sm100,
     assert checked == [last, one] and len(gpu["cuLaunchKernelEx"]) == 2
 
 
+def test_calls_that_need_the_production_kernel_are_refused_on_a_b200(gpu, sm100, monkeypatch):
+    gpu["ctx"].compute_capability = B200
+    monkeypatch.setattr(selfcheck, "run", passing)
+    q = dev((1, 4, 512, D), 0)
+    k, v = dev((1, 2, 512, D), 1), dev((1, 2, 512, D), 2)
+    with pytest.raises(ValueError, match=r"^k: no registered stage takes this shape.*GQA.*"
+                                         r"no production kernel for sm_100a"):
+        attn.prepare(q, k, v)                                    # GQA
+    with pytest.raises(ValueError, match=r"^causal: .*no production kernel for sm_100a"):
+        attn.prepare(*qkv(), causal=True)
+    with pytest.raises(ValueError, match=r"^return_lse: .*no production kernel for sm_100a"):
+        attn.prepare(*qkv(), return_lse=True)
+    with pytest.raises(ValueError, match=r"^q: .*query length 500.*no production kernel"):
+        attn.prepare(*[dev((1, 2, 500, D), i) for i in range(3)])    # a tail
+    assert not gpu["cuModuleLoadDataEx"] and not gpu["cuLaunchKernelEx"]
+
+
 def test_a_failed_self_check_refuses_the_stage_now_and_later_without_rerunning(gpu, sm100,
                                                                              monkeypatch):
     one, last = sm100
