@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import driver, stages, stages_sm100, tensors, tma
+from . import driver, stages, tensors, tma
 from .errors import PtxattnError
 from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
+
+from . import stages_sm100   # the Blackwell rows (issue 15): part of _pick_stage's cache key
 
 LAYOUTS = ("bhld", "bshd")
 _AXES = {"bhld": "(batch, heads, seq, head_dim)", "bshd": "(batch, seq, heads, head_dim)"}
@@ -219,6 +221,23 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
         for why, labels in grouped.items())
     raise ValueError(f"{argument(why_not(candidates[0]))}: no registered stage takes this shape: "
                      f"{reasons}{no_production}; see `ptxattn list`")
+
+
+def _first_use(plan: _Plan, stage: Stage, device: int) -> None:
+    """Before a Blackwell stage's launch: validation checked the device arrays against the
+    stage it picked without knowing the GPU (a Hopper one); check them against this one, then
+    run (once per process) its self-check against the reference (selfcheck.ensure)."""
+    import dataclasses
+
+    from . import selfcheck
+    if not plan.host and stage is not plan.stage:
+        checked = dataclasses.replace(plan, stage=stage)
+        for name, seq, rows in (("q", plan.seq_q, stage.q_box_rows),
+                                ("k", plan.seq_k, stage.block_n), ("v", plan.seq_k, stage.block_n)):
+            _check_device_geometry(name, getattr(plan, name), checked, seq, rows)
+        if plan.out is not None:
+            _check_device_geometry("out", plan.out, checked, plan.seq_q, stage.q_box_rows)
+    selfcheck.ensure(stage, device)
 
 
 def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
@@ -651,23 +670,6 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (values, types), cluster=stage.cluster, stream=stream)
     return PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
-
-
-def _first_use(plan: _Plan, stage: Stage, device: int) -> None:
-    """Before a Blackwell stage's launch: validation checked the device arrays against the
-    stage it picked without knowing the GPU (a Hopper one); check them against this one, then
-    run (once per process) its self-check against the reference (selfcheck.ensure)."""
-    import dataclasses
-
-    from . import selfcheck
-    if not plan.host and stage is not plan.stage:
-        checked = dataclasses.replace(plan, stage=stage)
-        for name, seq, rows in (("q", plan.seq_q, stage.q_box_rows),
-                                ("k", plan.seq_k, stage.block_n), ("v", plan.seq_k, stage.block_n)):
-            _check_device_geometry(name, getattr(plan, name), checked, seq, rows)
-        if plan.out is not None:
-            _check_device_geometry("out", plan.out, checked, plan.seq_q, stage.q_box_rows)
-    selfcheck.ensure(stage, device)
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
