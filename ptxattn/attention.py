@@ -22,6 +22,8 @@ from .errors import PtxattnError
 from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
+from . import stages_sm100   # the Blackwell rows (issue 15): part of _pick_stage's cache key
+
 LAYOUTS = ("bhld", "bshd")
 _AXES = {"bhld": "(batch, heads, seq, head_dim)", "bshd": "(batch, seq, heads, head_dim)"}
 # A testing knob: cap the grid of persistent stages (e.g. 2), so that each CTA walks several
@@ -113,7 +115,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
     """_pick_uncached, remembered per arguments: the answer depends on them and on the
     registry alone, and a model asks the same question every call. The memory is dropped
     whenever the registry objects change (tests swap them); errors are never remembered."""
-    registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
+    registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST, stages_sm100.SM100_STAGES)
     if any(a is not b for a, b in zip(registry, _PICKS_REGISTRY)):
         _PICKS.clear()
         _PICKS_REGISTRY[:] = registry
@@ -131,7 +133,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
 
 
 _PICKS: dict[tuple, Stage] = {}
-_PICKS_REGISTRY: list = [None, None, None]
+_PICKS_REGISTRY: list = [None, None, None, None]
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,8 +147,16 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
                    lse: bool = False, masked: bool = False) -> Stage:
     """The requested kernel, checked; or the production kernel when it takes the call, else
     the fastest lineage stage (stages.by_speed) that does (and, once the device is known,
-    runs on its compute capability). gqa: k/v have fewer heads than q; lse: return_lse."""
+    runs on its compute capability). gqa: k/v have fewer heads than q; lse: return_lse.
+    On a compute capability 10.0 device the choice is among the Blackwell lineage's stages
+    (stages_sm100), fastest first by stages.by_speed: it has no production kernel."""
     q_len = seq_q or None  # an empty query never launches: only head dim and keys matter
+    blackwell = cc is not None and stages.lineage_for(cc) == stages.BLACKWELL
+    pool = by_speed(stages.BLACKWELL) if blackwell else (PRODUCTION,) + by_speed()
+    # What a shape that only the production kernel takes is told on a B200.
+    no_production = ("; there is no production kernel for sm_100a: its lineage takes head dim "
+                     "128, no GQA/MQA, LSE or masks, and lengths that are multiples of its "
+                     "tiles" if blackwell else "")
 
     def why_not(s: Stage):
         if gqa and not s.gqa:
@@ -162,10 +172,10 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
 
     def takers(exclude):
         # A few names, fastest first; past four, the fastest and a count (errors stay short).
-        ok = [s for s in (PRODUCTION,) + by_speed() if s is not exclude and why_not(s) is None
+        ok = [s for s in pool if s is not exclude and why_not(s) is None
               and (cc is None or _arch_ok(s.arch, cc))]
         if not ok:
-            return "no registered stage takes this shape"
+            return "no registered stage takes this shape" + no_production
         if len(ok) > 4:
             return (f"{ok[0].title} and {len(ok) - 1} other stages would take it "
                     f"(see `ptxattn list`)")
@@ -178,16 +188,28 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
             raise ValueError(f"{argument(why)}: {chosen.title} does not take "
                              f"{why}; {takers(chosen)}")
         if cc is not None and not _arch_ok(chosen.arch, cc):
+            # The lineages' numbers collide: say how to name the one this GPU runs.
+            hint = ""
+            if blackwell and chosen.production:
+                hint = "; there is no production kernel for sm_100a"
+            elif blackwell and any(s.number == chosen.number for s in pool):
+                hint = (f"; a plain number names a Hopper stage: name a Blackwell one as "
+                        f"'sm100_stage{chosen.number:02d}' or "
+                        f"stages.get_stage({chosen.number}, arch='sm_100a')")
+            elif not blackwell and chosen.arch == stages.BLACKWELL:
+                hint = ("; the sm_100a lineage runs on compute capability 10.0 (a B200) only, "
+                        "and has never been run by this project")
             raise ValueError(f"stage: {chosen.title} is built for {chosen.arch}, "
                              f"which this GPU (compute capability {cc[0]}.{cc[1]}) cannot run; "
-                             f"{takers(chosen)}")
+                             f"{takers(chosen)}{hint}")
         return chosen
-    candidates = [s for s in (PRODUCTION,) + by_speed() if cc is None or _arch_ok(s.arch, cc)]
+    candidates = [s for s in pool if cc is None or _arch_ok(s.arch, cc)]
     for s in candidates:
         if why_not(s) is None:
             return s
     if not candidates:
-        raise ValueError(f"stage: no registered stage runs on compute capability {cc[0]}.{cc[1]}")
+        raise ValueError(f"stage: no registered stage runs on compute capability {cc[0]}.{cc[1]}"
+                         f"{' (no sm_100a stage is registered)' if blackwell else ''}")
     grouped: dict[str, list[str]] = {}
     for s in candidates:
         grouped.setdefault(why_not(s), []).append(s.label)
@@ -198,7 +220,24 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
         f"{' (' + labels[0] + ')' if len(labels) == 1 < len(candidates) else ''}"
         for why, labels in grouped.items())
     raise ValueError(f"{argument(why_not(candidates[0]))}: no registered stage takes this shape: "
-                     f"{reasons}; see `ptxattn list`")
+                     f"{reasons}{no_production}; see `ptxattn list`")
+
+
+def _first_use(plan: _Plan, stage: Stage, device: int) -> None:
+    """Before a Blackwell stage's launch: validation checked the device arrays against the
+    stage it picked without knowing the GPU (a Hopper one); check them against this one, then
+    run (once per process) its self-check against the reference (selfcheck.ensure)."""
+    import dataclasses
+
+    from . import selfcheck
+    if not plan.host and stage is not plan.stage:
+        checked = dataclasses.replace(plan, stage=stage)
+        for name, seq, rows in (("q", plan.seq_q, stage.q_box_rows),
+                                ("k", plan.seq_k, stage.block_n), ("v", plan.seq_k, stage.block_n)):
+            _check_device_geometry(name, getattr(plan, name), checked, seq, rows)
+        if plan.out is not None:
+            _check_device_geometry("out", plan.out, checked, plan.seq_q, stage.q_box_rows)
+    selfcheck.ensure(stage, device)
 
 
 def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
@@ -547,6 +586,8 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
                         plan.seq_q, plan.seq_k, ctx.compute_capability,
                         gqa=plan.heads_kv != plan.heads, lse=plan.want_lse, masked=plan.masked)
     stage = _specialized(stage, plan.head_dim, plan.masked)   # the production build for this call
+    if stage.arch != stages.HOPPER:      # a never-run lineage: checked before its first launch
+        _first_use(plan, stage, ctx.ordinal)
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")

@@ -167,6 +167,27 @@ def _shape_options(default: str):
     return decorate
 
 
+# --arch: which lineage a stage number means (their numbers collide), and ptxas's target.
+_ARCH_HELP = ("The lineage whose stage STAGE names, and ptxas's target: sm_90a (Hopper, the "
+              "default) or sm_100a (Blackwell: assembled, never run here). Another target, "
+              "e.g. sm_120a, assembles the Hopper stage for it.")
+# What `ptxattn list` says of the Blackwell lineage, after its rows.
+BLACKWELL_NOTE = "assembled and SASS-checked only; never run here (no B200 lent)"
+
+
+def _resolve(key: str, arch: str | None) -> tuple[_stages.Stage, str | None]:
+    """(stage, ptxas target) for STAGE and --arch: an --arch naming a lineage picks the stage
+    from it (and is the target); any other --arch is only the target, of a Hopper stage (or of
+    a key that names its lineage, "sm100_stage03"). No --arch: the stage's own arch."""
+    lineage = _stages.lineage(arch)
+    return _lookup(key, lineage), (lineage or arch)
+
+
+def _lookup(key: str, arch: str | None) -> _stages.Stage:
+    """stages.get_stage, with arch= only when one was given (a plain key is Hopper's)."""
+    return _stages.get_stage(key) if arch is None else _stages.get_stage(key, arch=arch)
+
+
 def _constraints(stage: _stages.Stage) -> str:
     parts = [f"D={'/'.join(map(str, stage.head_dims))}"]
     if stage.any_length:
@@ -237,14 +258,23 @@ def info():
 @main.command(name="list")
 def list_stages():
     """The production kernel (the default), then the lineage: number, name, arch, CTA,
-    constraints, idea."""
+    constraints, idea. Then the Blackwell (sm_100a) lineage, which has never run here."""
     rows = [("#", "name", "arch", "threads", "tile MxN", "constraints", "idea")]
-    for s in _stages.all_kernels():
+    hopper = _stages.all_kernels()
+    blackwell = _stages.all_kernels(_stages.BLACKWELL)
+    for s in hopper + blackwell:
         missing = "" if (_stages.ptx_root() / s.file).is_file() else " [no PTX file yet]"
         rows.append(("-" if s.production else s.number, s.name, s.arch, s.threads,
                      f"{s.block_m}x{s.block_n}",
                      _constraints(s), s.idea + missing))
-    click.echo(_table(rows, right={0, 3}))
+    # One table, so both lineages' columns line up; the Blackwell rows under their own heading.
+    lines = _table(rows, right={0, 3}).splitlines()
+    split = 1 + len(hopper)
+    heading = (f"\nBlackwell lineage ({_stages.BLACKWELL}): {BLACKWELL_NOTE}; name a stage as "
+               f"sm100_stageNN, or N with --arch {_stages.BLACKWELL}")
+    if not blackwell:
+        heading += "\n(no stage registered yet)"
+    click.echo("\n".join(lines[:split] + [heading] + lines[split:]))
 
 
 # --------------------------------------------------------------------------- run
@@ -258,11 +288,17 @@ def list_stages():
 @click.option("--reps", type=click.IntRange(1), default=20, show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warmup, seed):
+@click.option("--arch", default=None, metavar="ARCH",
+              help="The lineage STAGE is from: sm_90a (Hopper) or sm_100a (Blackwell); "
+                   "default: the one this GPU runs (sm_100a on compute capability 10.0).")
+def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warmup, seed, arch):
     """Run STAGE (1, stage01, baseline, ...) on random inputs: time, TFLOP/s, PASS/FAIL."""
     from . import bench, driver
 
-    st = _stages.get_stage(stage)
+    if arch is not None and _stages.lineage(arch) is None:
+        raise click.BadParameter(f"expected {_stages.HOPPER} or {_stages.BLACKWELL}, got "
+                                 f"{arch!r}", param_hint="--arch")
+    st = _lookup(stage, arch)
     name, dims = bench.parse_shape(shape or "4k")
     b, h, seq, d = (x if x is not None else y for x, y in zip((batch, heads, seq_len, head_dim),
                                                                  dims))
@@ -272,6 +308,17 @@ def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warm
     if why:
         raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
     info = driver.device_info()  # the clear "no GPU" error comes from here
+    if arch is None and st.arch != _stages.BLACKWELL and \
+            _stages.lineage_for(info["compute_capability"]) == _stages.BLACKWELL:
+        # On a B200 a plain number means the Blackwell stage of that number. A key with no
+        # Blackwell stage (production, sm90_stage03) stays as it is: attention refuses it.
+        try:
+            st = _stages.get_stage(stage, arch=_stages.BLACKWELL)
+        except ValueError:
+            pass
+        why = st.unsupported(d, seq, seq)
+        if why:
+            raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
     from . import attention, reference, tensors
 
     q, k, v = reference.random_qkv(b, h, seq, seq, d, layout, seed)
@@ -305,11 +352,13 @@ def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warm
 
 @main.command()
 @click.argument("stage")
+@click.option("--arch", default=None, metavar="ARCH",
+              help="The lineage STAGE is from: sm_90a (Hopper, the default) or sm_100a.")
 @_define_option
-def ptx(stage, defines):
+def ptx(stage, arch, defines):
     """The expanded PTX of STAGE, as the driver JIT gets it."""
     from . import ptx as _ptx
-    click.echo(_ptx.source(_stages.get_stage(stage), defines=_defines(defines)), nl=False)
+    click.echo(_ptx.source(_lookup(stage, arch), defines=_defines(defines)), nl=False)
 
 
 @main.command()
@@ -319,7 +368,7 @@ def ptx(stage, defines):
               help="Only instructions OPCODE[.*], e.g. MUFU.EX2.")
 @click.option("--json", "as_json", is_flag=True,
               help="The summary as JSON (with --grep: plus the matching lines and their count).")
-@click.option("--arch", default=None, help="ptxas -arch (default: the stage's, e.g. sm_90a).")
+@click.option("--arch", default=None, metavar="ARCH", help=_ARCH_HELP)
 @_define_option
 def sass(stage, summary, opcode, as_json, arch, defines):
     """SASS of STAGE (ptxas + nvdisasm, offline, no GPU needed)."""
@@ -333,7 +382,8 @@ def sass(stage, summary, opcode, as_json, arch, defines):
     if opcode and as_json:
         raise click.UsageError("--grep and --json: give one (--json holds every class count; "
                                "--grep lists the instructions of one opcode)")
-    result = _sass.inspect_stage(stage, arch=arch, defines=_defines(defines))
+    st, target = _resolve(stage, arch)
+    result = _sass.inspect_stage(st, arch=target, defines=_defines(defines))
     matches = _sass.grep(result.sass, opcode) if opcode else None
     if as_json:
         data = {"stage": result.stage.label, "name": result.stage.name, **result.summary.to_dict()}
@@ -355,18 +405,22 @@ def sass(stage, summary, opcode, as_json, arch, defines):
 @click.argument("b")
 @click.option("--ptx", "as_ptx", is_flag=True, help="Unified diff of the PTX (the default).")
 @click.option("--sass", "as_sass", is_flag=True, help="SASS summaries side by side.")
-@click.option("--arch", default=None, help="ptxas -arch for --sass.")
+@click.option("--arch", default=None, metavar="ARCH",
+              help="The lineage of A and B (sm_90a, the default, or sm_100a); with --sass "
+                   "also ptxas's target, which may then be another one (e.g. sm_120a).")
 def diff(a, b, as_ptx, as_sass, arch):
     """Compare two stages: their expanded PTX, or their SASS summaries."""
     from . import sass as _sass
 
     if as_ptx and as_sass:
         raise click.UsageError("--ptx and --sass: give one (--ptx is the default)")
-    if arch and not as_sass:
-        raise click.UsageError("--arch applies to --sass only (the PTX diff has no target)")
-    sa, sb = _stages.get_stage(a), _stages.get_stage(b)
+    if arch and not as_sass and _stages.lineage(arch) is None:
+        raise click.UsageError(f"--arch applies to --sass only when it names no lineage "
+                               f"({_stages.HOPPER}, {_stages.BLACKWELL}): {arch} is a ptxas "
+                               f"target, and the PTX diff has no target")
+    (sa, target), (sb, _) = _resolve(a, arch), _resolve(b, arch)
     if as_sass:
-        ra, rb = _sass.inspect_stage(sa, arch=arch), _sass.inspect_stage(sb, arch=arch)
+        ra, rb = _sass.inspect_stage(sa, arch=target), _sass.inspect_stage(sb, arch=target)
         click.echo(_sass.format_diff(_sass.diff_summaries(ra.summary, rb.summary),
                                      sa.label, sb.label))
         return

@@ -272,8 +272,16 @@ _INSTR = re.compile(
 # "BAR" takes BAR.SYNC but not BRA, and "LDS" takes LDS.128 but not LDSM.
 CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HGMMA", ("HGMMA",)),                      # wgmma.mma_async
+    # tcgen05.mma (sm_100a): kind::f16 and tf32 -> UTCHMMA, f8f6f4 and block-scaled mx kinds
+    # -> UTCQMMA, i8 -> UTCIMMA (UTCOMMA: mxf4); .ws and 2-CTA forms add a suffix
+    ("UTCMMA", ("UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA")),
     ("HMMA", ("HMMA",)),                        # mma.sync (warp-level tensor cores)
     ("WARPGROUP", ("WARPGROUP",)),              # wgmma fence / wait: ARRIVE, DEPBAR
+    ("UTCBAR", ("UTCBAR",)),                    # tcgen05.commit: an mbarrier arrive when the
+                                                # MMAs issued before it are done
+    ("LDTM", ("LDTM",)),                        # tcgen05.ld: tensor memory -> registers
+    ("STTM", ("STTM",)),                        # tcgen05.st: registers -> tensor memory
+    ("UTC other", ("UTCCP", "UTCSHIFT", "UTCATOMSWS")),   # tcgen05.cp / .shift; alloc, dealloc
     ("TMA", ("UTMALDG", "UTMASTG", "UTMAPF", "UTMAREDG", "UTMACCTL", "UTMACMDFLUSH",
              "UBLKCP", "UBLKRED", "UBLKPF")),    # cp.async.bulk(.tensor) and friends
     ("MUFU.EX2", ("MUFU.EX2",)),                # the softmax exponentials
@@ -300,6 +308,17 @@ CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 OTHER = "other"
 CLASS_NAMES = tuple(name for name, _ in CLASSES) + (OTHER,)
+# Classes of Blackwell's tensor cores and tensor memory: a Hopper summary lists them only where
+# its SASS holds one (never), so that sm_90a summaries read as they always did.
+BLACKWELL_CLASSES = frozenset({"UTCMMA", "UTCBAR", "LDTM", "STTM", "UTC other"})
+HOPPER_CLASS_NAMES = tuple(n for n in CLASS_NAMES if n not in BLACKWELL_CLASSES)
+
+
+def class_names(arch: str | None) -> tuple[str, ...]:
+    """The classes a summary for `arch` lists (counts of 0 included): every class for sm_100
+    and later, the Hopper set for anything else (sm_90a, or an arch the log did not give)."""
+    digits = re.match(r"sm_(\d+)", arch or "")
+    return CLASS_NAMES if digits and int(digits.group(1)) >= 100 else HOPPER_CLASS_NAMES
 
 
 def classify(mnemonic: str) -> str:
@@ -384,7 +403,7 @@ class SassSummary:
     static_smem: int | None
     dynamic_smem: int | None            # from the stage registry: ptxas cannot know it
     instructions: int                   # NOP padding excluded
-    classes: dict[str, int] = field(default_factory=dict)   # every class, in CLASS_NAMES order
+    classes: dict[str, int] = field(default_factory=dict)   # class_names(arch), CLASS_NAMES order
     opcodes: dict[str, int] = field(default_factory=dict)   # full mnemonics, most frequent first
     warnings: list[str] = field(default_factory=list)
 
@@ -414,9 +433,11 @@ def summarize(sass_text: str, ptxas_log: str = "", *, function: str | None = Non
     info = funcs.get(function, {}) if function else {}
 
     mnemonics = Counter(op for op, _ in instructions(sass_text) if op != "NOP")
-    classes = dict.fromkeys(CLASS_NAMES, 0)
+    counts = Counter()
     for op, n in mnemonics.items():
-        classes[classify(op)] += n
+        counts[classify(op)] += n
+    listed = class_names(info.get("arch"))
+    classes = {name: counts[name] for name in CLASS_NAMES if name in listed or counts[name]}
     return SassSummary(
         function=function,
         arch=info.get("arch"),

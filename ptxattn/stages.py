@@ -15,6 +15,17 @@ from pathlib import Path
 
 ENTRY = "ptxattn_fwd"
 
+# The lineages, by the arch their PTX is written for. Hopper's is the measured one and every
+# function here defaults to it; Blackwell's (stages_sm100.py) is assembled and SASS-checked only.
+HOPPER = "sm_90a"
+BLACKWELL = "sm_100a"
+ARCHES = (HOPPER, BLACKWELL)
+# What a user may type for a lineage (CLI --arch, get_stage(arch=...)), lower case.
+_ARCH_NAMES = {HOPPER: ("sm_90a", "sm90a", "sm90", "hopper"),
+               BLACKWELL: ("sm_100a", "sm100a", "sm100", "blackwell")}
+# A key that names its lineage: "sm100_stage05", "sm100:5", "sm_100a/baseline".
+_QUALIFIED = re.compile(r"(sm_?(?:90|100)a?)[_:/](.+)")
+
 SWIZZLE_NONE = "none"
 SWIZZLE_128B = "128B"
 
@@ -42,7 +53,12 @@ class Stage:
 
     @property
     def label(self) -> str:
-        return self.name if self.production else f"stage{self.number:02d}"
+        """"stage05", "production"; a stage of another lineage than Hopper's says its arch,
+        "sm100_stage05", since the two lineages' numbers collide (get_stage reads it back)."""
+        if self.production:
+            return self.name
+        prefix = "" if self.arch == HOPPER else f"{_short_arch(self.arch)}_"
+        return f"{prefix}stage{self.number:02d}"
 
     @property
     def title(self) -> str:
@@ -225,35 +241,110 @@ PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/produc
 FASTEST_FIRST: tuple[int, ...] = (14, 15, 13, 12, 16, 11, 10, 8, 9, 7, 3, 6, 4, 5, 2, 1)
 
 
-def all_stages() -> tuple[Stage, ...]:
-    """The lineage (the textbook), in order."""
-    return STAGES
+def _short_arch(arch: str) -> str:
+    """"sm_100a" -> "sm100": the prefix of a label."""
+    return arch.replace("_", "").rstrip("af")
 
 
-def all_kernels() -> tuple[Stage, ...]:
-    """Every registered kernel: the production kernel, then the lineage."""
-    return (PRODUCTION,) + STAGES
+def lineage(arch: str | None) -> str | None:
+    """The lineage (HOPPER or BLACKWELL) that `arch` names ("sm_100a", "sm100", "blackwell",
+    any case), or None when it names none (e.g. "sm_89": a ptxas target, not a lineage)."""
+    if arch is None:
+        return None
+    text = str(arch).strip().lower()
+    for name, spellings in _ARCH_NAMES.items():
+        if text in spellings:
+            return name
+    return None
 
 
-def by_speed() -> tuple[Stage, ...]:
-    """Registered stages, fastest first (FASTEST_FIRST, then the rest by falling number)."""
-    rank = {n: i for i, n in enumerate(FASTEST_FIRST)}
-    return tuple(sorted(STAGES, key=lambda s: (rank.get(s.number, len(rank)), -s.number)))
+def check_arch(arch: str | None) -> str:
+    """`arch` as a lineage (None: Hopper's), or ValueError naming the argument."""
+    if arch is None:
+        return HOPPER
+    found = lineage(arch)
+    if found is None:
+        raise ValueError(f"arch: expected {HOPPER} (the Hopper lineage) or {BLACKWELL} (the "
+                         f"Blackwell lineage), got {arch!r}")
+    return found
 
 
-def get_stage(key: str | int | Stage) -> Stage:
-    """Look a stage up by number (1, "1", "01", "stage1", "stage01") or name ("baseline")."""
+def lineage_for(cc: tuple[int, int]) -> str | None:
+    """The lineage whose kernels a device of compute capability `cc` runs: 9.0 Hopper's, 10.0
+    Blackwell's (sm_100a code runs on 10.0 alone, like sm_90a on 9.0); None for any other."""
+    return {(9, 0): HOPPER, (10, 0): BLACKWELL}.get(tuple(cc))
+
+
+def _sm100_module():
+    # Imported on first use, not at import: stages_sm100 imports Stage from this module.
+    from . import stages_sm100
+    return stages_sm100
+
+
+def all_stages(arch: str | None = HOPPER) -> tuple[Stage, ...]:
+    """A lineage (the textbook), in order: Hopper's by default, arch="sm_100a" Blackwell's."""
+    arch = check_arch(arch)
+    return STAGES if arch == HOPPER else tuple(_sm100_module().SM100_STAGES)
+
+
+def all_kernels(arch: str | None = HOPPER) -> tuple[Stage, ...]:
+    """Every registered kernel of a lineage: Hopper's production kernel, then its lineage;
+    Blackwell's lineage alone (it has no production kernel)."""
+    arch = check_arch(arch)
+    return (PRODUCTION,) + STAGES if arch == HOPPER else all_stages(arch)
+
+
+def by_speed(arch: str | None = HOPPER) -> tuple[Stage, ...]:
+    """A lineage's stages, fastest first. Hopper's: FASTEST_FIRST (measured), then the rest by
+    falling number. Blackwell's has never been timed: its FASTEST_FIRST when stages_sm100
+    defines one (a prediction), else by falling number, as the published lineage got faster
+    step by step."""
+    arch = check_arch(arch)
+    order = FASTEST_FIRST if arch == HOPPER else getattr(_sm100_module(), "FASTEST_FIRST", ())
+    rank = {n: i for i, n in enumerate(order)}
+    return tuple(sorted(all_stages(arch), key=lambda s: (rank.get(s.number, len(rank)),
+                                                          -s.number)))
+
+
+def get_stage(key: str | int | Stage, arch: str | None = None) -> Stage:
+    """Look a stage up by number (1, "1", "01", "stage1", "stage01") or name ("baseline").
+
+    The lineages' numbers collide: a plain key is Hopper's unless `arch` names another lineage
+    ("sm_100a"), or the key names its own: "sm100_stage05" (the stage's label), "sm100:5",
+    "sm_100a/baseline". A Stage is returned as it is."""
     if isinstance(key, Stage):
+        if arch is not None and key.arch != check_arch(arch):
+            raise ValueError(f"stage: {key.title} is a {key.arch} kernel, not {check_arch(arch)}")
         return key
+    wanted = check_arch(arch)
     text = str(key).strip().lower()
+    qualified = _QUALIFIED.fullmatch(text)
+    if qualified and lineage(qualified.group(1)):
+        named = lineage(qualified.group(1))
+        if arch is not None and named != wanted:
+            raise ValueError(f"stage: {key!r} names a {named} stage, but arch {wanted} was "
+                             f"asked for")
+        wanted, text = named, qualified.group(2)
     if text in (PRODUCTION.name, "prod"):
-        return PRODUCTION
+        if wanted == HOPPER:
+            return PRODUCTION
+        raise ValueError(f"stage: there is no production kernel for {wanted} (only the Hopper "
+                         f"lineage has one); name a {wanted} lineage stage, see `ptxattn list`")
     match = re.fullmatch(r"(?:stage)?0*(\d+)", text)
-    for stage in STAGES:
+    lineage_stages = all_stages(wanted)
+    for stage in lineage_stages:
         if match and int(match.group(1)) == stage.number:
             return stage
         if text in (stage.name, f"{stage.number:02d}_{stage.name}"):
             return stage
+    if wanted != HOPPER:
+        if not lineage_stages:
+            raise ValueError(f"stage: no {wanted} stage is registered yet (got {key!r}); "
+                             f"see `ptxattn list`")
+        first, last = lineage_stages[0], lineage_stages[-1]
+        raise ValueError(f"stage: unknown {wanted} stage {key!r}; its lineage is {first.title} "
+                         f"to {last.title}, by number (1, 01, stage1) or by name; see "
+                         f"`ptxattn list`")
     first, last = STAGES[0], STAGES[-1]   # a range, not every name: errors stay one short line
     raise ValueError(f"stage: unknown stage {key!r}; kernels are production (the default) and "
                      f"the lineage {first.label} ({first.name}) to {last.label} ({last.name}), "

@@ -230,10 +230,11 @@ def bench_tflops(*args):
 
 @needs_sass
 def test_assembly_error_is_one_line_and_verbose_shows_the_mapped_log():
-    # sm_90a-only wgmma cannot be assembled for sm_100a: ptxas fails on a known line
-    one_clean_error(cli("sass", "1", "--arch", "sm_100a"), "ptxas failed on stage01 (sm_100a)",
+    # sm_90a-only wgmma cannot be assembled for sm_120a: ptxas fails on a known line
+    # (not sm_100a: it names the Blackwell lineage now, whose own stage 1 assembles there)
+    one_clean_error(cli("sass", "1", "--arch", "sm_120a"), "ptxas failed on stage01 (sm_120a)",
                     "ptx/sm90/01_baseline.ptx:", "ptxattn -v")
-    verbose = CliRunner().invoke(main, ["-v", "sass", "1", "--arch", "sm_100a"])
+    verbose = CliRunner().invoke(main, ["-v", "sass", "1", "--arch", "sm_120a"])
     assert verbose.exit_code == 1 and "Traceback" not in verbose.output
     assert "    -> ptx/sm90/" in verbose.output       # every log line mapped to its source
 
@@ -302,7 +303,7 @@ def test_verbose_is_accepted_before_and_after_the_command(monkeypatch):
 @pytest.mark.parametrize("args, needle", [
     (("sass", "1", "--summary", "--json"), "--summary and --json"),
     (("diff", "1", "2", "--ptx", "--sass"), "--ptx and --sass"),
-    (("diff", "1", "2", "--arch", "sm_90a"), "--arch applies to --sass only"),
+    (("diff", "1", "2", "--arch", "sm_120a"), "--arch applies to --sass only"),
 ])
 def test_conflicting_flags_are_refused(args, needle):
     result = cli(*args)
