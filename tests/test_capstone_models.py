@@ -175,3 +175,41 @@ def test_bad_arguments_are_refused_naming_them(capsys):
 
 if __name__ == "__main__":                               # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """The tiny configs saved the way the hub holds them (diffusers: <id>/transformer/)."""
+    import diffusers
+    import transformers
+    root = tmp_path / "hub"
+    for name, cls, base in (("ltx2", diffusers.LTX2VideoTransformer3DModel, capstone.LTX_2),
+                            ("wan", diffusers.WanTransformer3DModel, capstone.WAN_T2V_1_3B)):
+        config = {**base, **capstone.TINY[name]["config"]}
+        cls(**config).save_pretrained(root / name / "transformer")
+    config = {**capstone.LLAMA_3_1_8B, **capstone.TINY["llama"]["config"]}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(
+        root / "llama")
+    return root
+
+
+@pytest.mark.parametrize("model", ["ltx2", "llama"])
+def test_pretrained_loads_saved_weights_and_cuts_depth(model, saved, tmp_path, routed):
+    """--pretrained's from_pretrained path (the hub is not reachable here: a saved copy)."""
+    report = run(model, tmp_path / "out", "--pretrained", str(saved / model), "--layers", "1")
+    assert report["weights"] == "pretrained" and report["layers"] == 1
+    assert report["layers_reduced"]
+    r = next(r for r in report["results"] if r["backend"] == "ptxattn")
+    assert r["calls"]["by_role"] == {k: 1 for k in ROLES[model]}     # one block left
+    assert r["fallbacks"] == {}
+
+
+def test_pretrained_wan_names_what_it_needs_or_loads(saved, tmp_path, routed):
+    """diffusers loads Wan (float32 modules kept) only through accelerate: without it the
+    script stops with an error that names the package; with it, the weights load."""
+    args = ("--pretrained", str(saved / "wan"), "--layers", "1")
+    if importlib.util.find_spec("accelerate") is None:
+        with pytest.raises(SystemExit, match="accelerate"):
+            run("wan", tmp_path / "out", *args)
+    else:
+        assert run("wan", tmp_path / "out", *args)["weights"] == "pretrained"

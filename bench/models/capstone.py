@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -165,10 +166,11 @@ def diffusers_case(name: str, config: dict, model_class, args) -> DiffusersCase:
     c = DiffusersCase()
     c.name = name + ("-tiny" if args.tiny else "")
     if args.pretrained:
-        c.model = model_class.from_pretrained(
-            args.pretrained, subfolder="transformer", torch_dtype=torch.bfloat16)
+        c.model = load_diffusers(model_class, args.pretrained)
         if args.layers:
-            c.model.transformer_blocks = c.model.transformer_blocks[:args.layers]
+            # Wan names its blocks `blocks`, the LTX models `transformer_blocks`
+            attr = "blocks" if hasattr(c.model, "blocks") else "transformer_blocks"
+            setattr(c.model, attr, getattr(c.model, attr)[:args.layers])
         c.model = c.model.to(args.device)
         c.config = dict(c.model.config)
         if args.layers:
@@ -179,8 +181,23 @@ def diffusers_case(name: str, config: dict, model_class, args) -> DiffusersCase:
         # minutes to initialise on the host
         with torch.device(args.device):
             c.model = model_class(**c.config)
-        c.model = c.model.to(torch.bfloat16)
+        # (.to(device) too: a buffer made on an explicit device in __init__ follows the rest)
+        c.model = c.model.to(args.device, torch.bfloat16)
     return c
+
+
+def load_diffusers(model_class, path_or_id: str):
+    """from_pretrained(..., subfolder="transformer") in bf16 (modules the class keeps in
+    float32 stay so, as in the pipelines)."""
+    try:
+        return model_class.from_pretrained(path_or_id, subfolder="transformer",
+                                           torch_dtype=torch.bfloat16)
+    except ValueError as e:
+        # diffusers loads classes with float32 modules (Wan) only through accelerate
+        if "low_cpu_mem_usage" in str(e) and importlib.util.find_spec("accelerate") is None:
+            raise SystemExit(f"--pretrained: diffusers needs the package accelerate to load "
+                             f"{model_class.__name__} (pip install accelerate): {e}") from e
+        raise
 
 
 def build_wan(args) -> Case:
@@ -280,7 +297,7 @@ def build_llama(args) -> Case:
     c.name = "llama-3.1-8b-arch" + ("-tiny" if args.tiny else "")
     if args.pretrained:
         c.model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.pretrained, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+            args.pretrained, dtype=torch.bfloat16, attn_implementation="sdpa")
         if args.layers:
             c.model.model.layers = c.model.model.layers[:args.layers]
             c.model.config.num_hidden_layers = args.layers
@@ -291,7 +308,7 @@ def build_llama(args) -> Case:
         with torch.device(args.device):
             c.model = transformers.LlamaForCausalLM(
                 transformers.LlamaConfig(**c.config, attn_implementation="sdpa"))
-        c.model = c.model.to(torch.bfloat16)
+        c.model = c.model.to(args.device, torch.bfloat16)
     g = torch.Generator(device=args.device).manual_seed(3)
     c.inputs = dict(input_ids=torch.randint(0, c.config["vocab_size"], (1, args.tokens),
                                             device=args.device, generator=g))
