@@ -22,6 +22,10 @@
 #   REPS=5  BACKENDS=cudnn,flash,efficient  DEADLINE=540 (seconds for the whole script: a
 #   model that would start with less than 30 s left is skipped, and each runs under `timeout`
 #   with what is left, so the figure and the summary always come back)
+#   EXTRA="..." (more arguments for capstone.py)  PYTHON=python3  SKIP_INSTALL=1 (no wheels)
+# A dry run of the whole script without a GPU (tiny configs on the CPU):
+#   SKIP_INSTALL=1 PYTHON=/path/to/python-with-torch BACKENDS=math,flash REPS=1 \
+#       EXTRA="--tiny --device cpu" OUT=/tmp/capstone-dry bash bench/models/run_all.sh
 set -uo pipefail
 
 start=$SECONDS
@@ -32,8 +36,12 @@ REPS=${REPS:-5}
 BACKENDS=${BACKENDS:-cudnn,flash,efficient}
 DEADLINE=${DEADLINE:-540}
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+PYTHON=${PYTHON:-python3}
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"
+if [[ -n ${SKIP_INSTALL:-} ]]; then
+    echo "run_all.sh: SKIP_INSTALL set: using the packages $PYTHON has"
+elif compgen -G ".whl/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
 else
     echo "run_all.sh: no .whl/*.whl here (carry .whl: bench/models/fetch_wheels.sh fills it)"
@@ -48,7 +56,7 @@ declare -A LAYERS=([wan]=${WAN_LAYERS:-0} [ltx2]=${LTX2_LAYERS:-0} [llama]=${LLA
 
 section "GPU"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
-python3 -c 'import torch, diffusers, transformers; print("torch", torch.__version__,
+"$PYTHON" -c 'import torch, diffusers, transformers; print("torch", torch.__version__,
 "diffusers", diffusers.__version__, "transformers", transformers.__version__)' || status=1
 
 for model in $MODELS; do
@@ -58,13 +66,13 @@ for model in $MODELS; do
         status=1
         continue
     fi
-    args=("$model" --reps "$REPS" --backends "$BACKENDS" --out "$OUT")
+    args=("$model" --reps "$REPS" --backends "$BACKENDS" --out "$OUT" "${EXTRA_ARGS[@]}")
     layers=${LAYERS[$model]:-0}
     (( layers > 0 )) && args+=(--layers "$layers")
-    section "capstone $model (limit ${left}s): python3 bench/models/capstone.py ${args[*]}"
+    section "capstone $model (limit ${left}s): $PYTHON bench/models/capstone.py ${args[*]}"
     t0=$SECONDS
     timeout --signal=TERM --kill-after=10 "$left" \
-        python3 bench/models/capstone.py "${args[@]}" > "$OUT/capstone-$model.log" 2>&1
+        "$PYTHON" bench/models/capstone.py "${args[@]}" > "$OUT/capstone-$model.log" 2>&1
     rc=$?
     # the warnings torch prints for every backend that declines a call are noise here
     grep -v -e 'UserWarning' -e 'out = fn' -e 'experimental feature' "$OUT/capstone-$model.log" \
@@ -74,7 +82,9 @@ for model in $MODELS; do
 done
 
 section "figure"
-python3 bench/models/figure.py --results "$OUT" --out "$OUT/capstone.svg" || status=1
+fig_args=(--results "$OUT" --out "$OUT/capstone.svg")
+[[ " ${EXTRA:-} " == *" --tiny "* ]] && fig_args+=(--include-tiny)    # the dry run's records
+"$PYTHON" bench/models/figure.py "${fig_args[@]}" || status=1
 
 section "files in \$OUT"
 ls -la "$OUT"
