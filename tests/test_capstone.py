@@ -109,7 +109,9 @@ def report(model, date, base_ms, ours_ms, *, tiny=False, gpu="NVIDIA H200"):
             "comparison": {"baseline": "cudnn",
                            "torch_backends_vs_baseline_rel_l2": {"flash": 0.0153},
                            "yardstick_rel_l2": 0.0153, "ptxattn_vs_baseline_rel_l2": 0.0156,
-                           "speedup_step": base_ms / ours_ms}}
+                           "speedup_step": base_ms / ours_ms,
+                           "speedup_by_round": {"median": base_ms / ours_ms, "min": 1.0,
+                                                "max": 1.5, "rounds": 3}}}
 
 
 @pytest.fixture
@@ -161,7 +163,7 @@ def test_figure_draws_step_time_and_attention_share_to_scale(results_dir):
     assert wan[3][0] == pytest.approx(0.4 * 0.8 * figure.BAR_W, abs=0.1)
     assert [f for _, f in wan] == [figure.REST, figure.ATTN, figure.REST_US, figure.ATTN_US]
     assert "500.0 ms, attention 50%" in svg and "400.0 ms, attention 40%" in svg
-    assert "step speedup with ptxattn 1.250x" in svg
+    assert "step speedup with ptxattn 1.250x (per round 1.000-1.500, 3 rounds)" in svg
     assert "ptxattn 1.56e-02; torch&apos;s own backends 1.53e-02" in svg or \
         "ptxattn 1.56e-02; torch's own backends 1.53e-02" in svg
     assert "no comparison: cudnn: IndexError" in svg

@@ -97,6 +97,7 @@ def test_every_builder_runs_routed_through_ptxattn(model, tmp_path, routed):
     c = report["comparison"]
     assert c["baseline"] in ("math", "flash")
     assert c["speedup_step"] > 0
+    assert c["speedup_by_round"]["rounds"] == 1 == len(results["ptxattn"]["step_ms"])
     # a float32 softmax against torch's bf16 kernels: within a few times torch's own spread
     assert c["ptxattn_vs_baseline_rel_l2"] < max(5 * c["yardstick_rel_l2"], 2e-2)
     if model == "ltx2":

@@ -98,5 +98,6 @@ def missing_fields(report: dict) -> list[str]:
     if comparison:
         missing += [f"comparison.{f}" for f in
                     ("baseline", "torch_backends_vs_baseline_rel_l2",
-                     "ptxattn_vs_baseline_rel_l2", "speedup_step") if f not in comparison]
+                     "ptxattn_vs_baseline_rel_l2", "speedup_step", "speedup_by_round")
+                    if f not in comparison]
     return missing

@@ -16,7 +16,8 @@ copy is there (--layers then keeps the first N blocks).
 Measured, all in one process: attention calls per step, by role (the attention module that
 made the call: attn1, attn2, audio_attn1, ...) and by shape (a hook on both paths), time per
 step for each torch SDPA backend that runs (cuDNN, flash, efficient; the fastest is the
-baseline) and for ptxattn, the attention share of the step (CUDA events around each attention
+baseline) and for ptxattn, all in the same rounds (one step each per round, in a random
+order; the speedup is also given per round), the attention share of the step (CUDA events around each attention
 call, in a warm pass after the timed steps), and the relative L2 difference of the model's
 output between ptxattn and the baseline, and between torch's own backends (the yardstick).
 Calls ptxattn does not take run torch's SDPA (its fallback): the JSON counts them by reason.
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -417,51 +419,87 @@ def _pop_module(modules: list):
     return hook
 
 
-def time_steps(case: Case, reps: int, device: str, warmup: int = 2) -> list[float]:
-    with torch.no_grad():
-        for _ in range(warmup):
-            case.step()
-        times = []
-        for _ in range(reps):
-            sync(device)
-            t0 = time.perf_counter()
-            case.step()
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def run_backend(case: Case, backend: str, reps: int, device: str, warmup: int = 2) -> dict:
+def backend_ctx(backend: str, device: str):
+    """torch's SDPA limited to `backend` (cudnn, flash, ...); ptxattn: no limit (its
+    fallbacks take torch's default choice)."""
     torch_backends = BACKENDS[device.split(":")[0]]
+    return sdpa_kernel([torch_backends[backend]]) if backend in torch_backends else nullctx()
+
+
+def one_step(case: Case, backend: str, device: str) -> float:
+    """One step on `backend`, in ms (host clock between syncs: the whole step)."""
     case.use("ptxattn" if backend == "ptxattn" else "torch")
-    ctx = sdpa_kernel([torch_backends[backend]]) if backend in torch_backends else nullctx()
-    clock = CallClock(device)
-    try:
-        with ctx:
-            # timed steps first: they warm up (JIT, plans), and the hooked pass after them
-            # measures attention on a warm path (events around a cold call span the host's
-            # compile time too: the first run reported attention at 14x the step)
-            times = time_steps(case, reps, device, warmup)
-            # fallbacks are counted on the hooked pass alone: per step, like the calls
-            pt.reset_fallback_counts()
-            with torch.no_grad():
-                record: list = []
-                with attention_hook(record, case.model, clock):
-                    out = case.step()
-                sync(device)
-    except Exception as e:                      # a torch backend that cannot run this model
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        return {"backend": backend, "error": f"{type(e).__name__}: {e}"[:500],
-                "where": f"{where.filename}:{where.lineno}"}
-    attention_ms = sum(clock.elapsed_ms(*r.pop("clock")) for r in record)
-    calls = bk.summarize_calls(record)
-    step_ms = statistics.median(times)
-    return {"backend": backend, "step_ms_median": step_ms, "step_ms": times,
-            "attention_ms_in_hooked_pass": attention_ms,
-            "attention_share": attention_ms / step_ms,
+    with backend_ctx(backend, device), torch.no_grad():
+        sync(device)
+        t0 = time.perf_counter()
+        case.step()
+        sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def hooked_step(case: Case, backend: str, device: str) -> tuple[list, dict, CallClock]:
+    """One step with every attention call recorded and timed (after the timed rounds: events
+    around a cold call span the host's compile time too, which made the first run report
+    attention at 14x the step); fallbacks are counted on this step alone, like the calls."""
+    case.use("ptxattn" if backend == "ptxattn" else "torch")
+    clock, record = CallClock(device), []
+    pt.reset_fallback_counts()
+    with backend_ctx(backend, device), torch.no_grad():
+        with attention_hook(record, case.model, clock):
+            out = case.step()
+        sync(device)
+    return record, out, clock
+
+
+def measure(case: Case, backends: list[str], reps: int, device: str, warmup: int = 2,
+            seed: int = 0) -> list[dict]:
+    """Every backend in the same rounds: `warmup` steps each, then `reps` rounds of one timed
+    step per backend in a seeded random order (drift of clocks and of cuDNN's speed lands on
+    all backends alike; a same-round ratio compares neighbours), then one hooked step each.
+    A backend that raises (a torch backend that cannot run this model) becomes an error entry
+    and leaves the rounds."""
+    errors: dict[str, dict] = {}
+
+    def attempt(backend, fn):
+        if backend in errors:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            errors[backend] = {"backend": backend, "error": f"{type(e).__name__}: {e}"[:500],
+                               "where": f"{where.filename}:{where.lineno}"}
+            return None
+
+    for b in backends:
+        for _ in range(warmup):
+            attempt(b, lambda: one_step(case, b, device))
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    order_rng = random.Random(seed)
+    for _ in range(reps):
+        order = [b for b in backends if b not in errors]
+        order_rng.shuffle(order)
+        for b in order:
+            ms = attempt(b, lambda: one_step(case, b, device))
+            if ms is not None:
+                times[b].append(ms)
+    results = []
+    for b in backends:
+        hooked = attempt(b, lambda: hooked_step(case, b, device))
+        if b in errors:
+            results.append(errors[b])
+            continue
+        record, out, clock = hooked
+        attention_ms = sum(clock.elapsed_ms(*r.pop("clock")) for r in record)
+        calls = bk.summarize_calls(record)
+        step_ms = statistics.median(times[b])
+        results.append({
+            "backend": b, "step_ms_median": step_ms, "step_ms": times[b],
+            "attention_ms_in_hooked_pass": attention_ms, "attention_share": attention_ms / step_ms,
             "attention_tflops": calls["flops"] / (attention_ms * 1e9) if attention_ms else None,
             "calls": calls, "fallbacks": pt.fallback_counts(),
-            "_out": {k: v.float() for k, v in out.items()}}
+            "_out": {k: v.float() for k, v in out.items()}})
+    return results
 
 
 @contextmanager
@@ -496,6 +534,11 @@ def compare(results: list[dict], torch_names) -> dict:
             c["ptxattn_vs_baseline_rel_l2_by_output"] = {
                 k: rel_l2({k: ours["_out"][k]}, {k: best["_out"][k]}) for k in best["_out"]}
         c["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
+        # the same rounds: round r's baseline step over round r's ptxattn step
+        ratios = sorted(t / o for t, o in zip(best["step_ms"], ours["step_ms"]))
+        if ratios:
+            c["speedup_by_round"] = {"median": statistics.median(ratios), "min": ratios[0],
+                                     "max": ratios[-1], "rounds": len(ratios)}
     return c
 
 
@@ -511,7 +554,8 @@ def main(argv=None) -> int:
                     help="ltx/ltx2: pass the pipelines' text mask (attn_mask on cross-attention)")
     ap.add_argument("--tokens", type=int, default=0, help="llama: prefill length (8192)")
     ap.add_argument("--pretrained", default=None, help="PATH_OR_ID for from_pretrained")
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per backend")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="rounds: one timed step per backend each, in a random order")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--backends", default="", help="torch backends to time (default: all the "
                     "device has: cudnn,flash,efficient on cuda; math,flash on cpu)")
@@ -520,6 +564,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None,
                     help="directory for the JSON ($OUT, else bench/results/models)")
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps: expected >= 1 (and --warmup >= 0), got {args.reps} ({args.warmup})")
     kind = args.device.split(":")[0]
     if kind not in BACKENDS:
         ap.error(f"--device: expected cuda or cpu, got {args.device!r}")
@@ -539,12 +585,16 @@ def main(argv=None) -> int:
     pt.register_transformers() if args.model == "llama" else pt.register_diffusers()
     case = BUILDERS[args.model](args)
     case.model.eval()
+    if isinstance(case, DiffusersCase):
+        # set_attention_backend warns "experimental feature" on every switch: once per step
+        # of each round here
+        from diffusers.utils import logging as diffusers_logging
+        diffusers_logging.set_verbosity_error()
     depth = case.config.get("num_hidden_layers", case.config.get("num_layers"))
     print(f"{case.name}: {case.note}; {depth} layers"
           + (f" (reduced by --layers from the published depth)" if args.layers else "")
           + (", tiny config" if args.tiny else "") + f", {args.device}", flush=True)
-    results = [run_backend(case, b, args.reps, args.device, args.warmup)
-               for b in (*names, "ptxattn")]
+    results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
     comparison = compare(results, names)
     for r in results:
         r.pop("_out", None)

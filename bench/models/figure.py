@@ -71,6 +71,7 @@ def row(report: dict) -> dict:
         return out
     out["bars"] = [(f"{base['backend']} (fastest SDPA)", base), ("ptxattn", ours)]
     out["speedup"] = comparison.get("speedup_step")
+    out["by_round"] = comparison.get("speedup_by_round")
     out["diff"] = comparison.get("ptxattn_vs_baseline_rel_l2")
     out["yardstick"] = comparison.get("yardstick_rel_l2")
     if out["yardstick"] is None:
@@ -117,6 +118,9 @@ def render(reports: list[dict]) -> str:
         head = f"{r['model']}: {depth}, {r['weights']} weights"
         if r.get("speedup"):
             head += f"; step speedup with ptxattn {r['speedup']:.3f}x"
+            if r.get("by_round"):
+                head += (f" (per round {r['by_round']['min']:.3f}-{r['by_round']['max']:.3f}, "
+                         f"{r['by_round']['rounds']} rounds)")
         parts.append(f'<text x="20" y="{y + 14}" font-weight="bold">{escape(head)}</text>')
         parts.append(f'<text x="20" y="{y + 30}" fill="#444">{escape(r["note"][:130])}</text>')
         if "missing" in r:
