@@ -218,13 +218,13 @@ def build_wan(args) -> Case:
     return c
 
 
-def text_mask(args, seed_tokens: int):
+def text_mask(args, tokens: int):
     """--text-mask: the pipelines' (all ones here) text mask, which the transformers turn into
     an additive bias, so each text cross-attention carries an attn_mask (ptxattn falls back:
     reason attn_mask). Default None: every text token attends, the same attention, no mask."""
     if not args.text_mask:
         return None
-    return torch.ones(1, seed_tokens, device=args.device, dtype=torch.bool)
+    return torch.ones(1, tokens, device=args.device, dtype=torch.bool)
 
 
 def build_ltx(args) -> Case:
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
         diffusers_logging.set_verbosity_error()
     depth = case.config.get("num_hidden_layers", case.config.get("num_layers"))
     print(f"{case.name}: {case.note}; {depth} layers"
-          + (f" (reduced by --layers from the published depth)" if args.layers else "")
+          + (" (reduced by --layers from the published depth)" if args.layers else "")
           + (", tiny config" if args.tiny else "") + f", {args.device}", flush=True)
     results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
     comparison = compare(results, names)
@@ -622,8 +622,11 @@ def main(argv=None) -> int:
         print(f"{r['backend']:>9}: {r['step_ms_median']:.1f} ms/step, attention "
               f"{100 * r['attention_share']:.0f}% ({r['attention_ms_in_hooked_pass']:.1f} ms), "
               f"{r['calls']['calls']} calls {r['calls']['by_path']}, fallbacks {r['fallbacks']}")
-    print("calls by role:", json.dumps(next((r["calls"]["by_role"] for r in results
-                                              if "calls" in r), {})))
+    shown = next((r for r in reversed(results) if "calls" in r), None)   # ptxattn's if it ran
+    if shown is not None:
+        print(f"calls per step ({shown['backend']}): by role {json.dumps(shown['calls']['by_role'])}")
+        for key, n in shown["calls"]["by_shape"].items():
+            print(f"  {n:4d} x {key}")
     print(json.dumps(comparison, indent=1))
     print(f"wrote {path}")
     return 0

@@ -99,8 +99,8 @@ def render(reports: list[dict]) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
              f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">',
              f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
-             f'<text x="20" y="28" font-size="16" font-weight="bold">ptxattn in real models: '
-             f'one step, torch\'s fastest SDPA backend against ptxattn</text>',
+             '<text x="20" y="28" font-size="16" font-weight="bold">ptxattn in real models: '
+             'one step, torch\'s fastest SDPA backend against ptxattn</text>',
              f'<text x="20" y="48" fill="#444">{escape(", ".join(gpus) or "no GPU recorded")}; '
              'bf16; each model on its own scale; bar = time per step, dark part = attention '
              '(CUDA events, warm pass)</text>']
