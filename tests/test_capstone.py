@@ -187,6 +187,15 @@ def test_figure_is_deterministic_and_main_writes_it(results_dir, tmp_path):
     assert out1.read_text().startswith("<svg")
 
 
+def test_table_gives_the_readme_rows(results_dir):
+    text = figure.table(figure.load_reports(results_dir))
+    lines = text.splitlines()
+    assert lines[0].startswith("| model (layers) |") and len(lines) == 2 + 3
+    assert ("| wan2.1-t2v-1.3b (30) | cudnn 500.0 | 400.0 | 1.250x (1.000-1.500) | 50% → 40% "
+            "| 1.56e-02 / 1.53e-02 |") in lines
+    assert lines[2].startswith("| ltx-2 (30) | no comparison: cudnn: IndexError")
+
+
 def test_figure_with_no_records_says_so(tmp_path):
     svg = figure.render([])
     ET.fromstring(svg)

@@ -2,6 +2,7 @@
 ptxattn, each bar split into its attention share and the rest of the step.
 
     python bench/models/figure.py [--results bench/results/models] [--out bench/models/capstone.svg]
+                                  [--table]     (and the README's results table, markdown)
 
 Reads every capstone JSON (capstone.py's records) in --results, keeps the newest per model
 (by its "date"; --tiny records, the CPU plumbing runs, are left out), and writes a
@@ -158,11 +159,39 @@ def render(reports: list[dict]) -> str:
     return "\n".join(parts) + "\n"
 
 
+TABLE_HEAD = ("| model (layers) | fastest SDPA, ms/step | ptxattn, ms/step | step speedup | "
+              "attention share (SDPA → ptxattn) | output rel. diff: ptxattn / torch's backends |\n"
+              "|---|---:|---:|---:|---:|---:|")
+
+
+def table(reports: list[dict]) -> str:
+    """The README's results table (markdown) for these records."""
+    lines = [TABLE_HEAD]
+    for r in map(row, reports):
+        name = f"{r['model']} ({r['layers']}{', reduced' if r.get('layers_reduced') else ''})"
+        if "missing" in r:
+            lines.append(f"| {name} | {r['missing'][:80]} | | | | |")
+            continue
+        (base_label, base), (_, ours) = r["bars"]
+        speedup = f"{r['speedup']:.3f}x"
+        if r.get("by_round"):
+            speedup += f" ({r['by_round']['min']:.3f}-{r['by_round']['max']:.3f})"
+        diff = f"{r['diff']:.2e}" if r.get("diff") is not None else "-"
+        yard = f"{r['yardstick']:.2e}" if r.get("yardstick") is not None else "-"
+        lines.append(f"| {name} | {base['backend']} {base['step_ms_median']:.1f} | "
+                     f"{ours['step_ms_median']:.1f} | {speedup} | "
+                     f"{100 * base['attention_share']:.0f}% → {100 * ours['attention_share']:.0f}% | "
+                     f"{diff} / {yard} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=str(DEFAULT_RESULTS), help="folder of capstone JSON")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="the SVG to write")
     ap.add_argument("--include-tiny", action="store_true", help="draw --tiny records too")
+    ap.add_argument("--table", action="store_true",
+                    help="also print the README's results table (markdown) for the records")
     args = ap.parse_args(argv)
     results = Path(args.results)
     if not results.is_dir():
@@ -171,6 +200,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(render(reports))
     print(f"wrote {args.out}: {len(reports)} model(s): "
           + ", ".join(f"{r['model']} ({r['_file']})" for r in reports))
+    if args.table:
+        print(table(reports), end="")
     return 0
 
 

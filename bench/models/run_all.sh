@@ -82,7 +82,7 @@ for model in $MODELS; do
 done
 
 section "figure"
-fig_args=(--results "$OUT" --out "$OUT/capstone.svg")
+fig_args=(--results "$OUT" --out "$OUT/capstone.svg" --table)
 [[ " ${EXTRA:-} " == *" --tiny "* ]] && fig_args+=(--include-tiny)    # the dry run's records
 "$PYTHON" bench/models/figure.py "${fig_args[@]}" || status=1
 
