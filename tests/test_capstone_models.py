@@ -214,3 +214,14 @@ def test_pretrained_wan_names_what_it_needs_or_loads(saved, tmp_path, routed):
             run("wan", tmp_path / "out", *args)
     else:
         assert run("wan", tmp_path / "out", *args)["weights"] == "pretrained"
+
+
+def test_a_run_leaves_diffusers_as_it_found_it(tmp_path, routed):
+    """set_attention_backend sets diffusers' process-wide backend too: after a run, models
+    that name none must be back on the one found (a leak routed another test's native pass
+    through ptxattn)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    from diffusers.utils import logging as diffusers_logging
+    before = (_AttentionBackendRegistry._active_backend, diffusers_logging.get_verbosity())
+    run("wan", tmp_path, "--backends", "math")
+    assert (_AttentionBackendRegistry._active_backend, diffusers_logging.get_verbosity()) == before

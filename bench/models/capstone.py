@@ -142,10 +142,27 @@ class Case:
 
     def step(self) -> dict[str, torch.Tensor]: ...
 
+    def restore(self) -> None:
+        """Leave the libraries as they were found (the model keeps torch's attention)."""
+
 
 class DiffusersCase(Case):
     def use(self, backend):
+        if not hasattr(self, "_found_active"):
+            from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+            self._found_active = _AttentionBackendRegistry._active_backend
         self.model.set_attention_backend("ptxattn" if backend == "ptxattn" else "native")
+
+    def restore(self):
+        # set_attention_backend also sets diffusers' process-wide active backend, which
+        # every model whose processors name none then uses: put back the one found
+        if hasattr(self, "_found_active"):
+            from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+            self.model.reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(self._found_active)
+        if hasattr(self, "_found_verbosity"):
+            from diffusers.utils import logging as diffusers_logging
+            diffusers_logging.set_verbosity(self._found_verbosity)
 
     def step(self):
         out = self.model(**self.inputs, return_dict=False)
@@ -291,6 +308,9 @@ class LlamaCase(Case):
 
     def step(self):
         return {"logits": self.model(**self.inputs, use_cache=False).logits}
+
+    def restore(self):
+        self.use("sdpa")
 
 
 def build_llama(args) -> Case:
@@ -587,14 +607,18 @@ def main(argv=None) -> int:
     case.model.eval()
     if isinstance(case, DiffusersCase):
         # set_attention_backend warns "experimental feature" on every switch: once per step
-        # of each round here
+        # of each round here (restore() puts the verbosity back)
         from diffusers.utils import logging as diffusers_logging
+        case._found_verbosity = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()
     depth = case.config.get("num_hidden_layers", case.config.get("num_layers"))
     print(f"{case.name}: {case.note}; {depth} layers"
           + (" (reduced by --layers from the published depth)" if args.layers else "")
           + (", tiny config" if args.tiny else "") + f", {args.device}", flush=True)
-    results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
+    try:
+        results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
+    finally:
+        case.restore()
     comparison = compare(results, names)
     for r in results:
         r.pop("_out", None)
