@@ -165,7 +165,14 @@ def test_a_backend_that_cannot_run_is_recorded_not_fatal(tmp_path, routed, monke
     assert bk.missing_fields(report) == []
 
 
-def test_bad_arguments_are_refused_naming_them(capsys):
+def test_bad_arguments_are_refused_naming_them(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        capstone.main(["wan"])                           # --device cuda, the default
+    assert "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        capstone.main(["wan", "--device", "cpu", "--reps", "0"])
+    assert "--reps" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         capstone.main(["wan", "--device", "tpu"])
     assert "--device" in capsys.readouterr().err

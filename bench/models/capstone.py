@@ -589,6 +589,9 @@ def main(argv=None) -> int:
     kind = args.device.split(":")[0]
     if kind not in BACKENDS:
         ap.error(f"--device: expected cuda or cpu, got {args.device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU here (--tiny --device cpu runs the "
+                 "plumbing without one)")
     torch_backends = BACKENDS[kind]
     names = [b for b in args.backends.split(",") if b] or list(torch_backends)
     unknown = [b for b in names if b not in torch_backends]
