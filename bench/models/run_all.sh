@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# The capstone on the H200 in one device call (about 6 minutes; the call's limit is 10), from
-# the repository root, with .whl/ carried (the wheels of bench/models/wheels.txt and pcpp):
+# The capstone on the H200 in one device call (estimated 4-5 minutes; the call's limit is 10),
+# from the repository root, with .whl/ carried (the wheels of bench/models/wheels.txt and pcpp):
 #
 #   bash bench/models/run_all.sh
 #
 # One process per model, each at its pipeline's default shape and its published depth, random
 # weights, bf16; each writes <model>-<date>.json and capstone-<model>.log into $OUT; then the
-# figure $OUT/capstone.svg from those JSON files. Estimates per model (H200, from the
-# 2026-12-01 run at 4 layers and the FLOPs of the full depth; imports, build and JIT included):
-#   wan    Wan 2.1 T2V 1.3B, 480x832x81 = 32,760 tokens, 30 layers   ~0.5 s/step  ~75 s
+# figure $OUT/capstone.svg from those JSON files and the README's table rows. Per backend
+# (cuDNN, flash, efficient, ptxattn) a model runs 2 warm-up steps, REPS rounds of one timed
+# step (all backends in each round) and one hooked step: 4 x (3 + REPS) steps.
+# Estimates per model on the H200 (from the 2026-12-01 run at 4 layers and the FLOPs of the
+# full depth; the whole process: imports, random init on the GPU, JIT, 52 steps at REPS=10):
+#   wan    Wan 2.1 T2V 1.3B, 480x832x81 = 32,760 tokens, 30 layers   ~0.5 s/step  ~50 s
 #   ltx2   LTX-2 19B, 768x512x121 = 6,144 video + 126 audio tokens,
-#          1,024 text tokens, 48 layers (19B random init on the GPU)  ~0.4 s/step  ~90 s
-#   llama  Llama-3.1-8B architecture, 8,192-token prefill, 32 layers ~0.3 s/step  ~60 s
-#   ltx    LTX-Video 0.9, 704x480x161 = 6,930 tokens, 28 layers       ~0.1 s/step  ~45 s
-# Each step is run 2 (warm-up) + REPS (timed) + 1 (hooked) times per backend, for cuDNN,
-# flash, efficient and ptxattn.
+#          1,024 text tokens, 48 layers (76 GB fp32 init, 38 GB bf16) ~0.35 s/step ~60 s
+#   llama  Llama-3.1-8B architecture, 8,192-token prefill, 32 layers ~0.25 s/step ~40 s
+#          (efficient refuses GQA at once: 3 backends)
+#   ltx    LTX-Video 0.9, 704x480x161 = 6,930 tokens, 28 layers       ~0.1 s/step  ~30 s
+# plus ~20 s for the wheels: about 3.5 minutes if the estimates hold, and DEADLINE below
+# guards the call's 10 minutes if they do not.
 #
 # Switches (environment): MODELS="wan ltx2 llama ltx" (the order they run in)
 #   WAN_LAYERS= LTX2_LAYERS= LLAMA_LAYERS= LTX_LAYERS= (default: the published depth; set
 #   e.g. LTX2_LAYERS=12 to cut a model's depth, which its JSON then records)
-#   REPS=5  BACKENDS=cudnn,flash,efficient  DEADLINE=540 (seconds for the whole script: a
+#   REPS=10  BACKENDS=cudnn,flash,efficient  DEADLINE=540 (seconds for the whole script: a
 #   model that would start with less than 30 s left is skipped, and each runs under `timeout`
 #   with what is left, so the figure and the summary always come back)
 #   EXTRA="..." (more arguments for capstone.py)  PYTHON=python3  SKIP_INSTALL=1 (no wheels)
@@ -32,7 +36,7 @@ start=$SECONDS
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 MODELS=${MODELS:-wan ltx2 llama ltx}
-REPS=${REPS:-5}
+REPS=${REPS:-10}
 BACKENDS=${BACKENDS:-cudnn,flash,efficient}
 DEADLINE=${DEADLINE:-540}
 
