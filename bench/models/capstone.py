@@ -2,33 +2,42 @@
 fastest SDPA backend against ptxattn.
 
     python bench/models/capstone.py wan   [--layers N] [--frames 81 --height 480 --width 832]
-    python bench/models/capstone.py ltx   [--layers N]
+    python bench/models/capstone.py ltx   [--layers N]      LTX-Video 0.9
+    python bench/models/capstone.py ltx2  [--layers N]      LTX-2 (video + audio)
     python bench/models/capstone.py llama [--layers N] [--tokens 8192]
-    ... [--pretrained PATH_OR_ID] [--reps 5] [--out DIR]
+    ... [--pretrained PATH_OR_ID] [--reps 5] [--backends cudnn,flash] [--out DIR]
+    ... --tiny --device cpu     (a tiny config at a few tokens: the CPU plumbing test)
 
 Models are built from their published configurations (embedded below: no hub access is
-needed) with random weights, in bf16 on the GPU; --layers reduces depth (the JSON says so).
---pretrained loads real weights with from_pretrained where a hub or a local copy is there.
+needed) with random weights, in bf16 on the GPU; --layers reduces depth (the JSON and the
+printout say so). --pretrained loads real weights with from_pretrained where a hub or a local
+copy is there (--layers then keeps the first N blocks).
 
-Measured, all in one process: attention calls per step and their shapes (a hook on both
-paths), time per step for each torch SDPA backend that runs (cuDNN, flash, efficient; the
-fastest is the baseline) and for ptxattn, the attention share of the step (CUDA events around
-each attention call, in a separate pass), and the relative L2 difference of the model's output
-between ptxattn and the baseline, and between torch's own backends (the yardstick).
-Calls ptxattn does not take run torch's SDPA (its fallback): the JSON lists them by reason.
-Writes <model>-<date>.json into $OUT, or --out, or bench/results/.
+Measured, all in one process: attention calls per step, by role (the attention module that
+made the call: attn1, attn2, audio_attn1, ...) and by shape (a hook on both paths), time per
+step for each torch SDPA backend that runs (cuDNN, flash, efficient; the fastest is the
+baseline) and for ptxattn, all in the same rounds (one step each per round, in a random
+order; the speedup is also given per round), the attention share of the step (CUDA events around each attention
+call, in a warm pass after the timed steps), and the relative L2 difference of the model's
+output between ptxattn and the baseline, and between torch's own backends (the yardstick).
+Calls ptxattn does not take run torch's SDPA (its fallback): the JSON counts them by reason.
+Writes <model>-<date>.json into --out, or $OUT, or bench/results/models/.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import platform
+import random
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,6 +47,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ptxattn.torch as pt
 from ptxattn.torch import sdpa as pt_sdpa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bookkeeping as bk  # noqa: E402  (beside this script; torch-free, tested on its own)
 
 # --------------------------------------------------------------------------- published configs
 
@@ -52,6 +64,22 @@ LTX_VIDEO = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1
                  num_layers=28, activation_fn="gelu-approximate", qk_norm="rms_norm_across_heads",
                  norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=4096,
                  attention_bias=True, attention_out_bias=True)
+# Lightricks/LTX-2 (19B, audio + video), transformer/config.json as diffusers writes it: the
+# "2.0" config of diffusers' scripts/convert_ltx2_to_diffusers.py (the script that made the
+# hub's diffusers copy), equal to LTX2VideoTransformer3DModel's defaults in 0.42.1 except
+# rope_type "split". Video 32 x 128 heads, audio 32 x 64, 48 blocks.
+LTX_2 = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1,
+             num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
+             vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20, base_height=2048,
+             base_width=2048, audio_in_channels=128, audio_out_channels=128,
+             audio_patch_size=1, audio_patch_size_t=1, audio_num_attention_heads=32,
+             audio_attention_head_dim=64, audio_cross_attention_dim=2048, audio_scale_factor=4,
+             audio_pos_embed_max_pos=20, audio_sampling_rate=16000, audio_hop_length=160,
+             num_layers=48, activation_fn="gelu-approximate", qk_norm="rms_norm_across_heads",
+             norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
+             attention_bias=True, attention_out_bias=True, rope_theta=10000.0,
+             rope_double_precision=True, causal_offset=1, timestep_scale_multiplier=1000,
+             cross_attn_timestep_scale_multiplier=1000, rope_type="split")
 # meta-llama/Llama-3.1-8B, config.json (GQA 32:8, head dim 128)
 LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -62,8 +90,41 @@ LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336
                                       high_freq_factor=4.0,
                                       original_max_position_embeddings=8192))
 
-TORCH_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
+# (frames, height, width) in pixels: each pipeline's default (Wan: the 480p setting of
+# issue 12; LTX-Video's 704x480x161; LTX-2's pipeline default 768x512x121)
+DEFAULT_SHAPES = {"wan": (81, 480, 832), "ltx": (161, 480, 704), "ltx2": (121, 512, 768),
+                  "llama": (0, 0, 0)}
+# text tokens each model gets: Wan's umT5 512, LTX-Video's T5 128, LTX-2's Gemma connectors 1024
+DEFAULT_TEXT = {"wan": 512, "ltx": 128, "ltx2": 1024, "llama": 0}
+
+# --tiny: the same classes at a few dozen tokens, head dim 64 (a head dim the kernel has, so
+# the CPU test's stand-in kernel takes the same calls ptxattn would), depth 2
+TINY = {
+    "wan": dict(config=dict(num_attention_heads=2, attention_head_dim=64, in_channels=4,
+                            out_channels=4, text_dim=32, freq_dim=32, ffn_dim=128, num_layers=2),
+                shape=(5, 64, 64), text=16),                      # 2 x 4 x 4 = 32 tokens
+    "ltx": dict(config=dict(in_channels=8, out_channels=8, num_attention_heads=2,
+                            attention_head_dim=64, cross_attention_dim=128, num_layers=2,
+                            caption_channels=32),
+                shape=(9, 128, 128), text=16),                    # 2 x 4 x 4 = 32 tokens
+    "ltx2": dict(config=dict(in_channels=8, out_channels=8, num_attention_heads=2,
+                             attention_head_dim=64, cross_attention_dim=128,
+                             audio_in_channels=8, audio_out_channels=8,
+                             audio_num_attention_heads=2, audio_attention_head_dim=64,
+                             audio_cross_attention_dim=128, num_layers=2, caption_channels=32),
+                 shape=(9, 128, 128), text=16),                   # 32 video, 9 audio tokens
+    "llama": dict(config=dict(vocab_size=512, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=64),
+                  tokens=32),
+}
+
+BACKENDS = {
+    "cuda": {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION},
+    # CPU (the plumbing test): torch's math and CPU flash kernels
+    "cpu": {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION},
+}
 
 
 # --------------------------------------------------------------------------- models
@@ -75,64 +136,169 @@ class Case:
     inputs: dict
     config: dict
     note: str = ""
+    outputs: tuple[str, ...] = ("video",)
 
     def use(self, backend: str) -> None: ...
 
-    def step(self) -> torch.Tensor: ...
+    def step(self) -> dict[str, torch.Tensor]: ...
+
+    def restore(self) -> None:
+        """Leave the libraries as they were found (the model keeps torch's attention)."""
 
 
 class DiffusersCase(Case):
     def use(self, backend):
+        if not hasattr(self, "_found_active"):
+            from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+            self._found_active = _AttentionBackendRegistry._active_backend
         self.model.set_attention_backend("ptxattn" if backend == "ptxattn" else "native")
 
+    def restore(self):
+        # set_attention_backend also sets diffusers' process-wide active backend, which
+        # every model whose processors name none then uses: put back the one found
+        if hasattr(self, "_found_active"):
+            from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+            self.model.reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(self._found_active)
+        if hasattr(self, "_found_verbosity"):
+            from diffusers.utils import logging as diffusers_logging
+            diffusers_logging.set_verbosity(self._found_verbosity)
+
     def step(self):
-        return self.model(**self.inputs, return_dict=False)[0]
+        out = self.model(**self.inputs, return_dict=False)
+        return dict(zip(self.outputs, out))
+
+
+def published(config: dict, model: str, args) -> dict:
+    """The published config, with --tiny's overrides and --layers' depth."""
+    c = dict(config)
+    if args.tiny:
+        c.update(TINY[model]["config"])
+    if args.layers:
+        c["num_hidden_layers" if model == "llama" else "num_layers"] = args.layers
+    return c
 
 
 def diffusers_case(name: str, config: dict, model_class, args) -> DiffusersCase:
-    """A diffusers transformer in bf16 on the GPU: the published config (--layers cuts its
+    """A diffusers transformer in bf16 on args.device: the published config (--layers cuts its
     depth) with random weights, or --pretrained's weights."""
     c = DiffusersCase()
-    c.name, c.config = name, dict(config)
-    if args.layers:
-        c.config["num_layers"] = args.layers
+    c.name = name + ("-tiny" if args.tiny else "")
     if args.pretrained:
-        c.model = model_class.from_pretrained(
-            args.pretrained, subfolder="transformer", torch_dtype=torch.bfloat16).cuda()
+        c.model = load_diffusers(model_class, args.pretrained)
+        if args.layers:
+            # Wan names its blocks `blocks`, the LTX models `transformer_blocks`
+            attr = "blocks" if hasattr(c.model, "blocks") else "transformer_blocks"
+            setattr(c.model, attr, getattr(c.model, attr)[:args.layers])
+        c.model = c.model.to(args.device)
+        c.config = dict(c.model.config)
+        if args.layers:
+            c.config["num_layers"] = args.layers
     else:
-        c.model = model_class(**c.config).to("cuda", torch.bfloat16)
+        c.config = published(config, args.model, args)
+        # random init on the device itself (fp32, then bf16): LTX-2's 19B parameters take
+        # minutes to initialise on the host
+        with torch.device(args.device):
+            c.model = model_class(**c.config)
+        # (.to(device) too: a buffer made on an explicit device in __init__ follows the rest)
+        c.model = c.model.to(args.device, torch.bfloat16)
     return c
+
+
+def load_diffusers(model_class, path_or_id: str):
+    """from_pretrained(..., subfolder="transformer") in bf16 (modules the class keeps in
+    float32 stay so, as in the pipelines)."""
+    try:
+        return model_class.from_pretrained(path_or_id, subfolder="transformer",
+                                           torch_dtype=torch.bfloat16)
+    except ValueError as e:
+        # diffusers loads classes with float32 modules (Wan) only through accelerate
+        if "low_cpu_mem_usage" in str(e) and importlib.util.find_spec("accelerate") is None:
+            raise SystemExit(f"--pretrained: diffusers needs the package accelerate to load "
+                             f"{model_class.__name__} (pip install accelerate): {e}") from e
+        raise
 
 
 def build_wan(args) -> Case:
     import diffusers
     c = diffusers_case("wan2.1-t2v-1.3b", WAN_T2V_1_3B, diffusers.WanTransformer3DModel, args)
-    # the Wan VAE: 8x spatial, 4x temporal compression; 16 latent channels
+    cfg = c.config
+    # the Wan VAE: 8x spatial, 4x temporal compression; patches (1, 2, 2)
     frames = (args.frames - 1) // 4 + 1
-    shape = (1, 16, frames, args.height // 8, args.width // 8)
-    c.inputs = dict(hidden_states=randn(shape, 1), timestep=torch.tensor([500], device="cuda"),
-                    encoder_hidden_states=randn((1, 512, 4096), 2))
-    tokens = frames * (shape[3] // 2) * (shape[4] // 2)       # patch (1, 2, 2)
-    c.note = f"latent {shape}: {tokens} video tokens, 512 text tokens"
+    shape = (1, cfg["in_channels"], frames, args.height // 8, args.width // 8)
+    c.inputs = dict(hidden_states=randn(shape, 1, args.device),
+                    timestep=torch.tensor([500], device=args.device),
+                    encoder_hidden_states=randn((1, args.text_tokens, cfg["text_dim"]), 2,
+                                                args.device))
+    tokens = frames * (shape[3] // 2) * (shape[4] // 2)
+    c.note = f"latent {shape}: {tokens} video tokens, {args.text_tokens} text tokens"
     return c
+
+
+def text_mask(args, tokens: int):
+    """--text-mask: the pipelines' (all ones here) text mask, which the transformers turn into
+    an additive bias, so each text cross-attention carries an attn_mask (ptxattn falls back:
+    reason attn_mask). Default None: every text token attends, the same attention, no mask."""
+    if not args.text_mask:
+        return None
+    return torch.ones(1, tokens, device=args.device, dtype=torch.bool)
 
 
 def build_ltx(args) -> Case:
     import diffusers
     c = diffusers_case("ltx-video", LTX_VIDEO, diffusers.LTXVideoTransformer3DModel, args)
-    # LTX's VAE: 32x spatial, 8x temporal; default 704x480, 161 frames
+    cfg = c.config
+    # LTX's VAE: 32x spatial, 8x temporal; patch 1
     frames, h, w = (args.frames - 1) // 8 + 1, args.height // 32, args.width // 32
     tokens = frames * h * w
-    c.inputs = dict(hidden_states=randn((1, tokens, 128), 1),
-                    encoder_hidden_states=randn((1, 128, 4096), 2),
-                    timestep=torch.tensor([500], device="cuda"),
-                    encoder_attention_mask=torch.ones(1, 128, device="cuda", dtype=torch.bool),
+    c.inputs = dict(hidden_states=randn((1, tokens, cfg["in_channels"]), 1, args.device),
+                    encoder_hidden_states=randn((1, args.text_tokens, cfg["caption_channels"]),
+                                                2, args.device),
+                    timestep=torch.tensor([500], device=args.device),
+                    encoder_attention_mask=text_mask(args, args.text_tokens),
                     num_frames=frames, height=h, width=w)
-    c.note = f"{tokens} video tokens ({frames}x{h}x{w}), 128 text tokens; head dim 64"
+    c.note = (f"{tokens} video tokens ({frames}x{h}x{w}), {args.text_tokens} text tokens; "
+              f"head dim {cfg['attention_head_dim']}; text mask "
+              f"{'on (ptxattn falls back on it)' if args.text_mask else 'none'}")
+    return c
+
+
+def build_ltx2(args) -> Case:
+    """LTX-2: one step of the audio-video transformer. It needs its audio inputs (the audio
+    stream and the a2v/v2a cross-attentions run in every block), sized as LTX2Pipeline sizes
+    them: audio latents at sampling_rate / hop_length / audio_scale_factor per second of video
+    (16000 / 160 / 4 = 25 per second) at 24 fps."""
+    import diffusers
+    c = diffusers_case("ltx-2", LTX_2, diffusers.LTX2VideoTransformer3DModel, args)
+    c.outputs = ("video", "audio")
+    cfg = c.config
+    scale_t, scale_s = cfg["vae_scale_factors"][0], cfg["vae_scale_factors"][1]
+    frames, h, w = (args.frames - 1) // scale_t + 1, args.height // scale_s, args.width // scale_s
+    tokens = frames * h * w
+    fps = 24.0
+    audio_tokens = round(args.frames / fps * cfg["audio_sampling_rate"] / cfg["audio_hop_length"]
+                         / cfg["audio_scale_factor"])
+    text = args.text_tokens
+    mask = text_mask(args, text)
+    c.inputs = dict(
+        hidden_states=randn((1, tokens, cfg["in_channels"]), 1, args.device),
+        audio_hidden_states=randn((1, audio_tokens, cfg["audio_in_channels"]), 2, args.device),
+        encoder_hidden_states=randn((1, text, cfg["caption_channels"]), 3, args.device),
+        audio_encoder_hidden_states=randn((1, text, cfg["caption_channels"]), 4, args.device),
+        timestep=torch.tensor([500.0], device=args.device),
+        encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+        num_frames=frames, height=h, width=w, fps=fps, audio_num_frames=audio_tokens)
+    c.note = (f"{tokens} video tokens ({frames}x{h}x{w}), {audio_tokens} audio tokens, "
+              f"{text} text tokens; video heads {cfg['num_attention_heads']}x"
+              f"{cfg['attention_head_dim']}, audio {cfg['audio_num_attention_heads']}x"
+              f"{cfg['audio_attention_head_dim']}; text mask "
+              f"{'on (ptxattn falls back on it)' if args.text_mask else 'none'}")
     return c
 
 
 class LlamaCase(Case):
+    outputs = ("logits",)
+
     def use(self, backend):
         impl = "ptxattn" if backend == "ptxattn" else "sdpa"
         if hasattr(self.model, "set_attn_implementation"):
@@ -141,121 +307,219 @@ class LlamaCase(Case):
             self.model.config._attn_implementation = impl
 
     def step(self):
-        return self.model(**self.inputs, use_cache=False).logits
+        return {"logits": self.model(**self.inputs, use_cache=False).logits}
+
+    def restore(self):
+        self.use("sdpa")
 
 
 def build_llama(args) -> Case:
     import transformers
     c = LlamaCase()
-    c.name, c.config = "llama-3.1-8b-arch", dict(LLAMA_3_1_8B)
-    if args.layers:
-        c.config["num_hidden_layers"] = args.layers
+    c.name = "llama-3.1-8b-arch" + ("-tiny" if args.tiny else "")
     if args.pretrained:
         c.model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.pretrained, torch_dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+            args.pretrained, dtype=torch.bfloat16, attn_implementation="sdpa")
+        if args.layers:
+            c.model.model.layers = c.model.model.layers[:args.layers]
+            c.model.config.num_hidden_layers = args.layers
+        c.model = c.model.to(args.device)
+        c.config = c.model.config.to_dict()
     else:
-        with torch.device("cuda"):
+        c.config = published(LLAMA_3_1_8B, "llama", args)
+        with torch.device(args.device):
             c.model = transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(**c.config, attn_implementation="sdpa")).to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(3)
+                transformers.LlamaConfig(**c.config, attn_implementation="sdpa"))
+        c.model = c.model.to(args.device, torch.bfloat16)
+    g = torch.Generator(device=args.device).manual_seed(3)
     c.inputs = dict(input_ids=torch.randint(0, c.config["vocab_size"], (1, args.tokens),
-                                            device="cuda", generator=g))
-    c.note = f"prefill of {args.tokens} tokens, causal, GQA 32:8"
+                                            device=args.device, generator=g))
+    hq, hkv = c.config["num_attention_heads"], c.config["num_key_value_heads"]
+    c.note = f"prefill of {args.tokens} tokens, causal, GQA {hq}:{hkv}"
     return c
 
 
-BUILDERS = {"wan": build_wan, "ltx": build_ltx, "llama": build_llama}
-DEFAULT_SHAPES = {"wan": (81, 480, 832), "ltx": (161, 480, 704), "llama": (0, 0, 0)}
+BUILDERS = {"wan": build_wan, "ltx": build_ltx, "ltx2": build_ltx2, "llama": build_llama}
 
 
-def randn(shape, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16)
+def randn(shape, seed, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device).to(torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- measuring
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class CallClock:
+    """Time around one call: CUDA events on the GPU (read after the pass, no sync per call),
+    the host clock on the CPU (where the call is synchronous)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def _arg(a, kw, index, *names, default=None):
+    """Argument `index` of a call, or its keyword (diffusers passes query=, key= by keyword:
+    reading a[0] only made an IndexError that failed every torch backend on Wan, H200
+    2026-12-01)."""
+    if len(a) > index:
+        return a[index]
+    for n in names:
+        if n in kw:
+            return kw[n]
+    return default
+
+
 @contextmanager
-def attention_hook(record: list, timed: bool):
-    """Record every attention call of both paths (torch SDPA and the ptxattn kernel):
-    shapes, and with `timed` a CUDA event pair around it."""
+def attention_hook(record: list, model: torch.nn.Module | None = None, clock: CallClock | None = None):
+    """Record every attention call of both paths (torch SDPA and the ptxattn kernel): the
+    attention module that made it (its role), shapes, layout, causal, and with `clock` a
+    time pair around it (read after the pass: clock.elapsed_ms)."""
     real_sdpa, real_kernel = F.scaled_dot_product_attention, pt_sdpa._kernel
+    modules: list[str] = []                    # the attention modules being run, innermost last
 
     def wrap(fn, kind):
         def call(*a, **kw):
-            # diffusers' native backend passes query=/key= by keyword (an IndexError here made
-            # every torch backend fail on Wan, H200 2026-12-01)
-            q = a[0] if len(a) > 0 else kw.get("query", kw.get("q"))
-            k = a[1] if len(a) > 1 else kw.get("key", kw.get("k"))
-            layout = kw.get("layout") or (a[5] if kind == "ptxattn" and len(a) > 5 else "bhld")
-            entry = {"path": kind, "q": list(q.shape), "k": list(k.shape), "layout": layout}
-            if timed:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+            q = _arg(a, kw, 0, "query", "q")
+            k = _arg(a, kw, 1, "key", "k")
+            if kind == "ptxattn":                # _kernel(q, k, v, is_causal, scale, layout)
+                causal = _arg(a, kw, 3, "is_causal", default=False)
+                layout = _arg(a, kw, 5, "layout", default="bhld")
+            else:                                # F.sdpa(q, k, v, attn_mask, dropout_p, is_causal)
+                causal = _arg(a, kw, 5, "is_causal", default=False)
+                layout = "bhld"
+            entry = {"path": kind, "role": bk.role_of(modules[-1] if modules else None),
+                     "q": list(q.shape), "k": list(k.shape), "layout": layout,
+                     "causal": bool(causal)}
+            if clock is not None:
+                start = clock.mark()
                 out = fn(*a, **kw)
-                end.record()
-                entry["events"] = (start, end)
+                entry["clock"] = (start, clock.mark())
             else:
                 out = fn(*a, **kw)
             record.append(entry)
             return out
         return call
 
+    handles = []
+    if model is not None:
+        for name, m in model.named_modules():
+            # diffusers' WanAttention / LTXAttention / LTX2Attention, transformers' LlamaAttention
+            if type(m).__name__.endswith("Attention"):
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, _a, name=name: modules.append(name)))      # returns None
+                handles.append(m.register_forward_hook(_pop_module(modules)))
     F.scaled_dot_product_attention = wrap(real_sdpa, "torch")
     pt_sdpa._kernel = wrap(real_kernel, "ptxattn")
     try:
         yield
     finally:
         F.scaled_dot_product_attention, pt_sdpa._kernel = real_sdpa, real_kernel
+        for h in handles:
+            h.remove()
 
 
-def time_steps(case: Case, reps: int) -> list[float]:
-    with torch.no_grad():
-        for _ in range(2):
-            case.step()
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            case.step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def _pop_module(modules: list):
+    def hook(_module, _args, _output):
+        modules.pop()          # and return None: a forward hook's value replaces the output
+    return hook
 
 
-def summarize_calls(record: list) -> dict:
-    shapes: dict[str, int] = {}
-    for e in record:
-        key = f"{e['path']} q={e['q']} k={e['k']} {e['layout']}"
-        shapes[key] = shapes.get(key, 0) + 1
-    return {"calls": len(record), "by_shape": shapes}
+def backend_ctx(backend: str, device: str):
+    """torch's SDPA limited to `backend` (cudnn, flash, ...); ptxattn: no limit (its
+    fallbacks take torch's default choice)."""
+    torch_backends = BACKENDS[device.split(":")[0]]
+    return sdpa_kernel([torch_backends[backend]]) if backend in torch_backends else nullctx()
 
 
-def run_backend(case: Case, backend: str, reps: int) -> dict:
+def one_step(case: Case, backend: str, device: str) -> float:
+    """One step on `backend`, in ms (host clock between syncs: the whole step)."""
     case.use("ptxattn" if backend == "ptxattn" else "torch")
-    ctx = sdpa_kernel([TORCH_BACKENDS[backend]]) if backend in TORCH_BACKENDS else nullctx()
-    result = {"backend": backend}
+    with backend_ctx(backend, device), torch.no_grad():
+        sync(device)
+        t0 = time.perf_counter()
+        case.step()
+        sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def hooked_step(case: Case, backend: str, device: str) -> tuple[list, dict, CallClock]:
+    """One step with every attention call recorded and timed (after the timed rounds: events
+    around a cold call span the host's compile time too, which made the first run report
+    attention at 14x the step); fallbacks are counted on this step alone, like the calls."""
+    case.use("ptxattn" if backend == "ptxattn" else "torch")
+    clock, record = CallClock(device), []
     pt.reset_fallback_counts()
-    try:
-        with ctx:
-            # timed steps first: they warm up (JIT, plans), and the hooked pass after them
-            # measures attention on a warm path (events around a cold call span the host's
-            # compile time too: the first run reported attention at 14x the step)
-            times = time_steps(case, reps)
-            with torch.no_grad():
-                record: list = []
-                with attention_hook(record, timed=True):
-                    out = case.step()
-                torch.cuda.synchronize()
-            attention_ms = sum(s.elapsed_time(e) for s, e in (r.pop("events") for r in record))
-    except Exception as e:                      # a torch backend that cannot run this model
-        return {"backend": backend, "error": f"{type(e).__name__}: {e}"[:500]}
-    result.update(step_ms_median=statistics.median(times), step_ms=times,
-                  attention_ms_in_hooked_pass=attention_ms,
-                  attention_share=attention_ms / statistics.median(times),
-                  calls=summarize_calls(record), fallbacks=pt.fallback_counts())
-    result["_out"] = out.float()
-    return result
+    with backend_ctx(backend, device), torch.no_grad():
+        with attention_hook(record, case.model, clock):
+            out = case.step()
+        sync(device)
+    return record, out, clock
+
+
+def measure(case: Case, backends: list[str], reps: int, device: str, warmup: int = 2,
+            seed: int = 0) -> list[dict]:
+    """Every backend in the same rounds: `warmup` steps each, then `reps` rounds of one timed
+    step per backend in a seeded random order (drift of clocks and of cuDNN's speed lands on
+    all backends alike; a same-round ratio compares neighbours), then one hooked step each.
+    A backend that raises (a torch backend that cannot run this model) becomes an error entry
+    and leaves the rounds."""
+    errors: dict[str, dict] = {}
+
+    def attempt(backend, fn):
+        if backend in errors:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            errors[backend] = {"backend": backend, "error": f"{type(e).__name__}: {e}"[:500],
+                               "where": f"{where.filename}:{where.lineno}"}
+            return None
+
+    for b in backends:
+        for _ in range(warmup):
+            attempt(b, lambda: one_step(case, b, device))
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    order_rng = random.Random(seed)
+    for _ in range(reps):
+        order = [b for b in backends if b not in errors]
+        order_rng.shuffle(order)
+        for b in order:
+            ms = attempt(b, lambda: one_step(case, b, device))
+            if ms is not None:
+                times[b].append(ms)
+    results = []
+    for b in backends:
+        hooked = attempt(b, lambda: hooked_step(case, b, device))
+        if b in errors:
+            results.append(errors[b])
+            continue
+        record, out, clock = hooked
+        attention_ms = sum(clock.elapsed_ms(*r.pop("clock")) for r in record)
+        calls = bk.summarize_calls(record)
+        step_ms = statistics.median(times[b])
+        results.append({
+            "backend": b, "step_ms_median": step_ms, "step_ms": times[b],
+            "attention_ms_in_hooked_pass": attention_ms, "attention_share": attention_ms / step_ms,
+            "attention_tflops": calls["flops"] / (attention_ms * 1e9) if attention_ms else None,
+            "calls": calls, "fallbacks": pt.fallback_counts(),
+            "_out": {k: v.float() for k, v in out.items()}})
+    return results
 
 
 @contextmanager
@@ -263,8 +527,39 @@ def nullctx():
     yield
 
 
-def rel_l2(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+def rel_l2(a: dict, b: dict) -> float:
+    """Relative L2 difference of all outputs together (LTX-2: video and audio)."""
+    num = sum(float((a[k] - b[k]).norm()) ** 2 for k in b)
+    den = sum(float(b[k].norm()) ** 2 for k in b)
+    return (num / den) ** 0.5
+
+
+def compare(results: list[dict], torch_names) -> dict:
+    """The baseline (torch's fastest backend), each backend's output difference from it, and
+    ptxattn's speedup; with several outputs also the difference per output."""
+    ok = [r for r in results if "error" not in r]
+    torch_ok = [r for r in ok if r["backend"] in torch_names]
+    if not torch_ok:
+        return {}
+    best = min(torch_ok, key=lambda r: r["step_ms_median"])
+    ours = next((r for r in ok if r["backend"] == "ptxattn"), None)
+    c = {"baseline": best["backend"],
+         "torch_backends_vs_baseline_rel_l2": {
+             r["backend"]: rel_l2(r["_out"], best["_out"]) for r in torch_ok if r is not best}}
+    yard = list(c["torch_backends_vs_baseline_rel_l2"].values())
+    c["yardstick_rel_l2"] = max(yard) if yard else None
+    if ours is not None:
+        c["ptxattn_vs_baseline_rel_l2"] = rel_l2(ours["_out"], best["_out"])
+        if len(best["_out"]) > 1:
+            c["ptxattn_vs_baseline_rel_l2_by_output"] = {
+                k: rel_l2({k: ours["_out"][k]}, {k: best["_out"][k]}) for k in best["_out"]}
+        c["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
+        # the same rounds: round r's baseline step over round r's ptxattn step
+        ratios = sorted(t / o for t, o in zip(best["step_ms"], ours["step_ms"]))
+        if ratios:
+            c["speedup_by_round"] = {"median": statistics.median(ratios), "min": ratios[0],
+                                     "max": ratios[-1], "rounds": len(ratios)}
+    return c
 
 
 def main(argv=None) -> int:
@@ -274,52 +569,91 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=0)
     ap.add_argument("--height", type=int, default=0)
     ap.add_argument("--width", type=int, default=0)
-    ap.add_argument("--tokens", type=int, default=8192, help="llama: prefill length")
+    ap.add_argument("--text-tokens", type=int, default=0, help="0: the model's default")
+    ap.add_argument("--text-mask", action="store_true",
+                    help="ltx/ltx2: pass the pipelines' text mask (attn_mask on cross-attention)")
+    ap.add_argument("--tokens", type=int, default=0, help="llama: prefill length (8192)")
     ap.add_argument("--pretrained", default=None, help="PATH_OR_ID for from_pretrained")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None, help="directory for the JSON ($OUT or bench/results)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="rounds: one timed step per backend each, in a random order")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--backends", default="", help="torch backends to time (default: all the "
+                    "device has: cudnn,flash,efficient on cuda; math,flash on cpu)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (plumbing only)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config at a few tokens")
+    ap.add_argument("--out", default=None,
+                    help="directory for the JSON ($OUT, else bench/results/models)")
     args = ap.parse_args(argv)
-    f, h, w = DEFAULT_SHAPES[args.model]
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps: expected >= 1 (and --warmup >= 0), got {args.reps} ({args.warmup})")
+    kind = args.device.split(":")[0]
+    if kind not in BACKENDS:
+        ap.error(f"--device: expected cuda or cpu, got {args.device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU here (--tiny --device cpu runs the "
+                 "plumbing without one)")
+    torch_backends = BACKENDS[kind]
+    names = [b for b in args.backends.split(",") if b] or list(torch_backends)
+    unknown = [b for b in names if b not in torch_backends]
+    if unknown:
+        ap.error(f"--backends: {unknown} not among {kind}'s {list(torch_backends)}")
+    if args.tiny:
+        f, h, w = TINY[args.model].get("shape", (0, 0, 0))
+        text, tokens = TINY[args.model].get("text", 0), TINY[args.model].get("tokens", 0)
+    else:
+        (f, h, w), text, tokens = DEFAULT_SHAPES[args.model], DEFAULT_TEXT[args.model], 8192
     args.frames, args.height, args.width = args.frames or f, args.height or h, args.width or w
+    args.text_tokens, args.tokens = args.text_tokens or text, args.tokens or tokens
 
-    pt.register_diffusers() if args.model != "llama" else pt.register_transformers()
+    pt.register_transformers() if args.model == "llama" else pt.register_diffusers()
     case = BUILDERS[args.model](args)
     case.model.eval()
-    results = [run_backend(case, b, args.reps) for b in (*TORCH_BACKENDS, "ptxattn")]
-    ok = [r for r in results if "error" not in r]
-    torch_ok = [r for r in ok if r["backend"] in TORCH_BACKENDS]
-    best = min(torch_ok, key=lambda r: r["step_ms_median"]) if torch_ok else None
-    ours = next((r for r in ok if r["backend"] == "ptxattn"), None)
-    comparison = {}
-    if best is not None:
-        comparison["baseline"] = best["backend"]
-        comparison["torch_backends_vs_baseline_rel_l2"] = {
-            r["backend"]: rel_l2(r["_out"], best["_out"]) for r in torch_ok if r is not best}
-        if ours is not None:
-            comparison["ptxattn_vs_baseline_rel_l2"] = rel_l2(ours["_out"], best["_out"])
-            comparison["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
+    if isinstance(case, DiffusersCase):
+        # set_attention_backend warns "experimental feature" on every switch: once per step
+        # of each round here (restore() puts the verbosity back)
+        from diffusers.utils import logging as diffusers_logging
+        case._found_verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()
+    depth = case.config.get("num_hidden_layers", case.config.get("num_layers"))
+    print(f"{case.name}: {case.note}; {depth} layers"
+          + (" (reduced by --layers from the published depth)" if args.layers else "")
+          + (", tiny config" if args.tiny else "") + f", {args.device}", flush=True)
+    try:
+        results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
+    finally:
+        case.restore()
+    comparison = compare(results, names)
     for r in results:
         r.pop("_out", None)
     report = {
         "model": case.name, "note": case.note, "config": case.config,
-        "layers_reduced": bool(args.layers), "pretrained": args.pretrained,
-        "weights": "pretrained" if args.pretrained else "random",
-        "args": vars(args), "results": results, "comparison": comparison,
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-        "cudnn": torch.backends.cudnn.version(), "commit": _commit(),
-        "ptxattn_takes_causal": pt.library_takes_causal(),
+        "layers": depth, "layers_reduced": bool(args.layers), "tiny": args.tiny,
+        "pretrained": args.pretrained, "weights": "pretrained" if args.pretrained else "random",
+        "device": args.device, "args": vars(args), "results": results,
+        "comparison": comparison, "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if kind == "cuda" else (platform.processor() or "cpu"),
+        "cudnn": torch.backends.cudnn.version() if kind == "cuda" else None,
+        "commit": _commit(), "ptxattn_takes_causal": pt.library_takes_causal(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parents[1] / "results")
+    out_dir = Path(args.out or os.environ.get("OUT")
+                   or Path(__file__).resolve().parents[1] / "results" / "models")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{args.model}-{datetime.date.today().isoformat()}.json"
+    stem = f"{args.model}{'-tiny' if args.tiny else ''}-{datetime.date.today().isoformat()}"
+    path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
     for r in results:
-        line = (f"{r['backend']:>9}: error {r['error'][:120]}" if "error" in r else
-                f"{r['backend']:>9}: {r['step_ms_median']:.1f} ms/step, attention "
-                f"{100 * r['attention_share']:.0f}%, {r['calls']['calls']} calls, "
-                f"fallbacks {r['fallbacks']}")
-        print(line)
+        if "error" in r:
+            print(f"{r['backend']:>9}: error {r['error'][:120]}")
+            continue
+        print(f"{r['backend']:>9}: {r['step_ms_median']:.1f} ms/step, attention "
+              f"{100 * r['attention_share']:.0f}% ({r['attention_ms_in_hooked_pass']:.1f} ms), "
+              f"{r['calls']['calls']} calls {r['calls']['by_path']}, fallbacks {r['fallbacks']}")
+    shown = next((r for r in reversed(results) if "calls" in r), None)   # ptxattn's if it ran
+    if shown is not None:
+        print(f"calls per step ({shown['backend']}): by role {json.dumps(shown['calls']['by_role'])}")
+        for key, n in shown["calls"]["by_shape"].items():
+            print(f"  {n:4d} x {key}")
     print(json.dumps(comparison, indent=1))
     print(f"wrote {path}")
     return 0
