@@ -222,25 +222,36 @@ def headers() -> dict[str, str]:
     return out
 
 
-def stale(directory: Path = INCLUDE) -> list[str]:
-    """Names of generated headers that are missing or differ from the generator's output."""
-    return [name for name, text in headers().items()
+def stale_headers(generated: dict[str, str], directory: Path) -> list[str]:
+    """Names of generated headers that are missing from `directory` or differ from `generated`."""
+    return [name for name, text in generated.items()
             if not (directory / name).is_file() or (directory / name).read_text() != text]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ptxattn.ptxgen", description=__doc__.split("\n")[0])
+def stale(directory: Path = INCLUDE) -> list[str]:
+    """Names of generated headers that are missing or differ from the generator's output."""
+    return stale_headers(headers(), directory)
+
+
+def run_generator(prog: str, description: str, generated, include: Path, argv=None) -> int:
+    """The command line of a header generator (this one, ptxgen_sm100): write every header of
+    `generated()` into `include`, or with --check only report those that differ."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--check", action="store_true", help="only report headers that differ")
     args = ap.parse_args(argv)
     if args.check:
-        bad = stale()
-        print("\n".join(f"stale: {INCLUDE / b}" for b in bad) or "generated headers up to date")
+        bad = stale_headers(generated(), include)
+        print("\n".join(f"stale: {include / b}" for b in bad) or "generated headers up to date")
         return 1 if bad else 0
-    for name, text in headers().items():
-        (INCLUDE / name).write_text(text)
-        print(f"wrote {INCLUDE / name}")
+    include.mkdir(parents=True, exist_ok=True)
+    for name, text in generated().items():
+        (include / name).write_text(text)
+        print(f"wrote {include / name}")
     return 0
 
+
+def main(argv=None) -> int:
+    return run_generator("python -m ptxattn.ptxgen", __doc__.split("\n")[0], headers, INCLUDE, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,9 +19,10 @@ Register names the macros use (each kernel declares them): %s<128> one row of S 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from . import ptxgen
 
 BLOCK_N = 128          # key/value rows per tile: the N of S = Q K^T, one thread's 128 scores
 HEAD_DIM = 128         # D: the K of Q K^T and the N of O = P V
@@ -241,25 +242,12 @@ def headers() -> dict[str, str]:
 
 def stale(directory: Path = INCLUDE) -> list[str]:
     """Names of generated headers that are missing or differ from the generator's output."""
-    return [name for name, text in headers().items()
-            if not (directory / name).is_file() or (directory / name).read_text() != text]
+    return ptxgen.stale_headers(headers(), directory)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ptxattn.ptxgen_sm100",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="only report headers that differ")
-    args = ap.parse_args(argv)
-    if args.check:
-        bad = stale()
-        print("\n".join(f"stale: {INCLUDE / b}" for b in bad) or "generated headers up to date")
-        return 1 if bad else 0
-    INCLUDE.mkdir(parents=True, exist_ok=True)
-    for name, text in headers().items():
-        (INCLUDE / name).write_text(text)
-        print(f"wrote {INCLUDE / name}")
-    return 0
-
+    return ptxgen.run_generator("python -m ptxattn.ptxgen_sm100", __doc__.split("\n")[0],
+                                headers, INCLUDE, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

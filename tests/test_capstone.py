@@ -5,25 +5,15 @@ tests/test_capstone_models.py (torch, diffusers, transformers; skipped without t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
-MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
-
-
-def load(name: str):
-    """A module of bench/models (not a package) by its file."""
-    spec = importlib.util.spec_from_file_location(f"capstone_{name}", MODELS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_modules import MODELS, load  # noqa: E402  (tests/ is on sys.path)
 
 
 bk = load("bookkeeping")

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,14 +24,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 pt_sdpa = pytest.importorskip("ptxattn.torch.sdpa")
 
-MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"capstone_{name}", MODELS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_modules import load  # noqa: E402  (tests/ is on sys.path)
 
 
 capstone = load("capstone")
