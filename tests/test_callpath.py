@@ -28,18 +28,32 @@ def dev(shape, slot, **kw):
 
 @pytest.fixture
 def tagged_maps(gpu, monkeypatch):
-    """cuTensorMapEncodeTiled answers a map that says which address it was encoded for."""
+    """cuTensorMapEncodeTiled answers a map whose first 8 bytes are the address it was
+    encoded for (where the real driver's layout is opaque), so a launch's maps can be read
+    back from its parameters in either form."""
     def encode(*args):
         gpu["cuTensorMapEncodeTiled"].append(args)
-        dims = tuple(int(x) for x in args[3])
-        return OK, ("map", int(args[2]), dims)
+        tmap = cu.CUtensorMap()
+        tmap.opaque = [int(args[2])] + [0] * 15
+        return OK, tmap
     monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", encode)
     return gpu
 
 
+def param_slots(call, count):
+    """The first `count` kernel parameters' host addresses, from a launch in either form:
+    the tuple form (values, types) or the address of a packed void*[]."""
+    import ctypes
+    params = call[2]
+    if isinstance(params, tuple):
+        values, types = params
+        return [int(v.getPtr()) if t is None else None for v, t in zip(values[:count], types)]
+    return list((ctypes.c_void_p * count).from_address(params))
+
+
 def map_addresses(call):
-    config, function, (values, types), extra = call
-    return [m[1] for m in values[:4]]
+    import ctypes
+    return [ctypes.c_uint64.from_address(slot).value for slot in param_slots(call, 4)]
 
 
 def test_a_new_address_with_the_same_geometry_gets_new_maps(tagged_maps):

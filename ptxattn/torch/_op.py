@@ -15,8 +15,8 @@ import math
 
 import torch
 
-import ptxattn
-from ptxattn import tma
+from ptxattn import tensors, tma
+from ptxattn.attention import attention as _attention
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
 LAYOUTS = ("bhld", "bshd")
@@ -38,13 +38,18 @@ def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[int, ...]:
 def _tma_ready(t: torch.Tensor, layout: str, name: str) -> bool:
     """True when TMA can read `t` in place: 16-byte base and strides, head dim stride 1.
     The rule is the library's own (tma.map_geometry), so the two cannot disagree."""
-    if t.data_ptr() % 16:
-        return False
-    b, x, y, d = t.shape
+    return t.data_ptr() % 16 == 0 and _geometry_ok(layout, t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry_ok(layout: str, shape, strides) -> bool:
+    """tma.map_geometry's verdict on a shape and strides (remembered: a model sends the same
+    few geometries on every call)."""
+    b, x, y, d = shape
     heads, seq = (x, y) if layout == "bhld" else (y, x)
     try:
         tma.map_geometry(layout, b, heads, seq, d, PRODUCTION.q_box_rows, PRODUCTION.tma_chunk,
-                         t.stride(), name)
+                         strides, "q")
     except ValueError:
         return False
     return True
@@ -60,8 +65,8 @@ def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
         raise RuntimeError("ptxattn::attention: return_lse=True cannot run under CUDA-graph "
                            "capture yet (the library allocates the lse buffer itself); capture "
                            "with return_lse=False")
-    _, lse = ptxattn.attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream,
-                               return_lse=True, **causal_kw)
+    _, lse = _attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream,
+                        return_lse=True, **causal_kw)
     lse = torch.from_dlpack(lse)
     if lse.dtype != torch.float32:
         raise TypeError(f"ptxattn::attention: the library's lse came as {lse.dtype}, "
@@ -69,33 +74,41 @@ def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
     return lse
 
 
-@torch.library.custom_op("ptxattn::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: str,
-                 is_causal: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    layout: str, is_causal: bool,
+                    return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale q k^T) v on CUDA bf16 tensors; (out, lse), lse empty unless asked for."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: ptxattn::attention runs on CUDA tensors, got one on "
-                             f"{t.device} (ptxattn.torch.scaled_dot_product_attention falls "
-                             "back to torch's SDPA for those)")
-    causal_kw = {}
-    if is_causal:
-        if not library_takes_causal():
-            raise ValueError("is_causal: this ptxattn has no causal kernel yet")
-        causal_kw = {"causal": True}
-    # DLPack export refuses tensors that require grad; the op is forward-only (no autograd
-    # formula is registered, so a backward through it raises in torch).
-    q, k, v = q.detach(), k.detach(), v.detach()
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_cuda:
+                raise ValueError(f"{name}: ptxattn::attention runs on CUDA tensors, got one on "
+                                 f"{t.device} (ptxattn.torch.scaled_dot_product_attention "
+                                 "falls back to torch's SDPA for those)")
+    if is_causal and not library_takes_causal():
+        raise ValueError("is_causal: this ptxattn has no causal kernel yet")
+    # The library refuses tensors that require grad (as DLPack does); the op is forward-only
+    # (no autograd formula is registered, so a backward through it raises in torch).
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        q, k, v = q.detach(), k.detach(), v.detach()
     # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
-    q, k, v = (t if _tma_ready(t, layout, n) else t.contiguous()
-               for n, t in (("q", q), ("k", k), ("v", v)))
+    if not (_tma_ready(q, layout, "q") and _tma_ready(k, layout, "k")
+            and _tma_ready(v, layout, "v")):
+        q, k, v = (t if _tma_ready(t, layout, n) else t.contiguous()
+                   for n, t in (("q", q), ("k", k), ("v", v)))
     out = torch.empty(out_shape(q, v, layout), dtype=q.dtype, device=q.device)
-    stream = torch.cuda.current_stream(q.device)
     if return_lse:
+        stream = torch.cuda.current_stream(q.device)
+        causal_kw = {"causal": True} if is_causal else {}
         lse = _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
         return out, lse
-    ptxattn.attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream, **causal_kw)
+    # torch's current stream as a raw handle (no torch Stream object): with out= given the
+    # library allocates nothing, so it needs no stream object to keep alive
+    _attention(q, k, v, scale=scale, layout=layout, out=out,
+               stream=tensors.torch_current_stream(q.get_device()), causal=is_causal)
     return out, q.new_empty((0,), dtype=torch.float32)
+
+
+attention_op = torch.library.custom_op("ptxattn::attention", _attention_impl, mutates_args=())
 
 
 @attention_op.register_fake
@@ -122,6 +135,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         raise ValueError(f"q: expected a rank-4 tensor, got shape {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.ptxattn.attention(q, k, v, float(scale), layout, bool(is_causal),
-                                           bool(return_lse))
+    if _eager(q, k, v):
+        out, lse = _attention_impl(q, k, v, float(scale), layout, bool(is_causal),
+                                   bool(return_lse))
+    else:
+        out, lse = _OP(q, k, v, float(scale), layout, bool(is_causal), bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+_OP = torch.ops.ptxattn.attention.default
+_C = torch._C
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+# Each of these tells whether torch could be watching or transforming the call; where one is
+# missing from this torch, the op is always called through the dispatcher.
+_WATCHERS = tuple(getattr(_C, name, None) for name in (
+    "_get_tracing_state", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active"))
+_DISPATCH_MODES = getattr(_C, "_len_torch_dispatch_stack", None)
+_CAN_BYPASS = _DISPATCH_MODES is not None and None not in _WATCHERS
+
+
+def _eager(q, k, v) -> bool:
+    """True when calling the op's body directly is the same as calling the op: plain eager
+    execution of plain tensors. The dispatcher's own per-call cost (its Python layers for a
+    custom op: autograd wrapper, redispatch, alias checks) is most of a small call's host
+    time, and in plain eager mode it adds nothing: the op has no autograd formula (its body
+    detaches), no autocast or batching rule. Anything that observes or rewrites ops takes
+    the dispatcher, so it sees one ptxattn::attention node as before: torch.compile/export
+    (is_compiling), jit tracing, __torch_function__ modes, functorch transforms (vmap,
+    grad), __torch_dispatch__ modes (FakeTensorMode, make_fx, DebugMode), tensor subclasses
+    (DTensor, FakeTensor, FunctionalTensor: not exactly torch.Tensor), and inputs that
+    require grad with grad mode on."""
+    if not _CAN_BYPASS or type(q) is not _Tensor or type(k) is not _Tensor \
+            or type(v) is not _Tensor:
+        return False
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
+        return False        # the op's autograd wrapper marks such outputs: keep its behaviour
+    tracing, function_modes, functorch = _WATCHERS
+    return not (_is_compiling() or tracing() is not None or function_modes() or functorch()
+                or _DISPATCH_MODES())
