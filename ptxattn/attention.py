@@ -842,8 +842,9 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     if entry is None:
         return None, key
     ctx = driver.context()
-    if entry.ctx is not ctx or entry.registry != (PRODUCTION, stages.STAGES,
-                                                  stages.FASTEST_FIRST):
+    registry = entry.registry
+    if (entry.ctx is not ctx or registry[0] is not PRODUCTION
+            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST):
         return None, key                  # another context or registry: rebuilt, replaced
 
     # the stream handshake, as the full path's imports and _build do it

@@ -77,24 +77,38 @@ def _note_fallback(reason: str) -> None:
                       f"ptxattn.torch.fallback_counts())", RuntimeWarning, stacklevel=4)
 
 
+_ENVIRON = getattr(os.environ, "_data", None)   # POSIX: os.environ's own dict of bytes
+_DEVICE_TEXT: list = [object(), -1]              # (PTXATTN_DEVICE as last read, its device)
+
+
 def _ptxattn_device() -> int:
-    text = os.environ.get("PTXATTN_DEVICE", "0").strip() or "0"
-    return int(text) if text.isdigit() else -1
+    """The device ptxattn runs on (PTXATTN_DEVICE, default 0), -1 when the text is no number.
+    The text is read on every call (one dict lookup where os.environ keeps bytes) and parsed
+    only when it changed."""
+    raw = _ENVIRON.get(b"PTXATTN_DEVICE") if _ENVIRON is not None \
+        else os.environ.get("PTXATTN_DEVICE")
+    seen = _DEVICE_TEXT
+    if raw is not seen[0] and raw != seen[0]:
+        text = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw or "0")
+        text = text.strip() or "0"
+        seen[:] = [raw, int(text) if text.isdigit() else -1]
+    return seen[1]
 
 
 def _device_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """cpu / device / compute_capability, or None for CUDA tensors ptxattn can run on."""
-    if any(t.device.type != "cuda" for t in (q, k, v)):
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "cpu"
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if any(t.device != q.device for t in (k, v)) or index != _ptxattn_device():
+    index = q.get_device()                  # a CUDA tensor's device index (no device object)
+    if k.get_device() != index or v.get_device() != index or index != _ptxattn_device():
         return "device"
-    if not torch.compiler.is_compiling():
-        cc = _capability.get(index)
-        if cc is None:
-            cc = _capability[index] = torch.cuda.get_device_capability(index)
-        if cc != (9, 0):
-            return "compute_capability"
+    cc = _capability.get(index)
+    if cc is None:
+        if torch.compiler.is_compiling():   # asked once, eagerly, not inside a trace
+            return None
+        cc = _capability[index] = torch.cuda.get_device_capability(index)
+    if cc != (9, 0):
+        return "compute_capability"
     return None
 
 
