@@ -208,11 +208,13 @@ def torch_pretends_cuda(torch):
     T = torch.Tensor
     saved = {name: T.__dict__.get(name, _MISSING) for name in ("is_cuda", "get_device")}
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", _MISSING)
-    capability = torch.cuda.get_device_capability
+    capability, current = torch.cuda.get_device_capability, torch.cuda.current_stream
     T.is_cuda = property(lambda self: True)
     T.get_device = lambda self: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    default_stream = _PretendStream()
+    torch.cuda.current_stream = lambda device=None: default_stream
     tensors._TORCH = None                       # the raw-stream getter is read afresh
     try:
         yield
@@ -226,8 +228,13 @@ def torch_pretends_cuda(torch):
             del torch._C._cuda_getCurrentRawStream
         else:
             torch._C._cuda_getCurrentRawStream = raw
-        torch.cuda.get_device_capability = capability
+        torch.cuda.get_device_capability, torch.cuda.current_stream = capability, current
         tensors._TORCH = None
+
+
+class _PretendStream:
+    """torch.cuda.current_stream()'s answer under torch_pretends_cuda: the default stream."""
+    cuda_stream = 0
 
 
 def make_inputs(shape, torch, fake: bool, seed: int = 0):

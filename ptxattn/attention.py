@@ -710,7 +710,7 @@ class _Steady:
     """One validated, built and launched call, replayed for arguments with the same key."""
 
     __slots__ = ("ctx", "registry", "function", "config", "attrs", "values", "types",
-                 "o_map", "lse_slot", "out_shape", "lse_shape", "keep", "packs", "_lock")
+                 "o_map", "lse_slot", "out_array", "lse_array", "keep", "packs", "_lock")
 
     def __init__(self, prepared: PreparedAttention):
         spec = prepared._spec
@@ -726,7 +726,9 @@ class _Steady:
         if values[4] != prepared.out.ptr:
             raise AssertionError("the O pointer is not kernel parameter 4")
         self.o_map, self.lse_slot = o_map, lse_slot
-        self.out_shape, self.lse_shape = prepared.plan.out_shape, prepared.plan.lse_shape
+        # (bytes, shape, strides, dtype) of a fresh output and LSE, as tensors.empty makes them
+        self.out_array = _array_fields(prepared.plan.out_shape, BF16)
+        self.lse_array = _array_fields(prepared.plan.lse_shape, np.dtype(np.float32))
         # the q/k/v maps and a dynamic scheduler's counter (never the caller's arrays)
         self.keep = tuple(x for x in prepared._keep if not isinstance(x, DeviceArray))
         self.packs: dict[tuple[int, int], tuple[int, tuple]] = {}
@@ -745,6 +747,11 @@ class _Steady:
                 self.packs.pop(next(iter(self.packs)), None)
             self.packs[(out_ptr, lse_ptr)] = packed
         return packed[0]
+
+
+def _array_fields(shape, dtype) -> tuple:
+    shape = tuple(int(n) for n in shape)
+    return (math.prod(shape) * dtype.itemsize, shape, tma.contiguous_strides(shape), dtype)
 
 
 def _remember(key: tuple, prepared: PreparedAttention) -> None:
@@ -785,8 +792,9 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     tensor_type = torch_types[1] if torch_types is not None else None
     stream_object = stream
     torch_device = None                   # a device whose torch stream we must follow
+    q_meta = None
     if stream is None:
-        meta = tensors.torch_meta(q) if type(q) is tensor_type else None
+        meta = q_meta = tensors.torch_meta(q) if type(q) is tensor_type else None
         if meta is not None:
             # the caller's stream is torch's current one; its object is fetched only when an
             # allocation must hold it (a stream other than the default ones)
@@ -811,7 +819,7 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     for name, obj in (("q", q), ("k", k), ("v", v), ("out", out)):
         kind = type(obj)
         if kind is tensor_type:
-            meta = tensors.torch_meta(obj)
+            meta = q_meta if obj is q and q_meta is not None else tensors.torch_meta(obj)
             if meta is None:
                 return None, None
             torch_device = meta[3]
@@ -862,7 +870,7 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
             out is not None and not return_lse and type(out) is not DeviceArray) \
             else _caller_stream((q, k, v, out))
     if out is None:
-        result = tensors.empty(entry.out_shape, stream=handle, stream_owner=stream_object)
+        result = tensors.fresh(*entry.out_array, ctx.ordinal, handle, stream_object)
         out_ptr = result.ptr
     else:
         result = out
@@ -870,8 +878,7 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     lse = None
     lse_ptr = 0
     if return_lse:
-        lse = tensors.empty(entry.lse_shape, stream=handle, dtype=np.float32,
-                            stream_owner=stream_object)
+        lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
         lse_ptr = lse.ptr
     packed = entry.packs.get((out_ptr, lse_ptr))
     address = packed[0] if packed is not None else entry.pack(out_ptr, lse_ptr)

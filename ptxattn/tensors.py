@@ -293,7 +293,9 @@ def torch_meta(obj) -> tuple | None:
 
 def torch_current_stream(device: int) -> int:
     """torch's current stream on `device`, as a raw handle."""
-    raw = _torch_types()[4]
+    types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
+        else _torch_types()
+    raw = types[4]
     if raw is not None:
         return int(raw(device))
     return sys.modules["torch"].cuda.current_stream(device).cuda_stream
@@ -493,7 +495,6 @@ def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
     With a stream (a handle or stream object, 0 the legacy default stream) the memory is
     stream-ordered: allocated and, when the array is freed or collected, released on that
     stream (driver.DeviceBuffer), without waiting for the GPU. Without one, cuMemAlloc."""
-    from . import driver
     shape = tuple(int(n) for n in shape)
     size = math.prod(shape)
     handle = None if stream is None else driver.stream_handle(stream)
@@ -501,6 +502,19 @@ def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
                               stream_owner=stream_owner)
     device = driver.context().ordinal
     return DeviceArray(buf.ptr, shape, device=device, owner=buf, dtype=dtype, stream=handle)
+
+
+def fresh(nbytes: int, shape: tuple, strides: tuple, dtype: np.dtype, device: int,
+          stream: int, stream_owner=None) -> DeviceArray:
+    """empty() for a caller that already holds every field in its final form (attention()'s
+    steady path: plain int tuples, a supported np.dtype, a raw handle): the same array,
+    without converting and checking them again on every call."""
+    buf = driver.DeviceBuffer(nbytes, stream=stream, stream_owner=stream_owner)
+    arr = DeviceArray.__new__(DeviceArray)
+    arr.dtype, arr.ptr, arr.shape, arr.strides, arr.device = dtype, buf.ptr, shape, strides, device
+    arr.owner, arr.readonly, arr.stream, arr.stream_owner = buf, False, stream, None
+    arr.producer_stream = None
+    return arr
 
 
 def to_bf16(array: np.ndarray, name: str = "array") -> np.ndarray:

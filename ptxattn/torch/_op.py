@@ -35,16 +35,21 @@ def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[int, ...]:
     return (*q.shape[:-1], v.shape[-1])
 
 
-def _tma_ready(t: torch.Tensor, layout: str, name: str) -> bool:
-    """True when TMA can read `t` in place: 16-byte base and strides, head dim stride 1.
-    The rule is the library's own (tma.map_geometry), so the two cannot disagree."""
-    return t.data_ptr() % 16 == 0 and _geometry_ok(layout, t.shape, t.stride())
+def _tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> bool:
+    """True when TMA can read q, k and v in place: 16-byte bases and strides, head dim stride
+    1. The rule is the library's own (tma.map_geometry), so the two cannot disagree."""
+    return ((q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+            and _geometry_ok(layout, q.shape, q.stride())
+            and _geometry_ok(layout, k.shape, k.stride())
+            and _geometry_ok(layout, v.shape, v.stride()))
 
 
 @functools.lru_cache(maxsize=1024)
 def _geometry_ok(layout: str, shape, strides) -> bool:
     """tma.map_geometry's verdict on a shape and strides (remembered: a model sends the same
     few geometries on every call)."""
+    if len(shape) != 4:
+        return True         # not ours to judge: the library names the rank error
     b, x, y, d = shape
     heads, seq = (x, y) if layout == "bhld" else (y, x)
     try:
@@ -53,6 +58,11 @@ def _geometry_ok(layout: str, shape, strides) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _compact(t: torch.Tensor, layout: str) -> torch.Tensor:
+    ready = t.data_ptr() % 16 == 0 and _geometry_ok(layout, t.shape, t.stride())
+    return t if ready else t.contiguous()
 
 
 def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
@@ -78,6 +88,17 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     layout: str, is_causal: bool,
                     return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale q k^T) v on CUDA bf16 tensors; (out, lse), lse empty unless asked for."""
+    if return_lse:
+        q, k, v = _inputs(q, k, v, layout, is_causal)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        stream = torch.cuda.current_stream(q.device)
+        causal_kw = {"causal": True} if is_causal else {}
+        return out, _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
+    return _run(q, k, v, scale, layout, is_causal), q.new_empty((0,), dtype=torch.float32)
+
+
+def _inputs(q, k, v, layout: str, is_causal: bool):
+    """The op's checks, and q, k, v as the library takes them."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not t.is_cuda:
@@ -91,21 +112,19 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = q.detach(), k.detach(), v.detach()
     # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
-    if not (_tma_ready(q, layout, "q") and _tma_ready(k, layout, "k")
-            and _tma_ready(v, layout, "v")):
-        q, k, v = (t if _tma_ready(t, layout, n) else t.contiguous()
-                   for n, t in (("q", q), ("k", k), ("v", v)))
-    out = torch.empty(out_shape(q, v, layout), dtype=q.dtype, device=q.device)
-    if return_lse:
-        stream = torch.cuda.current_stream(q.device)
-        causal_kw = {"causal": True} if is_causal else {}
-        lse = _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
-        return out, lse
-    # torch's current stream as a raw handle (no torch Stream object): with out= given the
-    # library allocates nothing, so it needs no stream object to keep alive
-    _attention(q, k, v, scale=scale, layout=layout, out=out,
-               stream=tensors.torch_current_stream(q.get_device()), causal=is_causal)
-    return out, q.new_empty((0,), dtype=torch.float32)
+    if not _tma_ready(q, k, v, layout):
+        q, k, v = _compact(q, layout), _compact(k, layout), _compact(v, layout)
+    return q, k, v
+
+
+def _run(q, k, v, scale: float, layout: str, is_causal: bool) -> torch.Tensor:
+    """The output of one call (no LSE), written by the library into torch's memory."""
+    q, k, v = _inputs(q, k, v, layout, is_causal)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))      # out_shape(q, v, layout)
+    # stream=None: torch's current stream, read by the library (one raw handle, no Stream
+    # object: with out= given it allocates nothing that would have to hold one)
+    _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)
+    return out
 
 
 attention_op = torch.library.custom_op("ptxattn::attention", _attention_impl, mutates_args=())
@@ -136,8 +155,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if _eager(q, k, v):
-        out, lse = _attention_impl(q, k, v, float(scale), layout, bool(is_causal),
-                                   bool(return_lse))
+        if not return_lse:
+            return _run(q, k, v, float(scale), layout, bool(is_causal))
+        out, lse = _attention_impl(q, k, v, float(scale), layout, bool(is_causal), True)
     else:
         out, lse = _OP(q, k, v, float(scale), layout, bool(is_causal), bool(return_lse))
     return (out, lse) if return_lse else out
