@@ -322,3 +322,70 @@ def test_capstone_configs_build(which):
                         else (diffusers.LTXVideoTransformer3DModel, cap.LTX_VIDEO))
             model = cls(**{**cfg, "num_layers": 1})
             assert model.config.attention_head_dim == cfg["attention_head_dim"]
+
+
+# --------------------------------------------------------------------------- the eager path
+
+def test_eager_calls_skip_the_dispatcher_only_when_nothing_watches(monkeypatch):
+    """ptxattn.torch.attention calls the op's body directly in plain eager mode (the custom
+    op's Python dispatch layers are most of a small call's host time), and goes through the
+    dispatcher whenever torch could be observing or transforming the call."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ptxattn.torch import _op
+    direct = []
+    monkeypatch.setattr(_op, "_run", lambda q, k, v, s, layout, c: direct.append(s) or q)
+    q, k, v = qkv()
+    assert _op._eager(q, k, v)
+    pt.attention(q, k, v, scale=0.5)
+    assert direct == [0.5]
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is torch.ops.ptxattn.attention.default:
+                x = args[0]
+                return x.new_zeros(x.shape), x.new_empty((0,), dtype=torch.float32)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not _op._eager(q, k, v)
+        out = pt.attention(q, k, v, scale=0.25)
+    assert torch.ops.ptxattn.attention.default in seen and direct == [0.5]
+    assert out.shape == q.shape
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Functions():
+        assert not _op._eager(q, k, v)
+    verdicts = []
+
+    def batched(x):
+        verdicts.append(_op._eager(x, x, x))
+        return x
+    torch.vmap(batched)(torch.zeros(3, 1, 2, 4, 8))
+    assert verdicts == [False]
+
+    class Sub(torch.Tensor):
+        pass
+    assert not _op._eager(q.as_subclass(Sub), k, v)
+    g = q.clone().requires_grad_()
+    assert not _op._eager(g, k, v)                        # the op's autograd wrapper decides
+    with torch.no_grad():
+        assert _op._eager(g, k, v)
+    assert _op._eager(q, k, v)                            # and plain again afterwards
+
+
+def test_the_op_checks_tma_geometry_once_per_shape_and_copies_what_tma_cannot_read():
+    from ptxattn.torch import _op
+    q, k, v = qkv(d=128)
+    assert _op._tma_ready(q, k, v, "bhld")
+    odd = torch.randn(1, 2, 16, 132).to(BF)[..., :128]       # rows 264 bytes apart: not /16
+    assert not _op._tma_ready(odd, k, v, "bhld")
+    assert _op._compact(odd, "bhld").is_contiguous() and _op._compact(q, "bhld") is q
+    assert _op._geometry_ok.cache_info().currsize >= 2
