@@ -151,7 +151,8 @@ def fake_driver():
     # pretend functions, maps and launch configs must not outlive the pretence
     # (getattr: the script also profiles commits from before these caches existed)
     caches = tuple(c for c in (getattr(attn, "_KERNELS", None), getattr(tma, "_MAPS", None),
-                               getattr(driver, "_CONFIGS", None)) if c is not None)
+                               getattr(driver, "_CONFIGS", None), getattr(attn, "_STEADY", None))
+                   if c is not None)
     saved_caches = [dict(c) for c in caches]
     saved_context = driver.context
     ctx = _FakeContext()
