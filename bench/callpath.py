@@ -312,19 +312,24 @@ def _blocker(fake: bool, torch):
 
 
 def host_us(fn, calls: int, repeats: int, block, fake: bool) -> dict:
-    """Median host µs per call over `repeats` loops of `calls` calls, the GPU kept busy."""
+    """Median host µs per call over `repeats` loops of `calls` calls, the GPU kept busy.
+    Wall time (perf_counter: what the caller waits, driver waits included); beside it the
+    process's CPU time (process_time: the same loop without the time the OS ran something
+    else, the steadier figure on a shared machine, e.g. for --fake)."""
     fn()
     _synchronize(fake)
-    per_call = []
+    per_call, cpu = [], []
     for _ in range(repeats):
         block()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
             fn()
+        cpu.append((time.process_time() - c0) / calls * 1e6)
         per_call.append((time.perf_counter() - t0) / calls * 1e6)
         _synchronize(fake)
     return {"median_us": statistics.median(per_call), "min_us": min(per_call),
-            "max_us": max(per_call), "calls": calls, "repeats": repeats}
+            "max_us": max(per_call), "cpu_median_us": statistics.median(cpu),
+            "cpu_min_us": min(cpu), "calls": calls, "repeats": repeats}
 
 
 def end_to_end_us(fn, calls: int, repeats: int, fake: bool) -> dict:
@@ -403,8 +408,9 @@ def run(args) -> dict:
             paths.update(torch_paths(*make_torch_inputs(SMALL, fake_torch)))
         for name, fn in paths.items():
             record["host"][name] = host_us(fn, args.calls, args.repeats, block, args.fake)
-            print(f"host  {name:19s} {record['host'][name]['median_us']:9.1f} µs/call",
-                  flush=True)
+            h = record["host"][name]
+            print(f"host  {name:19s} {h['median_us']:9.1f} µs/call (cpu {h['cpu_median_us']:.1f}, "
+                  f"min {h['cpu_min_us']:.1f})", flush=True)
         if args.profile:
             for name, fn in paths.items():
                 counts, python_calls, text = profile_path(fn, args.calls, args.top)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ptxattn import tensors, tma
+from ptxattn.attention import _steady_call
 from ptxattn.attention import attention as _attention
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
@@ -118,11 +119,20 @@ def _inputs(q, k, v, layout: str, is_causal: bool):
 
 
 def _run(q, k, v, scale: float, layout: str, is_causal: bool) -> torch.Tensor:
-    """The output of one call (no LSE), written by the library into torch's memory."""
-    q, k, v = _inputs(q, k, v, layout, is_causal)
+    """The output of one call (no LSE), written by the library into torch's memory.
+
+    The library's steady path is asked first, with the tensors as given: a hit means that
+    these exact tensors (addresses, shapes, strides; CUDA, bf16, no grad) validated and
+    launched before, so none of _inputs' checks or copies could change anything. A miss
+    (a first call, a view TMA cannot read, a tensor that requires grad, a CPU tensor) takes
+    _inputs and the library's full path, with their errors."""
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))      # out_shape(q, v, layout)
     # stream=None: torch's current stream, read by the library (one raw handle, no Stream
     # object: with out= given it allocates nothing that would have to hold one)
+    if _steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
+                    "bottom_right")[0] is not None:
+        return out
+    q, k, v = _inputs(q, k, v, layout, is_causal)
     _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)
     return out
 

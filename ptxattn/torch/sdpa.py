@@ -127,28 +127,29 @@ def fallback_reason(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
         return why
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "dtype"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return "requires_grad"
     if attn_mask is not None:
         return "attn_mask"
     if dropout_p > 0.0:
         return "dropout"
     h_axis, l_axis = (1, 2) if layout == "bhld" else (2, 1)
-    d = q.shape[3]
-    if k.shape[3] != d or v.shape[3] != d or d not in PRODUCTION.head_dims:
+    qs, ks, vs = q.shape, k.shape, v.shape          # each read once (a torch.Size per read)
+    d = qs[3]
+    if ks[3] != d or vs[3] != d or d not in PRODUCTION.head_dims:
         return "head_dim"
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
+    if ks != vs or ks[0] != qs[0]:
         return "shape"
-    hq, hk = q.shape[h_axis], k.shape[h_axis]
+    hq, hk = qs[h_axis], ks[h_axis]
     if hq != hk:
         if not enable_gqa:
             return "gqa_without_enable_gqa"
         if hk == 0 or hq % hk:
             return "gqa_heads"
-    if q.numel() == 0 or k.numel() == 0:
+    if 0 in qs or 0 in ks:                          # numel() == 0
         return "empty"
     if is_causal:
-        if q.shape[l_axis] != k.shape[l_axis]:
+        if qs[l_axis] != ks[l_axis]:
             return "causal_lengths"
         if not _op.library_takes_causal():
             return "causal"
