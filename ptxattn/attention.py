@@ -772,10 +772,13 @@ def _remember(key: tuple, prepared: PreparedAttention) -> None:
 
 
 def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, window,
-                 diagonal):
+                 diagonal, qkv_meta=None):
     """(result, None) when a remembered launch took the call; else (None, key or None), the
     key under which the full path's launch is to be remembered. Never raises for bad input:
-    whatever it cannot key exactly goes to the full path, which raises its own errors."""
+    whatever it cannot key exactly goes to the full path, which raises its own errors.
+
+    qkv_meta: tensors.torch_meta of q, k and v when the caller (ptxattn.torch) has read them
+    already; each must be that function's answer for that exact torch.Tensor."""
     # plain argument types only (see the notes above)
     if (type(layout) is not str or type(diagonal) is not str or type(return_lse) is not bool
             or type(causal) is not bool
@@ -792,9 +795,10 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     tensor_type = torch_types[1] if torch_types is not None else None
     stream_object = stream
     torch_device = None                   # a device whose torch stream we must follow
-    q_meta = None
+    q_meta = qkv_meta[0] if qkv_meta is not None else None
     if stream is None:
-        meta = q_meta = tensors.torch_meta(q) if type(q) is tensor_type else None
+        meta = q_meta = q_meta if q_meta is not None else (
+            tensors.torch_meta(q) if type(q) is tensor_type else None)
         if meta is not None:
             # the caller's stream is torch's current one; its object is fetched only when an
             # allocation must hold it (a stream other than the default ones)
@@ -816,10 +820,11 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     metas = []
     arrays = []                           # DeviceArrays: pending writes, used_on, per call
     imported = []                         # DLPack imports, alive until the launch is queued
-    for name, obj in (("q", q), ("k", k), ("v", v), ("out", out)):
+    given = qkv_meta if qkv_meta is not None else (q_meta, None, None)
+    for i, (name, obj) in enumerate((("q", q), ("k", k), ("v", v), ("out", out))):
         kind = type(obj)
         if kind is tensor_type:
-            meta = q_meta if obj is q and q_meta is not None else tensors.torch_meta(obj)
+            meta = given[i] if i < 3 and given[i] is not None else tensors.torch_meta(obj)
             if meta is None:
                 return None, None
             torch_device = meta[3]

@@ -279,15 +279,15 @@ def torch_meta(obj) -> tuple | None:
     would export as it is; None for anything else (then DLPack decides, and raises its errors).
 
     Only exact torch.Tensor objects qualify (not subclasses), without requires_grad, strided,
-    not a conjugate or negative view. data_ptr() includes the storage offset. torch is never
+    not nested, not a conjugate or negative view. data_ptr() includes the storage offset. torch is never
     imported here: a tensor exists only once its module is."""
     types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
         else _torch_types()
     if types is None or type(obj) is not types[1]:
         return None
     if (obj.dtype is not types[2] or not obj.is_cuda or obj.requires_grad
-            or obj.layout is not types[3] or obj.is_conj() or obj.is_neg()):
-        return None
+            or obj.layout is not types[3] or obj.is_nested or obj.is_conj() or obj.is_neg()):
+        return None                 # (a strided nested tensor is a torch.Tensor without sizes)
     return obj.data_ptr(), obj.shape, obj.stride(), obj.get_device()
 
 

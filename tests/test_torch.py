@@ -389,3 +389,73 @@ def test_the_op_checks_tma_geometry_once_per_shape_and_copies_what_tma_cannot_re
     assert not _op._tma_ready(odd, k, v, "bhld")
     assert _op._compact(odd, "bhld").is_contiguous() and _op._compact(q, "bhld") is q
     assert _op._geometry_ok.cache_info().currsize >= 2
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """bench/callpath.py's pretend driver and CPU tensors passing for CUDA ones: the wrapper,
+    the op and the library run their real code; launches are recorded, not run."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import callpath
+    launches = []
+    with callpath.fake_driver(), callpath.torch_pretends_cuda(torch):
+        cu = __import__("ptxattn").driver.cu()
+        real = cu.cuLaunchKernelEx
+        cu.cuLaunchKernelEx = lambda *a: (launches.append(a), real(*a))[1]
+        sdpa._capability.clear()
+        pt.reset_fallback_counts()
+        try:
+            yield launches
+        finally:
+            cu.cuLaunchKernelEx = real
+            sdpa._capability.clear()
+            pt.reset_fallback_counts()
+    sys.modules.pop("callpath", None)
+
+
+def test_the_wrapper_asks_fallback_reason_once_per_metadata(pretend_cuda, monkeypatch):
+    launches = pretend_cuda
+    asked = []
+    real = sdpa.fallback_reason
+    monkeypatch.setattr(sdpa, "fallback_reason", lambda *a, **k: asked.append(1) or real(*a, **k))
+    q, k, v = qkv(h=4, hk=2)
+    for _ in range(3):
+        out = pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 1 and len(launches) == 3 and out.shape == q.shape
+    # each argument or metadata the verdict depends on, changed alone: asked again
+    pt.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    assert len(asked) == 2
+    with pytest.warns(RuntimeWarning, match="enable_gqa"):
+        with pytest.raises(RuntimeError):           # torch's SDPA refuses, as it would
+            pt.scaled_dot_product_attention(q, k, v)
+    assert len(asked) == 3
+    with pytest.warns(RuntimeWarning, match="attn_mask"):
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                        attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    assert len(asked) == 4 and pt.fallback_counts() == {"attn_mask": 1,
+                                                        "gqa_without_enable_gqa": 1}
+    q2, k2, v2 = qkv(h=4, hk=2, lq=32, lk=32)       # new shapes
+    pt.scaled_dot_product_attention(q2, k2, v2, enable_gqa=True)
+    assert len(asked) == 5
+    monkeypatch.setenv("PTXATTN_DEVICE", "1")        # another device for ptxattn: SDPA's
+    with pytest.warns(RuntimeWarning, match="device"):
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 6 and pt.fallback_counts()["device"] == 1
+    monkeypatch.delenv("PTXATTN_DEVICE")
+    n = len(launches)
+    pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)     # remembered again
+    assert len(asked) == 6 and len(launches) == n + 1
+    g = q.clone().requires_grad_()                   # grad: never the steady call
+    with pytest.warns(RuntimeWarning, match="require grad"):
+        pt.scaled_dot_product_attention(g, k, v, enable_gqa=True)
+    assert len(asked) == 7
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    with Watch():                                    # an observer: the dispatched op
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 8

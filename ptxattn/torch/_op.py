@@ -118,19 +118,20 @@ def _inputs(q, k, v, layout: str, is_causal: bool):
     return q, k, v
 
 
-def _run(q, k, v, scale: float, layout: str, is_causal: bool) -> torch.Tensor:
+def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> torch.Tensor:
     """The output of one call (no LSE), written by the library into torch's memory.
 
     The library's steady path is asked first, with the tensors as given: a hit means that
     these exact tensors (addresses, shapes, strides; CUDA, bf16, no grad) validated and
     launched before, so none of _inputs' checks or copies could change anything. A miss
     (a first call, a view TMA cannot read, a tensor that requires grad, a CPU tensor) takes
-    _inputs and the library's full path, with their errors."""
+    _inputs and the library's full path, with their errors. qkv_meta: tensors.torch_meta of
+    q, k, v, when the caller has read them (the SDPA wrapper)."""
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))      # out_shape(q, v, layout)
     # stream=None: torch's current stream, read by the library (one raw handle, no Stream
     # object: with out= given it allocates nothing that would have to hold one)
     if _steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
-                    "bottom_right")[0] is not None:
+                    "bottom_right", qkv_meta)[0] is not None:
         return out
     q, k, v = _inputs(q, k, v, layout, is_causal)
     _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)
@@ -202,6 +203,14 @@ def _eager(q, k, v) -> bool:
         return False
     if (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
         return False        # the op's autograd wrapper marks such outputs: keep its behaviour
+    return _unwatched()
+
+
+def _unwatched() -> bool:
+    """_eager's answer about torch's state rather than the tensors: nothing compiles, traces,
+    transforms or intercepts ops right now."""
+    if not _CAN_BYPASS:
+        return False
     tracing, function_modes, functorch = _WATCHERS
     return not (_is_compiling() or tracing() is not None or function_modes() or functorch()
                 or _DISPATCH_MODES())

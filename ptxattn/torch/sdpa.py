@@ -10,6 +10,7 @@ kernel's scope the call is torch's own, so ptxattn never raises an error that SD
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import warnings
@@ -17,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from ptxattn import tensors
 from ptxattn.stages import PRODUCTION
 
 from . import _op
@@ -60,6 +62,7 @@ def reset_fallback_counts() -> None:
     with _lock:
         _counts.clear()
         _warned.clear()
+        _TAKEN.clear()
 
 
 def _note_fallback(reason: str) -> None:
@@ -110,6 +113,9 @@ def _device_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | N
     if cc != (9, 0):
         return "compute_capability"
     return None
+
+
+_DEVICE_REASON = _device_reason
 
 
 def fallback_reason(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -172,14 +178,57 @@ def _kernel(q, k, v, is_causal, scale, layout):
     return _op.attention(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
 
 
+_KERNEL = _kernel                   # the seams as shipped: the steady call only runs with them
+
+
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False, *, layout: str = "bhld"):
     """SDPA semantics in `layout`; the shared body of the SDPA wrapper and the backends."""
+    out, decided = _steady(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout)
+    if out is not None:
+        return out
     why = fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layout)
     if why is not None:
         _note_fallback(why)
         return _torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout)
+    if decided is not None:
+        with _lock:
+            if len(_TAKEN) >= _TAKEN_MAX:
+                _TAKEN.clear()
+            _TAKEN[decided] = True
     return _kernel(q, k, v, is_causal, scale, layout)
+
+
+# The steady call of the wrapper: fallback_reason's verdict is a function of the metadata it
+# reads (ranks, dtypes, devices, requires_grad, shapes) and of the arguments; for plain CUDA
+# bf16 tensors without grad (what tensors.torch_meta reads, in one pass per tensor) the
+# shapes and devices it needs are in that reading. So a call whose reading and arguments
+# equal those of a call ptxattn took before is taken again without asking fallback_reason,
+# and the same reading goes on to the library's steady path (no tensor is read twice). Any
+# other call, and every call while a test replaces a seam, asks fallback_reason.
+_TAKEN: dict = {}
+_TAKEN_MAX = 4096
+
+
+def _steady(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout):
+    """(out, None) for a call taken as before; else (None, the verdict's key or None)."""
+    if (attn_mask is not None or not (type(dropout_p) is float or type(dropout_p) is int)
+            or dropout_p > 0.0 or _kernel is not _KERNEL
+            or _device_reason is not _DEVICE_REASON
+            or not (scale is None or type(scale) is float or type(scale) is int)):
+        return None, None
+    meta = tensors.torch_meta
+    qm, km, vm = meta(q), meta(k), meta(v)
+    if qm is None or km is None or vm is None or not _op._unwatched():
+        return None, None
+    is_causal, enable_gqa = bool(is_causal), bool(enable_gqa)
+    decided = (qm[1], km[1], vm[1], qm[3], km[3], vm[3], is_causal, enable_gqa, layout,
+               _ptxattn_device(), PRODUCTION.head_dims)
+    if decided not in _TAKEN:
+        return None, decided
+    shape = qm[1]
+    scale = 1.0 / math.sqrt(shape[-1]) if scale is None else float(scale)
+    return _op._run(q, k, v, scale, layout, is_causal, (qm, km, vm)), None
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
