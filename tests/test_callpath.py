@@ -253,6 +253,7 @@ def test_plain_torch_tensors_are_read_without_a_capsule(gpu, monkeypatch):
 
     class Tensor(FakeDLPack):
         is_cuda = True
+        is_nested = False
         requires_grad = False
         layout = torch.strided
 
