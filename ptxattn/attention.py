@@ -778,8 +778,9 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     key under which the full path's launch is to be remembered. Never raises for bad input:
     whatever it cannot key exactly goes to the full path, which raises its own errors.
 
-    qkv_meta: tensors.torch_meta of q, k and v when the caller (ptxattn.torch) has read them
-    already; each must be that function's answer for that exact torch.Tensor."""
+    qkv_meta: tensors.torch_meta of q, k and v (and of out, a fourth) when the caller
+    (ptxattn.torch) has read them already; each must be that function's answer for that
+    exact torch.Tensor."""
     # plain argument types only (see the notes above)
     if (type(layout) is not str or type(diagonal) is not str or type(return_lse) is not bool
             or type(causal) is not bool
@@ -821,11 +822,12 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     metas = []
     arrays = []                           # DeviceArrays: pending writes, used_on, per call
     imported = []                         # DLPack imports, alive until the launch is queued
-    given = qkv_meta if qkv_meta is not None else (q_meta, None, None)
+    given = qkv_meta if qkv_meta is not None and len(qkv_meta) == 4 else (
+        (*qkv_meta, None) if qkv_meta is not None else (q_meta, None, None, None))
     for i, (name, obj) in enumerate((("q", q), ("k", k), ("v", v), ("out", out))):
         kind = type(obj)
         if kind is tensor_type:
-            meta = given[i] if i < 3 and given[i] is not None else tensors.torch_meta(obj)
+            meta = given[i] if given[i] is not None else tensors.torch_meta(obj)
             if meta is None:
                 return None, None
             torch_device = meta[3]

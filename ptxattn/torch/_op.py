@@ -127,7 +127,20 @@ def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> 
     (a first call, a view TMA cannot read, a tensor that requires grad, a CPU tensor) takes
     _inputs and the library's full path, with their errors. qkv_meta: tensors.torch_meta of
     q, k, v, when the caller has read them (the SDPA wrapper)."""
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))      # out_shape(q, v, layout)
+    shape = q.shape
+    if qkv_meta is None:
+        d = v.shape[-1]
+    else:
+        d = qkv_meta[2][1][-1]
+    if shape[-1] == d:
+        # out_shape(q, v, layout) is q's shape: empty_like is torch's cheapest allocation
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+        if qkv_meta is not None:
+            # what torch_meta would read of it: made here, so a CUDA bf16 contiguous tensor
+            # without grad on q's device
+            qkv_meta = (*qkv_meta, (out.data_ptr(), shape, out.stride(), qkv_meta[0][3]))
+    else:
+        out = q.new_empty((*shape[:-1], d))
     # stream=None: torch's current stream, read by the library (one raw handle, no Stream
     # object: with out= given it allocates nothing that would have to hold one)
     if _steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
@@ -165,6 +178,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         raise ValueError(f"q: expected a rank-4 tensor, got shape {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if not return_lse and _unwatched():
+        # plain CUDA bf16 tensors without grad (tensors.torch_meta: exact torch.Tensor, so
+        # _eager's conditions hold), read once for the library's steady path too
+        meta = tensors.torch_meta
+        qm, km, vm = meta(q), meta(k), meta(v)
+        if qm is not None and km is not None and vm is not None:
+            return _run(q, k, v, float(scale), layout, bool(is_causal), (qm, km, vm))
     if _eager(q, k, v):
         if not return_lse:
             return _run(q, k, v, float(scale), layout, bool(is_causal))
@@ -175,6 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 
 _OP = torch.ops.ptxattn.attention.default
+_CONTIGUOUS = torch.contiguous_format
 _C = torch._C
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
