@@ -459,3 +459,26 @@ def test_the_wrapper_asks_fallback_reason_once_per_metadata(pretend_cuda, monkey
     with Watch():                                    # an observer: the dispatched op
         pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     assert len(asked) == 8
+
+
+def test_the_wrapper_reads_no_tensor_while_torch_watches(monkeypatch):
+    """Under torch.compile (and any mode or transform) the wrapper's remembered verdicts are
+    not consulted and no tensor is read for them: a data_ptr() in a traced function would
+    break the graph (fullgraph=True fails)."""
+    from torch.overrides import TorchFunctionMode
+
+    from ptxattn import tensors
+    from ptxattn.torch import _op
+
+    def forbidden(t):
+        raise AssertionError("a tensor was read while torch was watching")
+    monkeypatch.setattr(tensors, "torch_meta", forbidden)
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k, v = qkv()
+    with Functions():
+        assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)
+    monkeypatch.setattr(_op, "_unwatched", lambda: False)
+    assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)

@@ -217,9 +217,13 @@ def _steady(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout)
             or _device_reason is not _DEVICE_REASON
             or not (scale is None or type(scale) is float or type(scale) is int)):
         return None, None
+    # first: while torch compiles or traces, tensors are not read here at all (a data_ptr()
+    # in a traced function breaks the graph)
+    if not _op._unwatched():
+        return None, None
     meta = tensors.torch_meta
     qm, km, vm = meta(q), meta(k), meta(v)
-    if qm is None or km is None or vm is None or not _op._unwatched():
+    if qm is None or km is None or vm is None:
         return None, None
     is_causal, enable_gqa = bool(is_causal), bool(enable_gqa)
     decided = (qm[1], km[1], vm[1], qm[3], km[3], vm[3], is_causal, enable_gqa, layout,
