@@ -202,8 +202,9 @@ def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
         raise TypeError(f"{name}: expected dtype bfloat16, got "
                         f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)} (device arrays "
                         "are used in place, never converted: cast to bfloat16 first)")
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = (tuple(t.strides[i] for i in range(t.ndim)) if t.strides
+    ndim = t.ndim
+    shape = tuple(t.shape[:ndim])          # a ctypes pointer slice: one call, plain ints
+    strides = (tuple(t.strides[:ndim]) if t.strides
                else contiguous_strides(shape))
     readonly = bool(versioned and managed.flags & DLPACK_FLAG_READ_ONLY)
     return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, device=dev[1],
@@ -375,8 +376,9 @@ class DeviceArray:
             raise TypeError(f"DeviceArray: dtype {self.dtype} is not supported "
                             "(bfloat16 or float32)")
         self.ptr = int(ptr)
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides) if strides is not None else contiguous_strides(self.shape)
+        self.shape = tuple(map(int, shape))
+        self.strides = tuple(map(int, strides)) if strides is not None \
+            else contiguous_strides(self.shape)
         self.device = device
         self.owner = owner
         self.readonly = readonly
@@ -495,7 +497,7 @@ def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
     With a stream (a handle or stream object, 0 the legacy default stream) the memory is
     stream-ordered: allocated and, when the array is freed or collected, released on that
     stream (driver.DeviceBuffer), without waiting for the GPU. Without one, cuMemAlloc."""
-    shape = tuple(int(n) for n in shape)
+    shape = tuple(map(int, shape))
     size = math.prod(shape)
     handle = None if stream is None else driver.stream_handle(stream)
     buf = driver.DeviceBuffer(size * np.dtype(dtype).itemsize, stream=handle,
