@@ -482,3 +482,16 @@ def test_the_wrapper_reads_no_tensor_while_torch_watches(monkeypatch):
         assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)
     monkeypatch.setattr(_op, "_unwatched", lambda: False)
     assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)
+
+
+def test_the_wrapper_decision_traces_under_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces fallback_reason and _ptxattn_device (plain dict
+    lookups, no sentinel objects): a graph break there fails every compiled model."""
+    def f(q, k, v):
+        why = sdpa.fallback_reason(q, k, v)
+        return q + (1 if why is None else 2) + sdpa._ptxattn_device()
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    assert torch.equal(out, q + 2)                     # CPU tensors: the "cpu" reason
+    torch._dynamo.reset()

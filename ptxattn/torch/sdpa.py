@@ -81,21 +81,21 @@ def _note_fallback(reason: str) -> None:
 
 
 _ENVIRON = getattr(os.environ, "_data", None)   # POSIX: os.environ's own dict of bytes
-_DEVICE_TEXT: list = [object(), -1]              # (PTXATTN_DEVICE as last read, its device)
+_DEVICE_OF: dict = {}            # PTXATTN_DEVICE as os.environ holds it -> its device
 
 
 def _ptxattn_device() -> int:
     """The device ptxattn runs on (PTXATTN_DEVICE, default 0), -1 when the text is no number.
     The text is read on every call (one dict lookup where os.environ keeps bytes) and parsed
-    only when it changed."""
+    once per value. (Plain dict lookups: torch.compile traces this function.)"""
     raw = _ENVIRON.get(b"PTXATTN_DEVICE") if _ENVIRON is not None \
         else os.environ.get("PTXATTN_DEVICE")
-    seen = _DEVICE_TEXT
-    if raw is not seen[0] and raw != seen[0]:
-        text = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw or "0")
+    device = _DEVICE_OF.get(raw)
+    if device is None:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
         text = text.strip() or "0"
-        seen[:] = [raw, int(text) if text.isdigit() else -1]
-    return seen[1]
+        device = _DEVICE_OF[raw] = int(text) if text.isdigit() else -1
+    return device
 
 
 def _device_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
