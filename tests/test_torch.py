@@ -495,3 +495,15 @@ def test_the_wrapper_decision_traces_under_compile_fullgraph():
     out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
     assert torch.equal(out, q + 2)                     # CPU tensors: the "cpu" reason
     torch._dynamo.reset()
+
+
+def test_the_whole_wrapper_traces_under_compile_fullgraph():
+    """The shipped seams (no `routed`): the remembered-verdict check, then fallback_reason
+    and torch's SDPA for CPU tensors, all inside one graph."""
+    def f(q, k, v):
+        return pt.scaled_dot_product_attention(q, k, v) * 2
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype=torch.float32)
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v) * 2)
+    torch._dynamo.reset()
