@@ -5,11 +5,20 @@
     python bench/callpath.py --fake --profile  # no GPU: the Python side with a pretend driver
 
 Paths at the small shape (1, 2, 128, 128), BHLD, bf16:
-  attention        ptxattn.attention(q, k, v)            (a fresh output per call)
-  attention_out    ptxattn.attention(q, k, v, out=out)
-  launch           p = prepare(...) once, then p.launch()
-  sdpa             torch.nn.functional.scaled_dot_product_attention (default backend)
-  sdpa_cudnn       the same inside sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+  attention           ptxattn.attention(q, k, v)            (a fresh output per call)
+  attention_out       ptxattn.attention(q, k, v, out=out)
+  launch              p = prepare(...) once, then p.launch()
+  torch_op            ptxattn.torch.attention(q, k, v)      (the ptxattn::attention op, eager)
+  torch_sdpa_wrapper  ptxattn.torch.scaled_dot_product_attention(q, k, v)
+  sdpa                torch.nn.functional.scaled_dot_product_attention (default backend)
+  sdpa_cudnn          the same inside sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
+The torch paths need torch (sdpa and sdpa_cudnn: torch with CUDA). With --fake, CPU torch
+tensors stand in for CUDA ones (torch_pretends_cuda: is_cuda, get_device and torch's raw
+current stream are patched for the run, which adds a Python call per is_cuda/get_device read
+that the real C attributes do not cost) and the library paths run twice: on DLPack producers
+(attention, attention_out) and on those torch tensors (torch_attention, torch_attention_out).
+--profile also records the Python function calls per call (cProfile's count, C functions
+included) of every path, the torch baselines too.
 "Host time with the queue full": a long kernel is queued first (so the GPU is always busy and
 no call waits for it), then N calls are timed on the host with perf_counter; the figure is the
 median over repeats of (loop time / N). N stays far below the launch queue's depth (~1000).
@@ -50,7 +59,8 @@ from ptxattn import driver, tensors, tma  # noqa: E402
 
 SMALL = (1, 2, 128, 128)
 ONE_K = (8, 16, 1024, 128)
-PATHS = ("attention", "attention_out", "launch", "sdpa", "sdpa_cudnn")
+PATHS = ("attention", "attention_out", "launch", "torch_attention", "torch_attention_out",
+         "torch_op", "torch_sdpa_wrapper", "sdpa", "sdpa_cudnn")
 
 
 # --------------------------------------------------------------------------- driver counting
@@ -141,7 +151,8 @@ def fake_driver():
     # pretend functions, maps and launch configs must not outlive the pretence
     # (getattr: the script also profiles commits from before these caches existed)
     caches = tuple(c for c in (getattr(attn, "_KERNELS", None), getattr(tma, "_MAPS", None),
-                               getattr(driver, "_CONFIGS", None)) if c is not None)
+                               getattr(driver, "_CONFIGS", None), getattr(attn, "_STEADY", None))
+                   if c is not None)
     saved_caches = [dict(c) for c in caches]
     saved_context = driver.context
     ctx = _FakeContext()
@@ -178,12 +189,53 @@ class DLPackProducer:
                                     versioned=max_version is not None)
 
 
-def _torch():
+def _torch(any_device: bool = False):
+    """torch with CUDA (any_device: torch at all), else None."""
     try:
         import torch
     except ImportError:
         return None
-    return torch if torch.cuda.is_available() else None
+    return torch if any_device or torch.cuda.is_available() else None
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def torch_pretends_cuda(torch):
+    """CPU torch tensors pass for CUDA tensors on device 0 (for --fake): Tensor.is_cuda and
+    get_device, torch's raw current stream (0, the default stream) and the device capability
+    (9, 0) are patched, and restored after."""
+    T = torch.Tensor
+    saved = {name: T.__dict__.get(name, _MISSING) for name in ("is_cuda", "get_device")}
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", _MISSING)
+    capability, current = torch.cuda.get_device_capability, torch.cuda.current_stream
+    T.is_cuda = property(lambda self: True)
+    T.get_device = lambda self: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    default_stream = _PretendStream()
+    torch.cuda.current_stream = lambda device=None: default_stream
+    tensors._TORCH = None                       # the raw-stream getter is read afresh
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                delattr(T, name)
+            else:
+                setattr(T, name, value)
+        if raw is _MISSING:
+            del torch._C._cuda_getCurrentRawStream
+        else:
+            torch._C._cuda_getCurrentRawStream = raw
+        torch.cuda.get_device_capability, torch.cuda.current_stream = capability, current
+        tensors._TORCH = None
+
+
+class _PretendStream:
+    """torch.cuda.current_stream()'s answer under torch_pretends_cuda: the default stream."""
+    cuda_stream = 0
 
 
 def make_inputs(shape, torch, fake: bool, seed: int = 0):
@@ -199,6 +251,24 @@ def make_inputs(shape, torch, fake: bool, seed: int = 0):
     return tuple(DLPackProducer(a) for a in arrays)
 
 
+def make_torch_inputs(shape, torch, seed: int = 0):
+    """CPU bf16 torch tensors (for --fake, under torch_pretends_cuda)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(3))
+    return q, k, v, torch.empty_like(q)
+
+
+def torch_paths(q, k, v, out, prefix: str = "torch_") -> dict:
+    """The library on torch tensors, and ptxattn.torch's op and SDPA wrapper."""
+    import ptxattn.torch as pt
+    return {
+        prefix + "attention": lambda: ptxattn.attention(q, k, v),
+        prefix + "attention_out": lambda: ptxattn.attention(q, k, v, out=out),
+        "torch_op": lambda: pt.attention(q, k, v),
+        "torch_sdpa_wrapper": lambda: pt.scaled_dot_product_attention(q, k, v),
+    }
+
+
 def make_paths(q, k, v, out, torch, fake: bool) -> dict:
     prepared = attn.prepare(q, k, v, out=out)
     paths = {
@@ -207,6 +277,9 @@ def make_paths(q, k, v, out, torch, fake: bool) -> dict:
         "launch": prepared.launch,
     }
     if torch is not None and not fake:
+        # on the GPU the library paths already take torch tensors: only the op and wrapper
+        paths.update((name, fn) for name, fn in torch_paths(q, k, v, out).items()
+                     if name in ("torch_op", "torch_sdpa_wrapper"))
         from torch.nn.attention import SDPBackend, sdpa_kernel
         sdpa = torch.nn.functional.scaled_dot_product_attention
         paths["sdpa"] = lambda: sdpa(q, k, v)
@@ -239,19 +312,24 @@ def _blocker(fake: bool, torch):
 
 
 def host_us(fn, calls: int, repeats: int, block, fake: bool) -> dict:
-    """Median host µs per call over `repeats` loops of `calls` calls, the GPU kept busy."""
+    """Median host µs per call over `repeats` loops of `calls` calls, the GPU kept busy.
+    Wall time (perf_counter: what the caller waits, driver waits included); beside it the
+    process's CPU time (process_time: the same loop without the time the OS ran something
+    else, the steadier figure on a shared machine, e.g. for --fake)."""
     fn()
     _synchronize(fake)
-    per_call = []
+    per_call, cpu = [], []
     for _ in range(repeats):
         block()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
             fn()
+        cpu.append((time.process_time() - c0) / calls * 1e6)
         per_call.append((time.perf_counter() - t0) / calls * 1e6)
         _synchronize(fake)
     return {"median_us": statistics.median(per_call), "min_us": min(per_call),
-            "max_us": max(per_call), "calls": calls, "repeats": repeats}
+            "max_us": max(per_call), "cpu_median_us": statistics.median(cpu),
+            "cpu_min_us": min(cpu), "calls": calls, "repeats": repeats}
 
 
 def end_to_end_us(fn, calls: int, repeats: int, fake: bool) -> dict:
@@ -269,23 +347,33 @@ def end_to_end_us(fn, calls: int, repeats: int, fake: bool) -> dict:
             "max_us": max(per_call), "calls": calls, "repeats": repeats}
 
 
-def profile_path(fn, calls: int, top: int) -> tuple[dict, str]:
-    """Driver calls per call (exact counts / calls) and the cProfile top entries."""
+def profile_path(fn, calls: int, top: int) -> tuple[dict, float, str]:
+    """Driver calls per call (exact counts / calls), Python function calls per call (cProfile's
+    count: Python and C functions) and the cProfile top entries."""
     fn()                                   # JIT, first encodes: not what a steady call pays
     with DriverCounter() as counter:
         for _ in range(calls):
             fn()
     per_call = {name: n / calls for name, n in sorted(counter.counts.items())}
     prof = cProfile.Profile()
+    loop = _profiled_loop(fn, calls)
     prof.enable()
-    for _ in range(calls):
-        fn()
+    loop()
     prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text).strip_dirs()
+    # the loop's own frame and the disable() call are not the path's
+    python_calls = (stats.total_calls - 2) / calls
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
-    return per_call, text.getvalue()
+    return per_call, python_calls, text.getvalue()
+
+
+def _profiled_loop(fn, calls):
+    def loop():
+        for _ in range(calls):
+            fn()
+    return loop
 
 
 # --------------------------------------------------------------------------- main
@@ -300,27 +388,40 @@ def _commit() -> str:
 
 def run(args) -> dict:
     torch = None if args.fake else _torch()
+    fake_torch = _torch(any_device=True) if args.fake and not args.no_torch else None
     record = {"label": args.label, "commit": _commit(), "fake_driver": args.fake,
               "inputs": "torch" if torch is not None else "DLPack producer over DeviceArray",
               "shape_small": SMALL, "shape_1k": ONE_K, "host": {}, "end_to_end_1k": {},
-              "driver_calls_per_call": {}}
+              "driver_calls_per_call": {}, "python_calls_per_call": {}}
+    if fake_torch is not None:
+        record["inputs"] += ("; torch_* paths: CPU torch tensors passing for CUDA "
+                             f"(torch {fake_torch.__version__})")
     if not args.fake:
         record["device"] = driver.device_info()
     profiles = []
     q, k, v, out = make_inputs(SMALL, torch, args.fake)
     paths = make_paths(q, k, v, out, torch, args.fake)
     block = _blocker(args.fake, torch)
-    for name, fn in paths.items():
-        record["host"][name] = host_us(fn, args.calls, args.repeats, block, args.fake)
-        print(f"host  {name:14s} {record['host'][name]['median_us']:9.1f} µs/call", flush=True)
-    if args.profile:
-        for name in ("attention", "attention_out", "launch"):
-            counts, text = profile_path(paths[name], args.calls, args.top)
-            record["driver_calls_per_call"][name] = counts
-            profiles.append(f"==== {name}: driver calls per call\n"
-                            + "".join(f"  {k:28s} {v:g}\n" for k, v in counts.items())
-                            + f"==== {name}: cProfile over {args.calls} calls\n{text}")
-            print(f"calls {name:14s} " + ", ".join(f"{k}={v:g}" for k, v in counts.items()))
+    with contextlib.ExitStack() as stack:
+        if fake_torch is not None:
+            stack.enter_context(torch_pretends_cuda(fake_torch))
+            paths.update(torch_paths(*make_torch_inputs(SMALL, fake_torch)))
+        for name, fn in paths.items():
+            record["host"][name] = host_us(fn, args.calls, args.repeats, block, args.fake)
+            h = record["host"][name]
+            print(f"host  {name:19s} {h['median_us']:9.1f} µs/call (cpu {h['cpu_median_us']:.1f}, "
+                  f"min {h['cpu_min_us']:.1f})", flush=True)
+        if args.profile:
+            for name, fn in paths.items():
+                counts, python_calls, text = profile_path(fn, args.calls, args.top)
+                record["driver_calls_per_call"][name] = counts
+                record["python_calls_per_call"][name] = python_calls
+                profiles.append(f"==== {name}: driver calls per call\n"
+                                + "".join(f"  {k:28s} {v:g}\n" for k, v in counts.items())
+                                + f"==== {name}: {python_calls:g} Python function calls per "
+                                f"call; cProfile over {args.calls} calls\n{text}")
+                print(f"calls {name:19s} python {python_calls:6.1f}  driver "
+                      + ", ".join(f"{k}={v:g}" for k, v in counts.items()))
     if not args.fake and not args.skip_1k:
         q, k, v, out = make_inputs(ONE_K, torch, args.fake, seed=2)
         big = make_paths(q, k, v, out, torch, args.fake)
@@ -350,6 +451,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="cProfile entries per sort")
     ap.add_argument("--label", default="after", help="file name part: before / after / ...")
     ap.add_argument("--skip-1k", action="store_true")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="with --fake: leave out the torch paths even where torch imports")
     ap.add_argument("--out", help="output folder (default: $OUT, else bench/results)")
     args = ap.parse_args(argv)
     if args.fake:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import driver, stages, tensors, tma
-from .errors import PtxattnError
+from .errors import CudaError, PtxattnError
 from .stages import ENTRY, PRODUCTION, Stage, all_kernels, by_speed, get_stage
 from .tensors import BF16, DeviceArray, as_device_array, to_bf16
 
@@ -478,6 +478,7 @@ class PreparedAttention:
         self.smem_bytes = spec.smem_bytes if spec else stage.smem_bytes
         self.function = spec.function if spec else None
         self._thread = threading.get_ident()
+        self._steady = None                   # set by _build: see _Steady
 
     def launch(self) -> None:
         if self._spec is not None:
@@ -669,7 +670,16 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     grid = stage.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (values, types), cluster=stage.cluster, stream=stream)
-    return PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
+    prepared = PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
+    # What a steady call (the fast path of attention()) replaces per call: the O map and
+    # pointer (slots 3 and 4, a fresh output each call) and the LSE pointer.
+    prepared._steady = (ctx, (plan.layout, B, H, Lq, D, stage.q_box_rows, stage.swizzle,
+                              stage.tma_chunk, out.strides, "out"),
+                        _LSE_SLOT if stage.production and lse is not None else None)
+    return prepared
+
+
+_LSE_SLOT = 14      # the production ABI: 4 maps, O, 3 O strides, Lq, Lk, H, B, scale, group, lse
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
@@ -687,6 +697,253 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     return _build(_validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out,
                             stream=stream, return_lse=return_lse, causal=causal, window=window,
                             diagonal=diagonal), defines, tuple(extra_params))
+
+
+# --------------------------------------------------------------------------- the steady call
+#
+# A model asks the same question thousands of times: the same shapes, strides, dtypes and
+# flags, often the same addresses. attention() first builds a key from everything the full
+# path (validation, stage pick, maps, parameters, launch config) reads, and when an earlier
+# call with that key went through the full path and launched, it replays that launch: a fresh
+# output (stream-ordered, as on the full path), its O map and pointer (and the LSE pointer) in
+# parameters packed once per address, the launch. Why this is exact:
+# - The key holds, for q, k, v and a caller's out: address, shape, strides, device, dtype,
+#   read-only flag; and stage, scale, layout, return_lse, causal, window, diagonal, the launch
+#   stream's handle and the PTXATTN_PERSISTENT_CTAS text. Validation and _build are functions
+#   of these (and of the context and the stage registry, checked on every hit), so a hit can
+#   only happen for arguments that validated and launched before: errors always come from the
+#   full path, with its messages, in its order.
+# - Arguments whose meaning depends on their exact type (causal=1 is an error, True is not;
+#   a list window, a NumPy scale) are keyed only when plain (bool, int, float, str, a tuple of
+#   ints); anything else takes the full path. So do NumPy inputs (their time is the copies),
+#   __cuda_array_interface__ objects (their device needs a driver call) and torch tensors
+#   that DLPack must judge (subclasses, requires_grad, ...).
+# - Per call, as on the full path: the stream handshake (torch's current stream, a
+#   DeviceArray's pending writes, a DLPack producer's own __dlpack__), DeviceArray.used_on,
+#   the output and LSE allocations, the context made current on this thread.
+# - Nothing the caller owns is kept: an entry holds maps (host structs), packed parameters and
+#   the launch config, never an array, so it pins no memory. A new tensor at a remembered
+#   address with the same geometry reuses that address's maps, which describe it exactly.
+# - Entries are never changed after they are stored; the per-address parameter packs are
+#   added under a lock and read without one (as the map and config caches). Bounded.
+
+_STEADY: dict[tuple, "_Steady"] = {}
+_STEADY_MAX = 1024
+_STEADY_LOCK = threading.Lock()
+_PACKS_MAX = 64                  # per entry: output/LSE addresses the pool hands back in turn
+_DEFAULT_STREAMS = (0, 1, 2)     # streams that outlive any buffer (see driver.DeviceBuffer)
+# The environment as os.environ keeps it (POSIX: a dict of bytes), read with one lookup; the
+# knob's text is part of the key, so changing it mid-process takes effect at the next call.
+_ENVIRON = getattr(os.environ, "_data", None)
+try:
+    _KNOB = os.environ.encodekey(PERSISTENT_CTAS_ENV)
+except AttributeError:           # pragma: no cover - not CPython's os.environ
+    _KNOB, _ENVIRON = None, None
+
+
+def clear_steady_cache() -> None:
+    """Forget every remembered call (tests; a registry swap is noticed without this)."""
+    with _STEADY_LOCK:
+        _STEADY.clear()
+
+
+class _Steady:
+    """One validated, built and launched call, replayed for arguments with the same key."""
+
+    __slots__ = ("ctx", "registry", "function", "config", "attrs", "values", "types",
+                 "o_map", "lse_slot", "out_array", "lse_array", "keep", "packs", "_lock")
+
+    def __init__(self, prepared: PreparedAttention):
+        spec = prepared._spec
+        ctx, o_map, lse_slot = prepared._steady
+        self.ctx = ctx
+        self.registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
+        self.function = spec.function.handle
+        self.config, self.attrs = spec.config, spec._attrs
+        values, self.types = spec.params
+        self.values = list(values)
+        self.o_map, self.lse_slot = o_map, lse_slot
+        # (bytes, shape, strides, dtype) of a fresh output and LSE, as tensors.empty makes them
+        self.out_array = _array_fields(prepared.plan.out_shape, BF16)
+        self.lse_array = _array_fields(prepared.plan.lse_shape, np.dtype(np.float32))
+        # the q/k/v maps and a dynamic scheduler's counter (never the caller's arrays)
+        self.keep = tuple(x for x in prepared._keep if not isinstance(x, DeviceArray))
+        self.packs: dict[tuple[int, int], tuple[int, tuple]] = {}
+        self._lock = threading.Lock()
+
+    def pack(self, out_ptr: int, lse_ptr: int) -> int:
+        """The void*[] of the parameters with this O (map and pointer) and LSE pointer."""
+        values = list(self.values)
+        values[3] = tma.encode_qkvo_map(out_ptr, *self.o_map)
+        values[4] = out_ptr
+        if self.lse_slot is not None:
+            values[self.lse_slot] = lse_ptr
+        packed = driver.pack_params((values, self.types))
+        with self._lock:
+            if len(self.packs) >= _PACKS_MAX:
+                self.packs.pop(next(iter(self.packs)), None)
+            self.packs[(out_ptr, lse_ptr)] = packed
+        return packed[0]
+
+
+def _array_fields(shape, dtype) -> tuple:
+    shape = tuple(int(n) for n in shape)
+    return (math.prod(shape) * dtype.itemsize, shape, tma.contiguous_strides(shape), dtype)
+
+
+def _remember(key: tuple, prepared: PreparedAttention) -> None:
+    """Store a launched call under its key, when the key says what the full path saw."""
+    plan = prepared.plan
+    if prepared._spec is None or prepared._steady is None or plan.host:
+        return
+    seen = tuple(None if a is None else (a.ptr, a.shape, a.strides, a.device, a.readonly,
+                                         a.dtype)
+                 for a in (plan.q, plan.k, plan.v, plan.out))
+    if seen != key[-4:] or plan.stream != key[7]:
+        return       # a producer that exported something else the second time: never reuse
+    values = prepared._spec.params[0]
+    lse_slot = prepared._steady[2]
+    if values[4] != prepared.out.ptr or (lse_slot is not None
+                                         and values[lse_slot] != prepared.lse.ptr):
+        return       # the ABI moved (O pointer, LSE slot): replaying would send stale slots
+    entry = _Steady(prepared)
+    with _STEADY_LOCK:
+        if len(_STEADY) >= _STEADY_MAX:
+            _STEADY.pop(next(iter(_STEADY)), None)      # oldest first
+        _STEADY[key] = entry
+
+
+def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, window,
+                 diagonal, qkv_meta=None):
+    """(result, None) when a remembered launch took the call; else (None, key or None), the
+    key under which the full path's launch is to be remembered. Never raises for bad input:
+    whatever it cannot key exactly goes to the full path, which raises its own errors.
+
+    qkv_meta: tensors.torch_meta of q, k and v (and of out, a fourth) when the caller
+    (ptxattn.torch) has read them already; each must be that function's answer for that
+    exact torch.Tensor."""
+    # plain argument types only (see the notes above)
+    if (type(layout) is not str or type(diagonal) is not str or type(return_lse) is not bool
+            or type(causal) is not bool
+            or not (scale is None or type(scale) is float or type(scale) is int)
+            or not (stage is None or type(stage) is int or type(stage) is str
+                    or type(stage) is Stage)):
+        return None, None
+    if window is not None and (type(window) is not tuple or len(window) != 2
+                               or type(window[0]) is not int or type(window[1]) is not int):
+        return None, None
+    torch_types = tensors._TORCH
+    if torch_types is None or torch_types[0] is not sys.modules.get("torch"):
+        torch_types = tensors._torch_types()
+    tensor_type = torch_types[1] if torch_types is not None else None
+    stream_object = stream
+    torch_device = None                   # a device whose torch stream we must follow
+    q_meta = qkv_meta[0] if qkv_meta is not None else None
+    if stream is None:
+        meta = q_meta = q_meta if q_meta is not None else (
+            tensors.torch_meta(q) if type(q) is tensor_type else None)
+        if meta is not None:
+            # the caller's stream is torch's current one; its object is fetched only when an
+            # allocation must hold it (a stream other than the default ones)
+            handle = tensors.torch_current_stream(meta[3])
+            stream_object = _CALLER_STREAM
+        else:
+            try:
+                stream_object = _caller_stream((q, k, v, out))
+                handle = driver.stream_handle(stream_object)
+            except Exception:
+                return None, None
+    elif type(stream) is int and stream >= 0:
+        handle = stream
+    else:
+        try:
+            handle = driver.stream_handle(stream)
+        except Exception:
+            return None, None
+    metas = []
+    arrays = []                           # DeviceArrays: pending writes, used_on, per call
+    imported = []                         # DLPack imports, alive until the launch is queued
+    given = qkv_meta if qkv_meta is not None and len(qkv_meta) == 4 else (
+        (*qkv_meta, None) if qkv_meta is not None else (q_meta, None, None, None))
+    for i, (name, obj) in enumerate((("q", q), ("k", k), ("v", v), ("out", out))):
+        kind = type(obj)
+        if kind is tensor_type:
+            meta = given[i] if given[i] is not None else tensors.torch_meta(obj)
+            if meta is None:
+                return None, None
+            torch_device = meta[3]
+            metas.append((*meta, False, BF16))
+            continue
+        if obj is None and name == "out":
+            metas.append(None)
+            continue
+        if kind is not DeviceArray:
+            if kind is np.ndarray or not hasattr(obj, "__dlpack__"):
+                return None, None
+            try:
+                obj = as_device_array(obj, name=name, stream=handle)
+            except Exception:
+                return None, None
+            imported.append(obj)
+        elif obj.device is None:
+            return None, None
+        else:
+            arrays.append(obj)
+        metas.append((obj.ptr, obj.shape, obj.strides, obj.device, obj.readonly, obj.dtype))
+    env = _ENVIRON.get(_KNOB) if _ENVIRON is not None else os.environ.get(PERSISTENT_CTAS_ENV)
+    key = (layout, stage, scale, return_lse, causal, window, diagonal, handle, env, *metas)
+    try:
+        entry = _STEADY.get(key)
+    except TypeError:                     # an unhashable Stage (a dict in its fields)
+        return None, None
+    if entry is None:
+        return None, key
+    ctx = driver.context()
+    registry = entry.registry
+    if (entry.ctx is not ctx or registry[0] is not PRODUCTION
+            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST):
+        return None, key                  # another context or registry: rebuilt, replaced
+
+    # the stream handshake, as the full path's imports and _build do it
+    if torch_device is not None and stream is not None:
+        current = tensors.torch_current_stream(torch_device)
+        if current != handle:
+            driver.stream_wait(handle, current)
+    for arr in arrays:
+        pending = arr.producer_stream if arr.producer_stream is not None else arr.stream
+        if pending is not None and pending != handle:
+            driver.stream_wait(handle, pending)
+        arr.used_on(handle)
+    if stream_object is _CALLER_STREAM:
+        stream_object = None if handle in _DEFAULT_STREAMS or (
+            out is not None and not return_lse and type(out) is not DeviceArray) \
+            else _caller_stream((q, k, v, out))
+    if out is None:
+        result = tensors.fresh(*entry.out_array, ctx.ordinal, handle, stream_object)
+        out_ptr = result.ptr
+    else:
+        result = out
+        out_ptr = metas[3][0]
+    lse = None
+    lse_ptr = 0
+    if return_lse:
+        lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
+        lse_ptr = lse.ptr
+    packed = entry.packs.get((out_ptr, lse_ptr))
+    address = packed[0] if packed is not None else entry.pack(out_ptr, lse_ptr)
+    err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, address, 0)[0])
+    if err:
+        raise CudaError(err, "cuLaunchKernelEx (a remembered attention call)")
+    if type(result) is DeviceArray:
+        result.stream = handle
+        result.stream_owner = stream_object
+    if lse is not None:
+        lse.stream = handle
+        return (result, lse), None
+    return result, None
+
+
+_CALLER_STREAM = object()     # "torch's current stream object, if an allocation needs it"
 
 
 def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
@@ -730,6 +987,10 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     error. Nothing is written to `out` when an error is raised. Thread-safe: see
     README, "Threading".
     """
+    result, key = _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
+                               window, diagonal)
+    if result is not None:
+        return result
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                        return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
     if prepared.host:
@@ -751,6 +1012,8 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
             result = out
         return (result, lse) if return_lse else result
     prepared.launch()
+    if key is not None:
+        _remember(key, prepared)
     result = out if out is not None else prepared.out
     return (result, prepared.lse) if return_lse else result
 
@@ -761,8 +1024,8 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
 # package exports the module itself, and the module is callable:
 # ptxattn.attention(q, k, v) and ptxattn.attention.prepare(...) both work.
 class _CallableModule(types.ModuleType):
-    def __call__(self, q, k, v, **kwargs):
-        return attention(q, k, v, **kwargs)
+    # the function itself (not a method that calls it): one Python frame less per call
+    __call__ = staticmethod(attention)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -69,6 +69,7 @@ class Context:
         self.ordinal = ordinal
         self.device = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
         self.handle = check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self._address = int(self.handle)      # compared on every call (make_current)
         self.alive = True
         self.make_current()
         attr = d.CUdevice_attribute
@@ -86,9 +87,11 @@ class Context:
         # this same primary context current): one cuCtxGetCurrent.
         if not self.alive:
             raise NoGpuError(f"{_NO_GPU} (the CUDA context was released at interpreter exit)")
-        d = cu()
-        current = check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(current) != int(self.handle):
+        d = _cu_module
+        err, current = d.cuCtxGetCurrent()
+        if err:
+            raise CudaError(int(err), "cuCtxGetCurrent")
+        if int(current) != self._address:
             check(d.cuCtxSetCurrent(self.handle), "cuCtxSetCurrent")
 
     def attribute(self, attr) -> int:

@@ -202,8 +202,9 @@ def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
         raise TypeError(f"{name}: expected dtype bfloat16, got "
                         f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)} (device arrays "
                         "are used in place, never converted: cast to bfloat16 first)")
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = (tuple(t.strides[i] for i in range(t.ndim)) if t.strides
+    ndim = t.ndim
+    shape = tuple(t.shape[:ndim])          # a ctypes pointer slice: one call, plain ints
+    strides = (tuple(t.strides[:ndim]) if t.strides
                else contiguous_strides(shape))
     readonly = bool(versioned and managed.flags & DLPACK_FLAG_READ_ONLY)
     return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, device=dev[1],
@@ -254,32 +255,72 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
                     f"__cuda_array_interface__), got {type(obj).__name__}")
 
 
+# torch's types once torch is imported: (module, Tensor, bfloat16, strided, raw stream getter).
+# Remembered per module object (tests put a stand-in module in sys.modules).
+_TORCH: tuple | None = None
+
+
+def _torch_types():
+    global _TORCH
+    torch = sys.modules.get("torch")
+    cached = _TORCH
+    if cached is not None and cached[0] is torch:
+        return cached
+    if torch is None or getattr(torch, "Tensor", None) is None:
+        return None
+    # the raw handle without building a torch Stream object (what torch's own compiled code
+    # reads); None where that private call is missing (the public one is used then)
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+    _TORCH = (torch, torch.Tensor, torch.bfloat16, torch.strided, raw)
+    return _TORCH
+
+
+def torch_meta(obj) -> tuple | None:
+    """(data_ptr, shape, strides, device index) of a plain CUDA bf16 torch.Tensor that DLPack
+    would export as it is; None for anything else (then DLPack decides, and raises its errors).
+
+    Only exact torch.Tensor objects qualify (not subclasses), without requires_grad, strided,
+    not nested, not a conjugate or negative view. data_ptr() includes the storage offset. torch is never
+    imported here: a tensor exists only once its module is."""
+    types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
+        else _torch_types()
+    if types is None or type(obj) is not types[1]:
+        return None
+    if (obj.dtype is not types[2] or not obj.is_cuda or obj.requires_grad
+            or obj.layout is not types[3] or obj.is_nested or obj.is_conj() or obj.is_neg()):
+        return None                 # (a strided nested tensor is a torch.Tensor without sizes)
+    return obj.data_ptr(), obj.shape, obj.stride(), obj.get_device()
+
+
+def torch_current_stream(device: int) -> int:
+    """torch's current stream on `device`, as a raw handle."""
+    types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
+        else _torch_types()
+    raw = types[4]
+    if raw is not None:
+        return int(raw(device))
+    return sys.modules["torch"].cuda.current_stream(device).cuda_stream
+
+
 def _from_torch(obj, stream: int) -> "DeviceArray | None":
     """A plain CUDA bf16 torch.Tensor read without a DLPack capsule, or None (then DLPack).
 
     What torch's __dlpack__(stream=s) would give, at a fraction of its host time: the same
     address (data_ptr() includes the storage offset), shape, strides, device, the tensor kept
     alive as the owner, and the same stream handshake (when `stream` is not torch's current
-    stream of the device, `stream` waits for the work queued there so far). Only exact
-    torch.Tensor objects that DLPack would export as they are take this path; anything else
-    (subclasses, requires_grad, conjugate/negative views, other dtypes or devices) goes through
-    __dlpack__, which accepts it or raises its own error. torch is never imported here.
+    stream of the device, `stream` waits for the work queued there so far). Only tensors that
+    torch_meta reads take this path; anything else (subclasses, requires_grad,
+    conjugate/negative views, other dtypes or devices) goes through __dlpack__, which accepts
+    it or raises its own error.
     """
-    torch = sys.modules.get("torch")
-    if torch is None or type(obj) is not getattr(torch, "Tensor", None):
+    meta = torch_meta(obj)
+    if meta is None:
         return None
-    if (obj.dtype is not torch.bfloat16 or not obj.is_cuda or obj.requires_grad
-            or obj.layout is not torch.strided or obj.is_conj() or obj.is_neg()):
-        return None
-    device = obj.get_device()
-    # the raw handle without building a torch Stream object (what torch's own compiled code
-    # reads); the public call where that private one is missing
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    current = int(raw(device)) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    ptr, shape, strides, device = meta
+    current = torch_current_stream(device)
     if current != stream:
-        from .driver import stream_wait
-        stream_wait(stream, current)
-    return DeviceArray(obj.data_ptr(), obj.shape, obj.stride(), device=device, owner=obj)
+        driver.stream_wait(stream, current)
+    return DeviceArray(ptr, shape, strides, device=device, owner=obj)
 
 
 def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
@@ -335,8 +376,9 @@ class DeviceArray:
             raise TypeError(f"DeviceArray: dtype {self.dtype} is not supported "
                             "(bfloat16 or float32)")
         self.ptr = int(ptr)
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides) if strides is not None else contiguous_strides(self.shape)
+        self.shape = tuple(map(int, shape))
+        self.strides = tuple(map(int, strides)) if strides is not None \
+            else contiguous_strides(self.shape)
         self.device = device
         self.owner = owner
         self.readonly = readonly
@@ -455,14 +497,26 @@ def empty(shape, *, stream=None, dtype=BF16, stream_owner=None) -> DeviceArray:
     With a stream (a handle or stream object, 0 the legacy default stream) the memory is
     stream-ordered: allocated and, when the array is freed or collected, released on that
     stream (driver.DeviceBuffer), without waiting for the GPU. Without one, cuMemAlloc."""
-    from . import driver
-    shape = tuple(int(n) for n in shape)
+    shape = tuple(map(int, shape))
     size = math.prod(shape)
     handle = None if stream is None else driver.stream_handle(stream)
     buf = driver.DeviceBuffer(size * np.dtype(dtype).itemsize, stream=handle,
                               stream_owner=stream_owner)
     device = driver.context().ordinal
     return DeviceArray(buf.ptr, shape, device=device, owner=buf, dtype=dtype, stream=handle)
+
+
+def fresh(nbytes: int, shape: tuple, strides: tuple, dtype: np.dtype, device: int,
+          stream: int, stream_owner=None) -> DeviceArray:
+    """empty() for a caller that already holds every field in its final form (attention()'s
+    steady path: plain int tuples, a supported np.dtype, a raw handle): the same array,
+    without converting and checking them again on every call."""
+    buf = driver.DeviceBuffer(nbytes, stream=stream, stream_owner=stream_owner)
+    arr = DeviceArray.__new__(DeviceArray)
+    arr.dtype, arr.ptr, arr.shape, arr.strides, arr.device = dtype, buf.ptr, shape, strides, device
+    arr.owner, arr.readonly, arr.stream, arr.stream_owner = buf, False, stream, None
+    arr.producer_stream = None
+    return arr
 
 
 def to_bf16(array: np.ndarray, name: str = "array") -> np.ndarray:

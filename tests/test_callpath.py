@@ -28,18 +28,32 @@ def dev(shape, slot, **kw):
 
 @pytest.fixture
 def tagged_maps(gpu, monkeypatch):
-    """cuTensorMapEncodeTiled answers a map that says which address it was encoded for."""
+    """cuTensorMapEncodeTiled answers a map whose first 8 bytes are the address it was
+    encoded for (where the real driver's layout is opaque), so a launch's maps can be read
+    back from its parameters in either form."""
     def encode(*args):
         gpu["cuTensorMapEncodeTiled"].append(args)
-        dims = tuple(int(x) for x in args[3])
-        return OK, ("map", int(args[2]), dims)
+        tmap = cu.CUtensorMap()
+        tmap.opaque = [int(args[2])] + [0] * 15
+        return OK, tmap
     monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", encode)
     return gpu
 
 
+def param_slots(call, count):
+    """The first `count` kernel parameters' host addresses, from a launch in either form:
+    the tuple form (values, types) or the address of a packed void*[]."""
+    import ctypes
+    params = call[2]
+    if isinstance(params, tuple):
+        values, types = params
+        return [int(v.getPtr()) if t is None else None for v, t in zip(values[:count], types)]
+    return list((ctypes.c_void_p * count).from_address(params))
+
+
 def map_addresses(call):
-    config, function, (values, types), extra = call
-    return [m[1] for m in values[:4]]
+    import ctypes
+    return [ctypes.c_uint64.from_address(slot).value for slot in param_slots(call, 4)]
 
 
 def test_a_new_address_with_the_same_geometry_gets_new_maps(tagged_maps):
@@ -174,15 +188,29 @@ def test_callpath_bench_runs_with_the_pretend_driver(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import callpath
     saved_maps = dict(tma._MAPS)
+    saved_steady = dict(attn._STEADY)
     assert callpath.main(["--fake", "--profile", "--calls", "3", "--repeats", "1",
                           "--top", "5", "--label", "t", "--out", str(tmp_path)]) == 0
+    assert attn._STEADY == saved_steady          # no pretend launch is remembered after
     record = json.loads((tmp_path / "callpath-t.json").read_text())
     calls = record["driver_calls_per_call"]
     assert calls["attention_out"] == {"cuLaunchKernelEx": 1.0}
     assert calls["attention"] == {"cuLaunchKernelEx": 1.0, "cuMemAllocAsync": 1.0,
                                   "cuMemFreeAsync": 1.0}
     assert calls["launch"] == {}
-    assert set(record["host"]) == {"attention", "attention_out", "launch"}
+    paths = {"attention", "attention_out", "launch"}
+    torch = sys.modules.get("torch")
+    if torch is not None:       # CPU torch tensors passing for CUDA ones: the torch paths too
+        paths |= {"torch_attention", "torch_attention_out", "torch_op", "torch_sdpa_wrapper"}
+        for name in ("torch_attention_out", "torch_op", "torch_sdpa_wrapper"):
+            assert calls[name] == {"cuLaunchKernelEx": 1.0}, name
+        # the pretence is undone: CPU tensors are CPU tensors again
+        assert not torch.zeros(1).is_cuda and torch.zeros(1).get_device() == -1
+    assert set(record["host"]) == paths
+    python_calls = record["python_calls_per_call"]
+    assert set(python_calls) == paths and python_calls["launch"] == 4
+    # a steady call: far fewer Python calls than the full path's ~400 (issue 11's profile)
+    assert python_calls["attention_out"] < 300
     assert "cumulative" in (tmp_path / "callpath-t-profile.txt").read_text()
     # the pretend driver left nothing behind: no fake maps, the real driver functions back
     assert tma._MAPS == saved_maps and driver.context is not None
@@ -225,6 +253,7 @@ def test_plain_torch_tensors_are_read_without_a_capsule(gpu, monkeypatch):
 
     class Tensor(FakeDLPack):
         is_cuda = True
+        is_nested = False
         requires_grad = False
         layout = torch.strided
 

@@ -6,6 +6,8 @@ node and no synchronisation, whose replay gives the same bits. CPU side: test_ca
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from gpu_checks import assert_passes, check_rows, import_or_skip
@@ -206,3 +208,138 @@ def test_torch_tensors_read_directly_match_their_dlpack_import():
     with pytest.raises(ValueError, match="q: its __dlpack__ refused to export it"):
         ptxattn.attention(x.new_empty(SHAPE).requires_grad_(), x.new_empty(SHAPE),
                           x.new_empty(SHAPE))
+
+
+# --------------------------------------------------------------------------- the steady path
+
+STEADY_CASES = {
+    "plain": dict(),
+    "out": dict(out=True),
+    "lse": dict(return_lse=True),
+    "causal": dict(causal=True),
+    "window_top_left": dict(window=(40, 8), diagonal="top_left"),
+    "bshd": dict(layout="bshd", shape=(1, 200, 2, 128)),
+    "gqa_cross": dict(shape=(1, 4, 96, 128), kv_shape=(1, 2, 300, 128)),
+    "lineage_stage": dict(stage=14),
+}
+
+
+@pytest.mark.parametrize("case", list(STEADY_CASES))
+def test_remembered_calls_give_the_full_paths_bits(case):
+    """attention()'s steady path (a call with the same metadata as an earlier one replays its
+    launch) against prepare().launch() (the full path) on the same inputs: the same bits, for
+    the first call (a miss) and for hits, with fresh outputs from the pool or the caller's."""
+    from ptxattn import attention as attn
+    kw = dict(STEADY_CASES[case])
+    shape = kw.pop("shape", SHAPE)
+    kv_shape = kw.pop("kv_shape", shape)
+    want_out = kw.pop("out", False)
+    rng = np.random.default_rng(21)
+    host = [rng.standard_normal(s, dtype=np.float32).astype(BF16)
+            for s in (shape, kv_shape, kv_shape)]
+    q, k, v = device(host)
+    full = ptxattn.prepare(q, k, v, **kw)
+    full.out.fill_u16(0xFFFF)
+    full.launch()
+    expected = full.out.to_numpy().tobytes()
+    expected_lse = full.lse.to_numpy().tobytes() if full.lse is not None else None
+    mask = {n: kw[n] for n in ("causal", "window", "diagonal") if n in kw}
+    assert_passes(check_rows(*host, full.out.to_numpy(), layout=kw.get("layout", "bhld"),
+                             **mask), case)
+    attn.clear_steady_cache()
+    for i in range(4):
+        out = poisoned(shape) if want_out else None
+        result = ptxattn.attention(q, k, v, out=out, **kw)
+        got, lse = result if kw.get("return_lse") else (result, None)
+        assert got.to_numpy().tobytes() == expected, f"{case}: call {i}"
+        if lse is not None:
+            assert lse.to_numpy().tobytes() == expected_lse, f"{case}: lse of call {i}"
+        if want_out:
+            assert got is out
+    assert len(attn._STEADY) >= 1
+
+
+def test_a_new_torch_tensor_at_a_remembered_address_is_read_afresh():
+    """The key holds addresses, not objects: a new tensor that the caching allocator places
+    where a freed one was, with the same geometry, hits the remembered launch. The maps
+    describe that address, so the launch reads the new tensor's data."""
+    torch = import_or_skip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    g = torch.Generator(device="cuda").manual_seed(31)
+    k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    q = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+    ptxattn.attention(q, k, v)
+    old = q.data_ptr()
+    del q
+    q = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+    reused = q.data_ptr() == old
+    out = ptxattn.attention(q, k, v)
+    host = [x.float().cpu().numpy().astype(BF16) for x in (q, k, v)]
+    assert_passes(check_rows(*host, torch.from_dlpack(out).float().cpu().numpy().astype(BF16)),
+                  f"new tensor (same address: {reused})")
+
+
+def test_the_torch_op_eager_path_matches_the_dispatched_op():
+    """ptxattn.torch.attention in plain eager mode calls the op's body directly; the
+    dispatched op (torch.ops.ptxattn.attention) must give the same bits, and so must the SDPA
+    wrapper, for a plain call and a causal one."""
+    torch = import_or_skip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    pt = import_or_skip("ptxattn.torch")
+    from ptxattn.torch import _op
+    g = torch.Generator(device="cuda").manual_seed(41)
+    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    assert _op._eager(q, k, v)
+    for causal in (False, True):
+        scale = 1.0 / math.sqrt(128)                     # the op's default, bit for bit
+        dispatched, _ = torch.ops.ptxattn.attention(q, k, v, scale, "bhld", causal, False)
+        for _ in range(3):
+            direct = pt.attention(q, k, v, is_causal=causal)
+            wrapped = pt.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            assert torch.equal(direct.view(torch.int16), dispatched.view(torch.int16))
+            assert torch.equal(wrapped.view(torch.int16), dispatched.view(torch.int16))
+    assert pt.fallback_counts() == {}
+
+
+def test_a_remembered_call_captured_in_a_torch_graph_is_one_kernel_node():
+    """Warm on the capture's own stream, so the captured call is a hit of the steady path:
+    it must record one kernel node and replay the same bits."""
+    torch = import_or_skip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    from ptxattn import attention as attn
+    g = torch.Generator(device="cuda").manual_seed(51)
+    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            ptxattn.attention(q, k, v, out=out)      # a miss, then hits on this stream
+    side.synchronize()
+    direct = out.clone()
+    entries = len(attn._STEADY)
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        ptxattn.attention(q, k, v, out=out)
+    assert len(attn._STEADY) == entries                 # a hit: nothing new remembered
+    assert torch.isnan(out).all()
+    raw = getattr(graph, "raw_cuda_graph", None)
+    if raw is not None:
+        try:
+            handle = raw()
+        except Exception:
+            handle = None
+        if handle is not None:
+            kinds = _graph_nodes(driver.cu().CUgraph(int(handle)))
+            assert kinds.count(driver.cu().CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL) == 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), direct.view(torch.int16))

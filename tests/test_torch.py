@@ -322,3 +322,188 @@ def test_capstone_configs_build(which):
                         else (diffusers.LTXVideoTransformer3DModel, cap.LTX_VIDEO))
             model = cls(**{**cfg, "num_layers": 1})
             assert model.config.attention_head_dim == cfg["attention_head_dim"]
+
+
+# --------------------------------------------------------------------------- the eager path
+
+def test_eager_calls_skip_the_dispatcher_only_when_nothing_watches(monkeypatch):
+    """ptxattn.torch.attention calls the op's body directly in plain eager mode (the custom
+    op's Python dispatch layers are most of a small call's host time), and goes through the
+    dispatcher whenever torch could be observing or transforming the call."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ptxattn.torch import _op
+    direct = []
+    monkeypatch.setattr(_op, "_run", lambda q, k, v, s, layout, c: direct.append(s) or q)
+    q, k, v = qkv()
+    assert _op._eager(q, k, v)
+    pt.attention(q, k, v, scale=0.5)
+    assert direct == [0.5]
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is torch.ops.ptxattn.attention.default:
+                x = args[0]
+                return x.new_zeros(x.shape), x.new_empty((0,), dtype=torch.float32)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not _op._eager(q, k, v)
+        out = pt.attention(q, k, v, scale=0.25)
+    assert torch.ops.ptxattn.attention.default in seen and direct == [0.5]
+    assert out.shape == q.shape
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Functions():
+        assert not _op._eager(q, k, v)
+    verdicts = []
+
+    def batched(x):
+        verdicts.append(_op._eager(x, x, x))
+        return x
+    torch.vmap(batched)(torch.zeros(3, 1, 2, 4, 8))
+    assert verdicts == [False]
+
+    class Sub(torch.Tensor):
+        pass
+    assert not _op._eager(q.as_subclass(Sub), k, v)
+    g = q.clone().requires_grad_()
+    assert not _op._eager(g, k, v)                        # the op's autograd wrapper decides
+    with torch.no_grad():
+        assert _op._eager(g, k, v)
+    assert _op._eager(q, k, v)                            # and plain again afterwards
+
+
+def test_the_op_checks_tma_geometry_once_per_shape_and_copies_what_tma_cannot_read():
+    from ptxattn.torch import _op
+    q, k, v = qkv(d=128)
+    assert _op._tma_ready(q, k, v, "bhld")
+    odd = torch.randn(1, 2, 16, 132).to(BF)[..., :128]       # rows 264 bytes apart: not /16
+    assert not _op._tma_ready(odd, k, v, "bhld")
+    assert _op._compact(odd, "bhld").is_contiguous() and _op._compact(q, "bhld") is q
+    assert _op._geometry_ok.cache_info().currsize >= 2
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """bench/callpath.py's pretend driver and CPU tensors passing for CUDA ones: the wrapper,
+    the op and the library run their real code; launches are recorded, not run."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import callpath
+    launches = []
+    with callpath.fake_driver(), callpath.torch_pretends_cuda(torch):
+        cu = __import__("ptxattn").driver.cu()
+        real = cu.cuLaunchKernelEx
+        cu.cuLaunchKernelEx = lambda *a: (launches.append(a), real(*a))[1]
+        sdpa._capability.clear()
+        pt.reset_fallback_counts()
+        try:
+            yield launches
+        finally:
+            cu.cuLaunchKernelEx = real
+            sdpa._capability.clear()
+            pt.reset_fallback_counts()
+    sys.modules.pop("callpath", None)
+
+
+def test_the_wrapper_asks_fallback_reason_once_per_metadata(pretend_cuda, monkeypatch):
+    launches = pretend_cuda
+    asked = []
+    real = sdpa.fallback_reason
+    monkeypatch.setattr(sdpa, "fallback_reason", lambda *a, **k: asked.append(1) or real(*a, **k))
+    q, k, v = qkv(h=4, hk=2)
+    for _ in range(3):
+        out = pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 1 and len(launches) == 3 and out.shape == q.shape
+    # each argument or metadata the verdict depends on, changed alone: asked again
+    pt.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    assert len(asked) == 2
+    with pytest.warns(RuntimeWarning, match="enable_gqa"):
+        with pytest.raises(RuntimeError):           # torch's SDPA refuses, as it would
+            pt.scaled_dot_product_attention(q, k, v)
+    assert len(asked) == 3
+    with pytest.warns(RuntimeWarning, match="attn_mask"):
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                        attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    assert len(asked) == 4 and pt.fallback_counts() == {"attn_mask": 1,
+                                                        "gqa_without_enable_gqa": 1}
+    q2, k2, v2 = qkv(h=4, hk=2, lq=32, lk=32)       # new shapes
+    pt.scaled_dot_product_attention(q2, k2, v2, enable_gqa=True)
+    assert len(asked) == 5
+    monkeypatch.setenv("PTXATTN_DEVICE", "1")        # another device for ptxattn: SDPA's
+    with pytest.warns(RuntimeWarning, match="device"):
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 6 and pt.fallback_counts()["device"] == 1
+    monkeypatch.delenv("PTXATTN_DEVICE")
+    n = len(launches)
+    pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)     # remembered again
+    assert len(asked) == 6 and len(launches) == n + 1
+    g = q.clone().requires_grad_()                   # grad: never the steady call
+    with pytest.warns(RuntimeWarning, match="require grad"):
+        pt.scaled_dot_product_attention(g, k, v, enable_gqa=True)
+    assert len(asked) == 7
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    with Watch():                                    # an observer: the dispatched op
+        pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert len(asked) == 8
+
+
+def test_the_wrapper_reads_no_tensor_while_torch_watches(monkeypatch):
+    """Under torch.compile (and any mode or transform) the wrapper's remembered verdicts are
+    not consulted and no tensor is read for them: a data_ptr() in a traced function would
+    break the graph (fullgraph=True fails)."""
+    from torch.overrides import TorchFunctionMode
+
+    from ptxattn import tensors
+    from ptxattn.torch import _op
+
+    def forbidden(t):
+        raise AssertionError("a tensor was read while torch was watching")
+    monkeypatch.setattr(tensors, "torch_meta", forbidden)
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k, v = qkv()
+    with Functions():
+        assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)
+    monkeypatch.setattr(_op, "_unwatched", lambda: False)
+    assert sdpa._steady(q, k, v, None, 0.0, False, None, False, "bhld") == (None, None)
+
+
+def test_the_wrapper_decision_traces_under_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces fallback_reason and _ptxattn_device (plain dict
+    lookups, no sentinel objects): a graph break there fails every compiled model."""
+    def f(q, k, v):
+        why = sdpa.fallback_reason(q, k, v)
+        return q + (1 if why is None else 2) + sdpa._ptxattn_device()
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    assert torch.equal(out, q + 2)                     # CPU tensors: the "cpu" reason
+    torch._dynamo.reset()
+
+
+def test_the_whole_wrapper_traces_under_compile_fullgraph():
+    """The shipped seams (no `routed`): the remembered-verdict check, then fallback_reason
+    and torch's SDPA for CPU tensors, all inside one graph."""
+    def f(q, k, v):
+        return pt.scaled_dot_product_attention(q, k, v) * 2
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype=torch.float32)
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v) * 2)
+    torch._dynamo.reset()

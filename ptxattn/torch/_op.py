@@ -15,8 +15,9 @@ import math
 
 import torch
 
-import ptxattn
-from ptxattn import tma
+from ptxattn import tensors, tma
+from ptxattn.attention import _steady_call
+from ptxattn.attention import attention as _attention
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
 LAYOUTS = ("bhld", "bshd")
@@ -35,19 +36,34 @@ def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[int, ...]:
     return (*q.shape[:-1], v.shape[-1])
 
 
-def _tma_ready(t: torch.Tensor, layout: str, name: str) -> bool:
-    """True when TMA can read `t` in place: 16-byte base and strides, head dim stride 1.
-    The rule is the library's own (tma.map_geometry), so the two cannot disagree."""
-    if t.data_ptr() % 16:
-        return False
-    b, x, y, d = t.shape
+def _tma_ready(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> bool:
+    """True when TMA can read q, k and v in place: 16-byte bases and strides, head dim stride
+    1. The rule is the library's own (tma.map_geometry), so the two cannot disagree."""
+    return ((q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+            and _geometry_ok(layout, q.shape, q.stride())
+            and _geometry_ok(layout, k.shape, k.stride())
+            and _geometry_ok(layout, v.shape, v.stride()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry_ok(layout: str, shape, strides) -> bool:
+    """tma.map_geometry's verdict on a shape and strides (remembered: a model sends the same
+    few geometries on every call)."""
+    if len(shape) != 4:
+        return True         # not ours to judge: the library names the rank error
+    b, x, y, d = shape
     heads, seq = (x, y) if layout == "bhld" else (y, x)
     try:
         tma.map_geometry(layout, b, heads, seq, d, PRODUCTION.q_box_rows, PRODUCTION.tma_chunk,
-                         t.stride(), name)
+                         strides, "q")
     except ValueError:
         return False
     return True
+
+
+def _compact(t: torch.Tensor, layout: str) -> torch.Tensor:
+    ready = t.data_ptr() % 16 == 0 and _geometry_ok(layout, t.shape, t.stride())
+    return t if ready else t.contiguous()
 
 
 def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
@@ -60,8 +76,8 @@ def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
         raise RuntimeError("ptxattn::attention: return_lse=True cannot run under CUDA-graph "
                            "capture yet (the library allocates the lse buffer itself); capture "
                            "with return_lse=False")
-    _, lse = ptxattn.attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream,
-                               return_lse=True, **causal_kw)
+    _, lse = _attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream,
+                        return_lse=True, **causal_kw)
     lse = torch.from_dlpack(lse)
     if lse.dtype != torch.float32:
         raise TypeError(f"ptxattn::attention: the library's lse came as {lse.dtype}, "
@@ -69,33 +85,73 @@ def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
     return lse
 
 
-@torch.library.custom_op("ptxattn::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: str,
-                 is_causal: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    layout: str, is_causal: bool,
+                    return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale q k^T) v on CUDA bf16 tensors; (out, lse), lse empty unless asked for."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: ptxattn::attention runs on CUDA tensors, got one on "
-                             f"{t.device} (ptxattn.torch.scaled_dot_product_attention falls "
-                             "back to torch's SDPA for those)")
-    causal_kw = {}
-    if is_causal:
-        if not library_takes_causal():
-            raise ValueError("is_causal: this ptxattn has no causal kernel yet")
-        causal_kw = {"causal": True}
-    # DLPack export refuses tensors that require grad; the op is forward-only (no autograd
-    # formula is registered, so a backward through it raises in torch).
-    q, k, v = q.detach(), k.detach(), v.detach()
-    # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
-    q, k, v = (t if _tma_ready(t, layout, n) else t.contiguous()
-               for n, t in (("q", q), ("k", k), ("v", v)))
-    out = torch.empty(out_shape(q, v, layout), dtype=q.dtype, device=q.device)
-    stream = torch.cuda.current_stream(q.device)
     if return_lse:
-        lse = _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
-        return out, lse
-    ptxattn.attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream, **causal_kw)
-    return out, q.new_empty((0,), dtype=torch.float32)
+        q, k, v = _inputs(q, k, v, layout, is_causal)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        stream = torch.cuda.current_stream(q.device)
+        causal_kw = {"causal": True} if is_causal else {}
+        return out, _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
+    return _run(q, k, v, scale, layout, is_causal), q.new_empty((0,), dtype=torch.float32)
+
+
+def _inputs(q, k, v, layout: str, is_causal: bool):
+    """The op's checks, and q, k, v as the library takes them."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_cuda:
+                raise ValueError(f"{name}: ptxattn::attention runs on CUDA tensors, got one on "
+                                 f"{t.device} (ptxattn.torch.scaled_dot_product_attention "
+                                 "falls back to torch's SDPA for those)")
+    if is_causal and not library_takes_causal():
+        raise ValueError("is_causal: this ptxattn has no causal kernel yet")
+    # The library refuses tensors that require grad (as DLPack does); the op is forward-only
+    # (no autograd formula is registered, so a backward through it raises in torch).
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        q, k, v = q.detach(), k.detach(), v.detach()
+    # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
+    if not _tma_ready(q, k, v, layout):
+        q, k, v = _compact(q, layout), _compact(k, layout), _compact(v, layout)
+    return q, k, v
+
+
+def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> torch.Tensor:
+    """The output of one call (no LSE), written by the library into torch's memory.
+
+    The library's steady path is asked first, with the tensors as given: a hit means that
+    these exact tensors (addresses, shapes, strides; CUDA, bf16, no grad) validated and
+    launched before, so none of _inputs' checks or copies could change anything. A miss
+    (a first call, a view TMA cannot read, a tensor that requires grad, a CPU tensor) takes
+    _inputs and the library's full path, with their errors. qkv_meta: tensors.torch_meta of
+    q, k, v, when the caller has read them (the SDPA wrapper)."""
+    shape = q.shape
+    if qkv_meta is None:
+        d = v.shape[-1]
+    else:
+        d = qkv_meta[2][1][-1]
+    if shape[-1] == d:
+        # out_shape(q, v, layout) is q's shape: empty_like is torch's cheapest allocation
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+        if qkv_meta is not None:
+            # what torch_meta would read of it: made here, so a CUDA bf16 contiguous tensor
+            # without grad on q's device
+            qkv_meta = (*qkv_meta, (out.data_ptr(), shape, out.stride(), qkv_meta[0][3]))
+    else:
+        out = q.new_empty((*shape[:-1], d))
+    # stream=None: torch's current stream, read by the library (one raw handle, no Stream
+    # object: with out= given it allocates nothing that would have to hold one)
+    if _steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
+                    "bottom_right", qkv_meta)[0] is not None:
+        return out
+    q, k, v = _inputs(q, k, v, layout, is_causal)
+    _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)
+    return out
+
+
+attention_op = torch.library.custom_op("ptxattn::attention", _attention_impl, mutates_args=())
 
 
 @attention_op.register_fake
@@ -122,6 +178,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         raise ValueError(f"q: expected a rank-4 tensor, got shape {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.ptxattn.attention(q, k, v, float(scale), layout, bool(is_causal),
-                                           bool(return_lse))
+    if not return_lse and _unwatched():
+        # plain CUDA bf16 tensors without grad (tensors.torch_meta: exact torch.Tensor, so
+        # _eager's conditions hold), read once for the library's steady path too
+        meta = tensors.torch_meta
+        qm, km, vm = meta(q), meta(k), meta(v)
+        if qm is not None and km is not None and vm is not None:
+            return _run(q, k, v, float(scale), layout, bool(is_causal), (qm, km, vm))
+    if _eager(q, k, v):
+        if not return_lse:
+            return _run(q, k, v, float(scale), layout, bool(is_causal))
+        out, lse = _attention_impl(q, k, v, float(scale), layout, bool(is_causal), True)
+    else:
+        out, lse = _OP(q, k, v, float(scale), layout, bool(is_causal), bool(return_lse))
     return (out, lse) if return_lse else out
+
+
+_OP = torch.ops.ptxattn.attention.default
+_CONTIGUOUS = torch.contiguous_format
+_C = torch._C
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+# Each of these tells whether torch could be watching or transforming the call; where one is
+# missing from this torch, the op is always called through the dispatcher.
+_WATCHERS = tuple(getattr(_C, name, None) for name in (
+    "_get_tracing_state", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active"))
+_DISPATCH_MODES = getattr(_C, "_len_torch_dispatch_stack", None)
+_CAN_BYPASS = _DISPATCH_MODES is not None and None not in _WATCHERS
+
+
+def _eager(q, k, v) -> bool:
+    """True when calling the op's body directly is the same as calling the op: plain eager
+    execution of plain tensors. The dispatcher's own per-call cost (its Python layers for a
+    custom op: autograd wrapper, redispatch, alias checks) is most of a small call's host
+    time, and in plain eager mode it adds nothing: the op has no autograd formula (its body
+    detaches), no autocast or batching rule. Anything that observes or rewrites ops takes
+    the dispatcher, so it sees one ptxattn::attention node as before: torch.compile/export
+    (is_compiling), jit tracing, __torch_function__ modes, functorch transforms (vmap,
+    grad), __torch_dispatch__ modes (FakeTensorMode, make_fx, DebugMode), tensor subclasses
+    (DTensor, FakeTensor, FunctionalTensor: not exactly torch.Tensor), and inputs that
+    require grad with grad mode on."""
+    if not _CAN_BYPASS or type(q) is not _Tensor or type(k) is not _Tensor \
+            or type(v) is not _Tensor:
+        return False
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
+        return False        # the op's autograd wrapper marks such outputs: keep its behaviour
+    return _unwatched()
+
+
+def _unwatched() -> bool:
+    """_eager's answer about torch's state rather than the tensors: nothing compiles, traces,
+    transforms or intercepts ops right now."""
+    if not _CAN_BYPASS:
+        return False
+    tracing, function_modes, functorch = _WATCHERS
+    return not (_is_compiling() or tracing() is not None or function_modes() or functorch()
+                or _DISPATCH_MODES())
