@@ -32,9 +32,11 @@ def skip_or_fail(reason: str):
 
 
 def import_or_skip(name: str):
-    """The module, or skip_or_fail naming why it cannot be imported."""
+    """The module (the named one: "ptxattn.torch" gives ptxattn.torch, not ptxattn), or
+    skip_or_fail naming why it cannot be imported."""
+    import importlib
     try:
-        return __import__(name)
+        return importlib.import_module(name)
     except Exception as e:              # ImportError, or a broken CUDA setup under it
         skip_or_fail(f"{name} is not importable here: {type(e).__name__}: {e}")
 
