@@ -193,6 +193,12 @@ STAGES: tuple[Stage, ...] = (
           block_n=128, persistent=True,
           # stage 14's layout + the mbarriers' atom rounded up to 1 KiB + 2 KiB of ones
           smem_bytes=12 * _KV16 + 1024 + 2048 + 1024, **_TWO_CONSUMERS),
+    _sm90(17, "tiles_back_to_back",
+          "a persistent CTA's K/V steps run on across tiles: the next tile's first S beside "
+          "this tile's last PV; Q double-buffered",
+          block_n=128, persistent=True,
+          # Q 2 x 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 12 mbarriers + alignment slack
+          smem_bytes=14 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
 )
 
 
