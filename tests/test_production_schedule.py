@@ -1,0 +1,584 @@
+"""The production kernel's schedule, executed from its own PTX (CPU only).
+
+ptx/sm90/production.ptx walks two nested schedules that no GPU test covers exhaustively:
+  - the persistent tile walk: CTA c of G takes round k's tile k*G + c, or k*G + G-1-c on odd
+    rounds in the masked build (SNAKE_TILE); %p_last_tile must be true on its last tile only
+    (consumer 1's last turn hand-over is skipped there, so a wrong flag hangs or races);
+  - per Q tile, the K/V tiles it sees ([kv_first, kv_first + kv_count)): tile 0 in the
+    prologue, then a front run of masked steps, the plain loop, a back run of masked steps
+    (kv_masked_run / kv_loop / kv_back_run). A tile some row sees only in part must take the
+    masked copy (or its scores leak past the window / diagonal / key tail).
+
+This test runs the expanded PTX itself in a small interpreter: the 32-bit integer, predicate
+and branch instructions are executed; everything else (wgmma, TMA, mbarriers, the float
+softmax) is skipped, and a skipped instruction that writes a predicate sets it true (an
+mbarrier wait succeeds at once, "some row rebased"). A skipped instruction that writes an
+integer register the interpreter reads is an error, so the model cannot silently drift from
+the PTX. The interpreter records where each thread goes; the test compares that with the
+attention mask's definition, row by row, over small exhaustive grids of lengths, windows,
+diagonals and grid sizes. BLOCK_M and BLOCK_N come from the build (its #defines), not from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from functools import lru_cache
+
+import pytest
+
+from ptxattn import ptx, stages
+
+UNBOUNDED = 1 << 30                     # an unbounded window side (attention.UNBOUNDED)
+MASK32 = 0xFFFFFFFF
+PREDS_TRUE_WHEN_SKIPPED = True          # documented above: waits succeed, votes are "any"
+
+
+def _s32(x: int) -> int:
+    x &= MASK32
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
+# ---- the interpreter ---------------------------------------------------------------------
+
+_INT_TYPES = ("u32", "s32", "b32")
+_ARITH = {"add", "sub", "mul", "mad", "shl", "shr", "and", "or", "xor", "min", "max", "rem",
+          "div", "neg"}
+_NO_DESTINATION = {"bar", "cp", "fence", "st", "stmatrix", "setmaxnreg", "wgmma"}
+_CMP = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
+        "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b}
+
+
+def _split_operands(text: str) -> list[str]:
+    """Top-level comma split (keeps `[%map, {%a, %b}]` whole)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+@lru_cache(maxsize=None)
+def _constant(text: str) -> int:
+    """An immediate: a number or a constant expression left by the preprocessor (`128 - 1`)."""
+    if not re.fullmatch(r"[0-9a-fA-FxX\s+\-*()<>]+", text):
+        raise AssertionError(f"model: operand {text!r} is not an integer constant")
+    return int(eval(text, {"__builtins__": {}}))   # digits and operators only (checked above)
+
+
+class Program:
+    """The kernel body, reduced to what decides the schedule.
+
+    Parsed into (guard, opcode, operands) statements; then a backward slice from the branch
+    guards and the watched registers keeps the 32-bit integer and predicate statements that
+    feed them (the "modelled" ones). Everything else is dropped, except a dropped statement
+    that writes a predicate the slice reads: an mbarrier wait, a vote, a float compare, which
+    set it true here. A dropped statement that writes an integer register of the slice fails
+    the build of the model, so the model cannot silently drift from the PTX. The run list
+    keeps labels that are watched as events."""
+
+    def __init__(self, text: str, watched: set[str]):
+        body = text[text.index("\n{", text.index(".entry")) + 2:text.rindex("}")]
+        stmts: list[tuple[tuple[bool, str] | None, str, list[str]]] = []
+        labels: dict[str, int] = {}
+        pending = ""
+        for line in body.splitlines():
+            line = line.split("//")[0].strip()
+            if not line or line.startswith("."):
+                continue
+            m = re.fullmatch(r"([A-Za-z_$][\w$]*):", line)
+            if m and not pending:
+                labels[m.group(1)] = len(stmts)
+                continue
+            pending = f"{pending} {line}".strip()
+            if not pending.endswith(";"):
+                continue
+            stmt, pending = pending[:-1].strip(), ""
+            guard = None
+            g = re.match(r"@(!?)(%\w+)\s+", stmt)
+            if g:
+                guard, stmt = (g.group(1) == "!", g.group(2)), stmt[g.end():]
+            op, _, rest = stmt.partition(" ")
+            stmts.append((guard, op, _split_operands(rest)))
+
+        def regs(texts):
+            return {r for a in texts for r in re.findall(r"%[\w]+(?:\.[xyz])?", a)}
+
+        # the slice: registers and predicates that decide branches or are watched
+        keep = set(watched) | {g[1] for g, op, _ in stmts if g and op in ("bra.uni", "bra", "ret")}
+        while True:
+            grown = set(keep)
+            for guard, op, args in stmts:
+                if self._modellable(op) and args and args[0] in keep:
+                    grown |= regs(args[1:]) | ({guard[1]} if guard else set())
+            if grown == keep:
+                break
+            keep = grown
+        self.run_list: list[tuple] = []          # ("op", guard, op, args) / ("true", guard, pred)
+        self.labels: dict[str, int] = {}
+        at_label: dict[int, list[str]] = {}
+        for name, i in labels.items():
+            at_label.setdefault(i, []).append(name)
+        for i, (guard, op, args) in enumerate(stmts + [(None, "ret", [])]):
+            for name in at_label.get(i, ()):
+                self.labels[name] = len(self.run_list)
+                if name in WATCHED_LABELS:
+                    self.run_list.append(("event", name))
+            if op in ("bra.uni", "bra", "ret") or (self._modellable(op) and args[0] in keep):
+                self.run_list.append(("op", guard, op, args))
+                continue
+            no_dst = op.split(".")[0] in _NO_DESTINATION or op.startswith("mbarrier.init")
+            dst = args[0] if args and not no_dst else ""
+            if dst not in keep:
+                continue                           # nothing the schedule reads
+            if dst.startswith("%p_") and op.split(".")[0] in ("mbarrier", "vote", "setp"):
+                self.run_list.append(("true", guard, dst))
+                continue
+            raise AssertionError(f"model: `{op} {', '.join(args)}` writes {dst}, which decides "
+                                 f"the schedule, and the model has no rule for it")
+
+    @staticmethod
+    def _modellable(op: str) -> bool:
+        parts = op.split(".")
+        if parts[0] in ("and", "or", "not") and parts[-1] == "pred":
+            return True
+        if parts[0] == "ld" and parts[1] == "param" and parts[-1] in _INT_TYPES:
+            return True
+        if op == "shfl.sync.idx.b32":            # %wg made uniform: lane 0's value (the same)
+            return True
+        if parts[-1] not in _INT_TYPES or "wide" in parts:   # (.wide: a 64-bit result)
+            return False
+        return parts[0] in _ARITH | {"mov", "setp", "selp"}
+
+
+class Thread:
+    """One thread of one CTA, run from the kernel's entry to `ret`."""
+
+    def __init__(self, prog: Program, *, tid: int, ctaid: int, nctaid: int, params: dict,
+                 watch: dict[str, tuple[str, ...]], max_steps: int = 2_000_000):
+        self.p, self.params, self.watch = prog, params, watch
+        self.regs: dict[str, int] = {"%tid.x": tid, "%ctaid.x": ctaid, "%nctaid.x": nctaid}
+        self.preds: dict[str, bool] = {}
+        self.events: list[tuple[str, dict]] = []
+        self.max_steps = max_steps
+
+    def val(self, a: str) -> int:
+        if a.startswith("%"):
+            if a not in self.regs:
+                raise AssertionError(f"model: {a} read before the PTX wrote it")
+            return self.regs[a]
+        if a == "smem":
+            return 0
+        return _constant(a)
+
+    def pred(self, a: str) -> bool:
+        neg = a.startswith("!")
+        name = a[1:] if neg else a
+        if name not in self.preds:
+            raise AssertionError(f"model: {name} read before the PTX wrote it")
+        return self.preds[name] != neg
+
+    def run(self):
+        run_list, labels, pc = self.p.run_list, self.p.labels, 0
+        for _ in range(self.max_steps):
+            item = run_list[pc]
+            pc += 1
+            if item[0] == "event":
+                name = item[1]
+                if name in self.watch:
+                    self.events.append((name, {r: (self.preds[r] if r in self.preds else
+                                                   self.regs.get(r)) for r in self.watch[name]}))
+                continue
+            guard = item[1]
+            if guard is not None and self.pred(guard[1]) == guard[0]:
+                continue                           # guard false: not executed
+            if item[0] == "true":
+                self.preds[item[2]] = PREDS_TRUE_WHEN_SKIPPED
+                continue
+            op, args = item[2], item[3]
+            if op in ("bra.uni", "bra"):
+                pc = labels[args[0]]
+            elif op == "ret":
+                return self
+            else:
+                self.execute(op, args)
+        raise AssertionError("model: the thread did not finish (a loop that never ends?)")
+
+    def execute(self, op: str, args: list[str]):
+        parts = op.split(".")
+        kind, typ = parts[0], parts[-1]
+        if typ == "pred":
+            a = [self.pred(x) for x in args[1:]]
+            self.preds[args[0]] = {"and": lambda: a[0] and a[1], "or": lambda: a[0] or a[1],
+                                   "not": lambda: not a[0]}[kind]()
+            return
+        if kind == "ld":
+            m = re.fullmatch(r"\[(\w+)\]", args[1])
+            self.regs[args[0]] = self.params[m.group(1)] & MASK32
+            return
+        if op == "shfl.sync.idx.b32":
+            self.regs[args[0]] = self.val(args[1])
+            return
+        signed = typ == "s32"
+        conv = _s32 if signed else (lambda x: x & MASK32)
+        if kind == "setp":
+            a, b = conv(self.val(args[1])), conv(self.val(args[2]))
+            r = _CMP[parts[1]](a, b)
+            if parts[2] in ("and", "or"):
+                c = self.pred(args[3])
+                r = (r and c) if parts[2] == "and" else (r or c)
+            self.preds[args[0]] = r
+            return
+        if kind == "selp":
+            self.regs[args[0]] = (self.val(args[1]) if self.pred(args[3])
+                                  else self.val(args[2])) & MASK32
+            return
+        if kind == "mov":
+            self.regs[args[0]] = self.val(args[1]) & MASK32
+            return
+        x = [conv(self.val(v)) for v in args[1:]]
+        if kind == "add":
+            r = x[0] + x[1]
+        elif kind == "sub":
+            r = x[0] - x[1]
+        elif kind == "mul":
+            assert parts[1] == "lo", op
+            r = x[0] * x[1]
+        elif kind == "mad":
+            assert parts[1] == "lo", op
+            r = x[0] * x[1] + x[2]
+        elif kind == "shl":
+            r = x[0] << (x[1] & 31)
+        elif kind == "shr":
+            r = x[0] >> x[1]                   # arithmetic for s32 (x is signed), logical for u32
+        elif kind == "and":
+            r = x[0] & x[1]
+        elif kind == "or":
+            r = x[0] | x[1]
+        elif kind == "xor":
+            r = x[0] ^ x[1]
+        elif kind == "min":
+            r = min(x[0], x[1])
+        elif kind == "max":
+            r = max(x[0], x[1])
+        elif kind == "rem":
+            r = abs(x[0]) % abs(x[1]) * (1 if x[0] >= 0 else -1)
+        elif kind == "div":
+            r = abs(x[0]) // abs(x[1]) * (1 if (x[0] >= 0) == (x[1] >= 0) else -1)
+        elif kind == "neg":
+            r = -x[0]
+        else:
+            raise AssertionError(f"model: no rule for {op}")
+        self.regs[args[0]] = r & MASK32
+
+
+# ---- the builds ------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def program(head_dim: int, masked: bool, round_robin: bool = False) -> Program:
+    st = stages.PRODUCTION.specialize(head_dim, masked=masked)
+    defines = dict(st.defines)
+    if round_robin:
+        defines["PTXATTN_ROUND_ROBIN"] = "1"
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    return Program(ptx.source(st, defines), watched)
+
+
+@lru_cache(maxsize=None)
+def build_constant(head_dim: int, name: str) -> int:
+    """A #define of the build, read from the expanded PTX's use: the build table's row."""
+    src = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    if name == "BLOCK_M":
+        return int(re.search(r"^#define BLOCK_M (\d+)", src, re.M).group(1))
+    row = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", src, re.M | re.S)
+    return int(re.search(rf"^#define {name} (\d+)", row.group(1), re.M).group(1))
+
+
+CONSUMER_WATCH = {
+    "consumer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
+    "wait_q": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
+    "mask_first_done": ("%p_edge", "%kv_base", "%key_base"),
+    "mask_done_first": ("%kv_base", "%p_tail"),
+    "masked_wait_full_k": ("%kv_global", "%kv_base", "%key_base"),
+    "plain_wait_full_k": ("%kv_global", "%kv_base"),
+    "last_pv": ("%kv_global", "%kv_end", "%p_last_tile", "%p_second"),
+}
+PRODUCER_WATCH = {
+    "producer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
+    "produce_q": ("%q_row", "%q_row1", "%head", "%batch"),
+    "produce_k": ("%kv_global", "%kv_row", "%head_kv", "%batch"),
+}
+WATCHED_LABELS = set(CONSUMER_WATCH) | set(PRODUCER_WATCH)
+
+
+def params(seq_q, seq_k, heads=1, batch=1, heads_per_kv=1, diag=0, left=UNBOUNDED,
+           right=UNBOUNDED):
+    return dict(seq_q=seq_q, seq_k=seq_k, heads=heads, batch=batch, heads_per_kv=heads_per_kv,
+                diag_offset=diag, window_left=left, window_right=right)
+
+
+def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None,
+            tids=(0, 128, 256)):
+    """(producer, consumer 0, consumer 1) of one CTA, each a list of watched events."""
+    prog = prog or program(head_dim, masked, round_robin)
+    out = []
+    watches = {0: PRODUCER_WATCH, 128: CONSUMER_WATCH, 256: CONSUMER_WATCH}
+    for tid, watch in ((t, watches[t]) for t in tids):
+        out.append(Thread(prog, tid=tid, ctaid=ctaid, nctaid=nctaid, params=prm,
+                          watch=watch).run().events)
+    return out
+
+
+def consumer_tiles(events):
+    """Per tile of one consumer: (tile, info at wait_q, [(kv position, masked?, key_base)],
+    info at last_pv)."""
+    tiles, cur = [], None
+    for name, v in events:
+        if name == "consumer_tile_loop":
+            cur = {"tile": v["%tile"], "kv_base": v["%kv_base"], "steps": []}
+            tiles.append(cur)
+        elif name == "wait_q":
+            cur.update(v)
+        elif name in ("mask_first_done", "mask_done_first"):
+            # tile 0 of the Q tile: masked when the prologue's test held
+            flag = v["%p_edge"] if name == "mask_first_done" else v["%p_tail"]
+            cur["steps"].append((v["%kv_base"], bool(flag), v.get("%key_base")))
+        elif name == "masked_wait_full_k":
+            cur["steps"].append((v["%kv_global"], True, v.get("%key_base")))
+        elif name == "plain_wait_full_k":
+            cur["steps"].append((v["%kv_global"], False, None))
+        elif name == "last_pv":
+            cur["last"] = v
+    return tiles
+
+
+# ---- the definition the schedule must meet --------------------------------------------
+
+def truth(seq_q, seq_k, q_row, block_m, block_n, diag, left, right):
+    """K/V tiles some row of the Q tile at q_row sees (sorted), and those it sees only in part."""
+    rows = range(q_row, min(q_row + block_m, seq_q))
+    n_tiles = -(-seq_k // block_n)
+    seen, partial = set(), set()
+    for r in rows:
+        lo, hi = max(0, r + diag - left), min(seq_k - 1, r + diag + right)
+        for t in range(n_tiles):
+            a, b = t * block_n, t * block_n + block_n - 1
+            vis_lo, vis_hi = max(a, lo), min(b, hi)
+            if vis_lo <= vis_hi:
+                seen.add(t)
+            if not (vis_lo == a and vis_hi == b):
+                partial.add(t)
+    return sorted(seen), partial
+
+
+def straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right, key_base):
+    """TILE_STRADDLES_EDGE's condition, as the PTX states it."""
+    q_last = min(q_row + block_m - 1, seq_q - 1)
+    below = q_last + diag - left
+    above = min(q_row + diag + right, seq_k - 1)
+    return key_base < below or key_base + block_n - 1 > above
+
+
+def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
+    """One consumer's record of one Q tile against the definition."""
+    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
+    m_blocks = -(-seq_q // block_m)
+    m = t["tile"] % m_blocks
+    bh = t["tile"] // m_blocks
+    assert (t["%head"], t["%batch"]) == (bh % prm["heads"], bh // prm["heads"])
+    m_block = m_blocks - 1 - m if masked else m      # longest rows first (masked build)
+    q_row = m_block * block_m
+    positions = [s[0] for s in t["steps"]]
+    count = len(positions)
+    # consecutive ring positions from kv_base, each once, and the loop ends where it should
+    assert positions == list(range(t["kv_base"], t["kv_base"] + count)), positions
+    assert t["last"]["%kv_global"] == t["kv_base"] + count == t["last"]["%kv_end"]
+    if not masked:
+        n_tiles = -(-seq_k // block_n)
+        assert count == n_tiles
+        ragged = seq_k % block_n != 0
+        for i, (_, was_masked, _) in enumerate(t["steps"]):
+            assert was_masked == (ragged and i == n_tiles - 1), (i, t["steps"])
+        return count
+    diag, left, right = prm["diag_offset"], prm["window_left"], prm["window_right"]
+    assert t["%m_block"] == m_block
+    seen, partial = truth(seq_q, seq_k, q_row, block_m, block_n, diag, left, right)
+    first = t["%kv_first"]
+    tiles = list(range(first, first + count))
+    if seen:
+        assert tiles == seen, f"Q rows from {q_row}: visits K/V tiles {tiles}, sees {seen}"
+    else:                              # no row sees a key: one fully masked tile, output 0
+        assert count == 1 and 0 <= first < -(-seq_k // block_n)
+    for i, (_, was_masked, key_base) in enumerate(t["steps"]):
+        kv = first + i
+        need = kv in partial
+        assert was_masked == need, (
+            f"Q rows from {q_row}, K/V tile {kv} (step {i} of {count}): "
+            f"{'masked' if was_masked else 'plain'} copy, but some row sees it "
+            f"{'only in part' if need else 'whole'}")
+        assert need == straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right,
+                                 kv * block_n)
+        if was_masked:
+            assert key_base == kv * block_n, (i, key_base)
+    return count
+
+
+def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None):
+    """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
+    block_m = build_constant(head_dim, "BLOCK_M")
+    block_n = build_constant(head_dim, "BLOCK_N")
+    tiles = -(-prm["seq_q"] // block_m) * prm["heads"] * prm["batch"]
+    done = []
+    for c in range(grid):
+        producer, c0, c1 = run_cta(head_dim, masked, prm, c, grid, round_robin, prog)
+        t0, t1 = consumer_tiles(c0), consumer_tiles(c1)
+        assert [t["tile"] for t in t0] == [t["tile"] for t in t1]
+        assert [t["steps"] for t in t0] == [t["steps"] for t in t1]
+        # the producer walks the same tiles and loads, per tile, the K/V tiles consumed
+        p_tiles = [v["%tile"] for name, v in producer if name == "producer_tile_loop"]
+        assert p_tiles == [t["tile"] for t in t0], (p_tiles, [t["tile"] for t in t0])
+        loads = [v for name, v in producer if name == "produce_k"]
+        consumed = [s[0] for t in t0 for s in t["steps"]]
+        assert [v["%kv_global"] for v in loads] == consumed
+        i = 0
+        for t in t0:
+            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n)
+            first = t["%kv_first"] if masked else 0
+            for j in range(count):
+                v = loads[i + j]
+                assert v["%kv_row"] == (first + j) * block_n
+                assert v["%batch"] == t["%batch"]
+                assert v["%head_kv"] == t["%head"] // prm["heads_per_kv"]
+            i += count
+        qs = [v for name, v in producer if name == "produce_q"]
+        for t, q in zip(t0, qs):
+            assert q["%q_row"] == t["%m_block"] * block_m if masked else True
+        # the last tile flag: true on this CTA's last tile only, for both consumers
+        for seq in (t0, t1):
+            flags = [t["last"]["%p_last_tile"] for t in seq]
+            assert flags == [False] * (len(seq) - 1) + [True], flags
+        done += [t["tile"] for t in t0]
+    assert sorted(done) == list(range(tiles)), f"grid {grid}: tiles done {sorted(done)}"
+    return done
+
+
+# ---- the tests -------------------------------------------------------------------------
+
+def test_the_interpreter_reads_the_builds_constants():
+    assert build_constant(128, "BLOCK_N") == 128 and build_constant(256, "BLOCK_N") == 64
+    assert build_constant(64, "BLOCK_N") == 128 and build_constant(128, "BLOCK_M") == 128
+    for d in (64, 128, 256):
+        assert build_constant(d, "BLOCK_N") == stages.PRODUCTION_VARIANTS[(d, True)].block_n
+
+
+def test_the_interpreter_fails_a_wrong_schedule():
+    """The checks can fail: a consumer record with one tile masked wrongly is refused."""
+    prm = params(300, 300, diag=0, left=UNBOUNDED, right=0)
+    _, c0, _ = run_cta(128, True, prm, 0, 1)
+    t = consumer_tiles(c0)
+    check_q_tile(t[0], prm, 128, True, 128, 128)
+    bad = dict(t[0], steps=[(p, not m, k) for p, m, k in t[0]["steps"]])
+    with pytest.raises(AssertionError):
+        check_q_tile(bad, prm, 128, True, 128, 128)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_masked_kv_runs_cover_each_tile_once_with_the_right_copy(head_dim):
+    """Front run / plain loop / back run, exhaustive over small lengths, windows, diagonals."""
+    n = build_constant(head_dim, "BLOCK_N")
+    lengths = sorted({1, n - 1, n + 1, 2 * n + 5, 5 * n})
+    sides = sorted({0, 1, n - 1, n, n + 1, UNBOUNDED})
+    cases = 0
+    for seq_q, seq_k in itertools.product(lengths, repeat=2):
+        diags = sorted({0, seq_k - seq_q, -3, 5})
+        for diag, left, right in itertools.product(diags, sides, sides):
+            if left == right == UNBOUNDED:
+                continue                       # the unmasked build's case
+            prm = params(seq_q, seq_k, diag=diag, left=left, right=right)
+            (c0,) = run_cta(head_dim, True, prm, 0, 1, tids=(128,))
+            block_m = build_constant(head_dim, "BLOCK_M")
+            for t in consumer_tiles(c0):
+                check_q_tile(t, prm, head_dim, True, block_m, n)
+            cases += 1
+    assert cases > 500
+
+
+def kv_cases(head_dim):
+    n = build_constant(head_dim, "BLOCK_N")
+    for seq_q, seq_k in itertools.product((1, n + 1, 3 * n + 5), repeat=2):
+        for diag, left, right in itertools.product(sorted({0, seq_k - seq_q, -3}),
+                                                   (0, n - 1, n + 1, UNBOUNDED), (0, 1, n)):
+            yield params(seq_q, seq_k, diag=diag, left=left, right=right)
+
+
+def mutated(head_dim, old, new):
+    """The masked build with one statement changed: the model must notice."""
+    st = stages.PRODUCTION.specialize(head_dim, masked=True)
+    text = ptx.source(st, dict(st.defines))
+    assert text.count(old) >= 1, old
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    return Program(text.replace(old, new), watched)
+
+
+@pytest.mark.parametrize("old, new", [
+    # the back run starts one tile late: the diagonal's tile would run unmasked
+    ("add.s32 %tmp, %mask_above, 1;", "add.s32 %tmp, %mask_above, 129;"),
+    # the front run ends one tile early: a window's left-edge tile would run unmasked
+    ("add.s32 %tmp, %mask_below, 128 - 1;", "add.s32 %tmp, %mask_below, -1;"),
+])
+def test_the_model_catches_a_wrong_run_boundary(old, new):
+    prog = mutated(128, old, new)
+    with pytest.raises(AssertionError):
+        for prm in kv_cases(128):
+            (c0,) = run_cta(128, True, prm, 0, 1, prog=prog, tids=(128,))
+            for t in consumer_tiles(c0):
+                check_q_tile(t, prm, 128, True, 128, 128)
+
+
+def test_the_model_catches_a_wrong_snake():
+    """Odd rounds without the -1: tile k*G + G - c, one CTA past the round (a tile twice)."""
+    prog = mutated(128, "@%p_odd add.u32 %tmp, %tmp, -1;", "")
+    prm = params(128 * 5, 128, heads=3, diag=0, left=UNBOUNDED, right=0)
+    with pytest.raises(AssertionError):
+        check_launch(128, True, prm, 4, prog=prog)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("masked", [True, False])
+def test_every_tile_once_across_ctas_and_the_last_tile_flag(head_dim, masked):
+    """Tile walk (snake in the masked build) for every grid size up to the tile count."""
+    n = build_constant(head_dim, "BLOCK_N")
+    for seq_q, heads, batch in [(128, 1, 1), (300, 2, 1), (513, 3, 2), (129, 2, 3)]:
+        for seq_k in ((n - 5,) if heads * batch > 1 else (n - 5, 2 * n + 1)):
+            prm = params(seq_q, seq_k, heads=heads, batch=batch, heads_per_kv=heads,
+                         diag=seq_k - seq_q, left=(n + 7) if masked else UNBOUNDED,
+                         right=0 if masked else UNBOUNDED)
+            tiles = -(-seq_q // build_constant(head_dim, "BLOCK_M")) * heads * batch
+            for grid in range(1, tiles + 1):
+                check_launch(head_dim, masked, prm, grid)
+
+
+def test_round_robin_knob_still_covers_every_tile():
+    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
+    for grid in (1, 3, 7, 19, 20):
+        check_launch(128, True, prm, grid, round_robin=True)
+
+
+def test_snake_order_is_the_documented_one():
+    """Round k of CTA c: k*G + c on even rounds, k*G + G-1-c on odd ones."""
+    prm = params(128 * 5, 128, heads=3, batch=1, diag=0, left=UNBOUNDED, right=0)   # 15 tiles
+    grid = 4
+    for c in range(grid):
+        _, c0, _ = run_cta(128, True, prm, c, grid)
+        got = [t["tile"] for t in consumer_tiles(c0)]
+        want = [k * grid + (c if k % 2 == 0 else grid - 1 - c) for k in range(4)]
+        assert got == [w for w in want if w < 15]
