@@ -87,7 +87,7 @@ class Program:
     the build of the model, so the model cannot silently drift from the PTX. The run list
     keeps labels that are watched as events."""
 
-    def __init__(self, text: str, watched: set[str]):
+    def __init__(self, text: str, watched: set[str], elements: bool = False):
         body = text[text.index("\n{", text.index(".entry")) + 2:text.rindex("}")]
         stmts: list[tuple[tuple[bool, str] | None, str, list[str]]] = []
         labels: dict[str, int] = {}
@@ -116,6 +116,11 @@ class Program:
 
         # the slice: registers and predicates that decide branches or are watched
         keep = set(watched) | {g[1] for g, op, _ in stmts if g and op in ("bra.uni", "bra", "ret")}
+        # elements: also the score mask, `selp.f32 %sN, -inf, %sN, P` (which slots P masks)
+        masks = {i: (int(args[0][2:]), args[3]) for i, (_, op, args) in enumerate(stmts)
+                 if elements and op == "selp.f32" and re.fullmatch(r"%s\d+", args[0])
+                 and args[1] == "0fFF800000" and args[2] == args[0]}
+        keep |= {pred for _, pred in masks.values()}
         while True:
             grown = set(keep)
             for guard, op, args in stmts:
@@ -142,6 +147,9 @@ class Program:
                 continue
             if self._modellable(op) and args[0] in keep:
                 self.run_list.append(("op", guard, _compile(op, args)))
+                continue
+            if i in masks:
+                self.run_list.append(("mask", guard, *masks[i]))
                 continue
             no_dst = op.split(".")[0] in _NO_DESTINATION or op.startswith("mbarrier.init")
             dst = args[0] if args and not no_dst else ""
@@ -258,6 +266,8 @@ class Thread:
                     continue                       # guard false: not executed
                 if what == "true":
                     preds[item[2]] = PREDS_TRUE_WHEN_SKIPPED
+                elif what == "mask":             # score slot item[2] masked? (to the last event)
+                    self.events[-1][1].setdefault("masks", {})[item[2]] = preds[item[3]]
                 elif what == "bra":
                     pc = labels[item[2]]
                 elif what == "ret":
@@ -272,13 +282,14 @@ class Thread:
 # ---- the builds ------------------------------------------------------------------------
 
 @lru_cache(maxsize=None)
-def program(head_dim: int, masked: bool, round_robin: bool = False) -> Program:
+def program(head_dim: int, masked: bool, round_robin: bool = False,
+            elements: bool = False) -> Program:
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
     defines = dict(st.defines)
     if round_robin:
         defines["PTXATTN_ROUND_ROBIN"] = "1"
     watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
-    return Program(ptx.source(st, defines), watched)
+    return Program(ptx.source(st, defines), watched, elements)
 
 
 @lru_cache(maxsize=None)
@@ -295,6 +306,7 @@ def build_constant(head_dim: int, name: str) -> int:
 
 CONSUMER_WATCH = {
     "consumer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
+    "wait_full_k0": (),                          # (the prologue's score mask follows)
     "wait_q": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
     "mask_first_done": ("%p_edge", "%kv_base", "%key_base"),
     "mask_done_first": ("%kv_base", "%p_tail"),
@@ -321,8 +333,7 @@ def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None,
     """(producer, consumer 0, consumer 1) of one CTA, each a list of watched events."""
     prog = prog or program(head_dim, masked, round_robin)
     out = []
-    watches = {0: PRODUCER_WATCH, 128: CONSUMER_WATCH, 256: CONSUMER_WATCH}
-    for tid, watch in ((t, watches[t]) for t in tids):
+    for tid, watch in ((t, PRODUCER_WATCH if t < 128 else CONSUMER_WATCH) for t in tids):
         out.append(Thread(prog, tid=tid, ctaid=ctaid, nctaid=nctaid, params=prm,
                           watch=watch).run().events)
     return out
@@ -338,14 +349,19 @@ def consumer_tiles(events):
             tiles.append(cur)
         elif name == "wait_q":
             cur.update(v)
+        elif name == "wait_full_k0":
+            prologue = v                       # its "masks" come before mask_first_done
         elif name in ("mask_first_done", "mask_done_first"):
             # tile 0 of the Q tile: masked when the prologue's test held
             flag = v["%p_edge"] if name == "mask_first_done" else v["%p_tail"]
             cur["steps"].append((v["%kv_base"], bool(flag), v.get("%key_base")))
+            cur.setdefault("masks", []).append(prologue.get("masks"))
         elif name == "masked_wait_full_k":
             cur["steps"].append((v["%kv_global"], True, v.get("%key_base")))
+            cur.setdefault("masks", []).append(v.get("masks"))
         elif name == "plain_wait_full_k":
             cur["steps"].append((v["%kv_global"], False, None))
+            cur.setdefault("masks", []).append(v.get("masks"))
         elif name == "last_pv":
             cur["last"] = v
     return tiles
@@ -504,6 +520,64 @@ def kv_cases(head_dim):
         for diag, left, right in itertools.product(sorted({0, seq_k - seq_q, -3}),
                                                    (0, n - 1, n + 1, UNBOUNDED), (0, 1, n)):
             yield params(seq_q, seq_k, diag=diag, left=left, right=right)
+
+
+def check_elements(t, prm, tid, block_m, block_n):
+    """One consumer thread's score mask on each step of a Q tile against the definition: slot
+    4j + h of the wgmma accumulator is row 16*warp + lane/4 (+ 8 for h >= 2) of this consumer's
+    64, key 8j + 2*(lane % 4) + h % 2 of the tile; masked exactly when the row does not see
+    the key (rows past seq_q are clipped by the store: not checked)."""
+    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
+    diag, left, right = prm["diag_offset"], prm["window_left"], prm["window_right"]
+    consumer, warp, lane = (tid >> 7) - 1, (tid & 127) >> 5, tid & 31
+    row0 = t["%m_block"] * block_m + 64 * consumer + 16 * warp + lane // 4
+    for i, ((_, was_masked, _), masks) in enumerate(zip(t["steps"], t["masks"])):
+        key_base = (t["%kv_first"] + i) * block_n
+        if not was_masked:
+            assert masks is None                # the plain copy has no mask at all
+        else:
+            assert sorted(masks) == list(range(block_n // 2)), sorted(masks)
+        for slot in range(block_n // 2):
+            row = row0 + (8 if slot % 4 >= 2 else 0)
+            key = key_base + 8 * (slot // 4) + 2 * (lane % 4) + slot % 2
+            if row >= seq_q:
+                continue
+            hidden = not (max(0, row + diag - left) <= key <= min(seq_k - 1, row + diag + right))
+            got = masks[slot] if was_masked else False
+            assert got == hidden, (f"row {row} key {key} (thread {tid}, slot {slot}, step {i}): "
+                                   f"{'masked' if got else 'kept'}, should be "
+                                   f"{'masked' if hidden else 'kept'}")
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_score_mask_of_sampled_threads(head_dim):
+    """The element mask (MASK_TILE_RANGE / MASK_RANGE) on the masked steps, for threads of
+    both consumers, every lane % 4 and several warps and rows, over kv_cases."""
+    prog = program(head_dim, True, elements=True)
+    n = build_constant(head_dim, "BLOCK_N")
+    # consumer 0: warps 0-3, lane % 4 = 0-3, rows 0 and 7 of a warp; consumer 1: two more
+    tids = [128 + 0, 128 + 32 + 1, 128 + 64 + 10, 128 + 96 + 31, 256 + 5, 256 + 64 + 30]
+    for prm in kv_cases(head_dim):
+        for tid in tids:
+            (events,) = run_cta(head_dim, True, prm, 0, 1, prog=prog, tids=(tid,))
+            for t in consumer_tiles(events):
+                check_elements(t, prm, tid, build_constant(head_dim, "BLOCK_M"), n)
+
+
+def test_the_element_check_fails_a_wrong_mask():
+    """The window's right edge one key too far in every thread: caught."""
+    st = stages.PRODUCTION.specialize(128, masked=True)
+    text = ptx.source(st, dict(st.defines))
+    old = "add.s32 %row_lo_last, %tmp, %win_right;"
+    assert old in text
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    prog = Program(text.replace(old, old + "\nadd.s32 %row_lo_last, %row_lo_last, 1;"), watched,
+                   elements=True)
+    with pytest.raises(AssertionError, match="should be masked"):
+        for prm in kv_cases(128):
+            (events,) = run_cta(128, True, prm, 0, 1, prog=prog, tids=(128,))
+            for t in consumer_tiles(events):
+                check_elements(t, prm, 128, 128, 128)
 
 
 def mutated(head_dim, old, new):
