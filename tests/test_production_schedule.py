@@ -28,8 +28,10 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
+from ptxattn import attention as attn
 from ptxattn import ptx, stages
 from ptxattn.attention import UNBOUNDED   # an unbounded window side, as the kernel reads it
+from test_prepare import dev, gpu         # noqa: F401 - gpu is a fixture (a pretend driver)
 
 MASK32 = 0xFFFFFFFF
 PREDS_TRUE_WHEN_SKIPPED = True          # documented above: waits succeed, votes are "any"
@@ -644,3 +646,21 @@ def test_snake_order_is_the_documented_one():
         got = [t["tile"] for t in consumer_tiles(c0)]
         want = [k * grid + (c if k % 2 == 0 else grid - 1 - c) for k in range(4)]
         assert got == [w for w in want if w < 15]
+
+
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 0), (0, 2**32), (-1, 2**40)])
+def test_huge_window_sides_reach_the_kernel_as_unbounded(window, gpu):
+    """A window side of 2^30 or more sees every key, as -1 does; the kernel's s32 arithmetic
+    must get UNBOUNDED for it. (0, 2^31 - 1) passed as is: q_last + right wraps negative and a
+    Q tile visits one K/V tile (checked here through the model); 2^32 wraps to 0 in the s32
+    parameter (a causal mask)."""
+    q, k, v = (dev((1, 2, 300, 128), i) for i in range(3))
+    attn.prepare(q, k, v, window=window).launch()
+    (_, _, (values, types), _), = gpu["cuLaunchKernelEx"]
+    want = tuple(UNBOUNDED if x < 0 or x >= UNBOUNDED else x for x in window)
+    assert values[-2:] == want
+    # and the kernel, given them, visits every K/V tile a row sees
+    prm = params(300, 300, diag=0, left=values[-2], right=values[-1])
+    (c0,) = run_cta(128, True, prm, 0, 1, tids=(128,))
+    for t in consumer_tiles(c0):
+        check_q_tile(t, prm, 128, True, 128, 128)
