@@ -653,7 +653,10 @@ def _build(plan: _Plan, defines=None, extra_params=()) -> PreparedAttention:
     if stage.production:
         # GQA group size, where the log-sum-exp goes (0: not wanted), the diagonal and the
         # window (read by the masked build only)
-        left, right = (UNBOUNDED if x < 0 else x for x in plan.window)
+        # A side of 2^30 or more is unbounded too (no length reaches it): passed as is, a side
+        # near 2^31 overflows the kernel's s32 key arithmetic, and one past it wraps in the
+        # s32 parameter, and keys that rows must see are dropped without an error.
+        left, right = (UNBOUNDED if x < 0 else min(x, UNBOUNDED) for x in plan.window)
         values += (H // Hkv, lse.ptr if lse is not None else 0, plan.diag_offset, left, right)
         types += (driver.U32, driver.U64, driver.S32, driver.S32, driver.S32)
     if stage.dynamic_tiles:

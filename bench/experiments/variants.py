@@ -27,10 +27,30 @@ from ptxattn.attention import prepare
 def parse_variant(text: str):
     label, _, spec = text.partition("=")
     kernel, _, defs = spec.partition(":")
-    defines = dict(d.split("=", 1) for d in defs.split(",") if d) if defs else {}
-    if not label or not kernel:
+    pairs = [d.split("=", 1) for d in defs.split(",") if d] if defs else []
+    if not label or not kernel or any(len(p) != 2 or not p[0] for p in pairs):
         raise SystemExit(f"variant {text!r}: expected LABEL=KERNEL[:NAME=VALUE,...]")
-    return label, kernel, defines
+    return label, kernel, dict(pairs)
+
+
+def parse_window(text: str | None):
+    """--window LEFT,RIGHT -> (left, right); None: no window."""
+    if text is None:
+        return None
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--window {text!r}: expected LEFT,RIGHT (ints, -1: unbounded)") from None
+    return left, right
+
+
+def credited_flops(b: int, h: int, lq: int, lk: int, d: int, causal: bool, window) -> tuple:
+    """(FLOPs, rule) as `ptxattn bench` credits them (bench.case_flops): dense 4*B*H*Lq*Lk*D,
+    causal halved (the FlashAttention/cuDNN convention), windows over the exact pairs; so a
+    variants figure and a bench figure of the same shape are the same TFLOP/s."""
+    case = bench.Case(name="variants", batch=b, heads=h, seq_q=lq, seq_k=lk, head_dim=d,
+                      causal=causal, window=window)
+    return case.flops, bench.flops_rule(case)
 
 
 def main(argv=None) -> int:
@@ -54,10 +74,13 @@ def main(argv=None) -> int:
     else:
         raise SystemExit(f"--shape {args.shape!r}: expected BxHxLxD or BxHxLqxLkxD")
     variants = [parse_variant(v) for v in args.variants]
+    labels = [label for label, _, _ in variants]
+    if len(set(labels)) != len(labels):            # a repeated label would overwrite a run
+        raise SystemExit(f"variants: each LABEL once, got {', '.join(labels)}")
+    window = parse_window(args.window)
     q, k, v = reference.random_qkv(b, h, lq, lk, d, args.layout, seed=args.seed)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     rows = reference.sample_rows(lq, 128, seed=args.seed)
-    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
     mask = dict(causal=args.causal, window=window)
     ref = reference.attention_reference(q, k, v, layout=args.layout, rows=rows, **mask)
     axis = 2 if args.layout == "bhld" else 1
@@ -75,22 +98,24 @@ def main(argv=None) -> int:
             continue
         runs[label] = p
     labels = list(runs)
+    if not labels:
+        print("every variant failed its check: nothing timed")
     rng = np.random.default_rng(args.seed)
     per_round = {lab: [] for lab in labels}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds if labels else 0):
         order = list(rng.permutation(labels))
         times = bench.time_interleaved([runs[lab].launch for lab in order], args.reps)
         for lab, t in zip(order, times):
             per_round[lab].append(bench.median(t))
-    # FLOPs over the (query, key) pairs the mask leaves (bench's rule: causal and windows exact)
-    flops = 4 * b * h * d * bench.unmasked_pairs(lq, lk, **mask)
-    first = labels[0]
+    flops, rule = credited_flops(b, h, lq, lk, d, args.causal, window)
+    first = labels[0] if labels else None
     result = {"shape": args.shape, "layout": args.layout, "rounds": args.rounds,
               "reps": args.reps, "gpu": driver.context().name if hasattr(driver.context(), "name")
               else None, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "source": bench.source_id(), "failed": {k: v for k, v in failed.items()},
               "variants": {}}
     result["mask"] = {"causal": args.causal, "window": window}
+    result["flops"], result["flops_rule"] = flops, rule
     print(f"shape {args.shape} {args.layout} {mask}, {args.rounds} rounds x {args.reps} reps")
     for lab in labels:
         ms = bench.median(per_round[lab])

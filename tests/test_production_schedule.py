@@ -1,0 +1,666 @@
+"""The production kernel's schedule, executed from its own PTX (CPU only).
+
+ptx/sm90/production.ptx walks two nested schedules that no GPU test covers exhaustively:
+  - the persistent tile walk: CTA c of G takes round k's tile k*G + c, or k*G + G-1-c on odd
+    rounds in the masked build (SNAKE_TILE); %p_last_tile must be true on its last tile only
+    (consumer 1's last turn hand-over is skipped there, so a wrong flag hangs or races);
+  - per Q tile, the K/V tiles it sees ([kv_first, kv_first + kv_count)): tile 0 in the
+    prologue, then a front run of masked steps, the plain loop, a back run of masked steps
+    (kv_masked_run / kv_loop / kv_back_run). A tile some row sees only in part must take the
+    masked copy (or its scores leak past the window / diagonal / key tail).
+
+This test runs the expanded PTX itself in a small interpreter: the 32-bit integer, predicate
+and branch instructions that decide the branches are executed; everything else (wgmma, TMA,
+mbarriers, the float softmax) is skipped, and a skipped instruction that writes a predicate
+they read sets it true (an mbarrier wait succeeds at once, "some row rebased"). A skipped
+instruction that writes an integer register they read is an error, so the model cannot
+silently drift from the PTX. The interpreter records where each thread goes; the test compares that with the
+attention mask's definition, row by row, over small exhaustive grids of lengths, windows,
+diagonals and grid sizes. BLOCK_M and BLOCK_N come from the build (its #defines), not from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from ptxattn import attention as attn
+from ptxattn import ptx, stages
+from ptxattn.attention import UNBOUNDED   # an unbounded window side, as the kernel reads it
+from test_prepare import dev, gpu         # noqa: F401 - gpu is a fixture (a pretend driver)
+
+MASK32 = 0xFFFFFFFF
+PREDS_TRUE_WHEN_SKIPPED = True          # documented above: waits succeed, votes are "any"
+
+
+def _s32(x: int) -> int:
+    x &= MASK32
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
+# ---- the interpreter ---------------------------------------------------------------------
+
+_INT_TYPES = ("u32", "s32", "b32")
+_ARITH = {"add", "sub", "mul", "mad", "shl", "shr", "and", "or", "xor", "min", "max", "rem",
+          "div", "neg"}
+_NO_DESTINATION = {"bar", "cp", "fence", "st", "stmatrix", "setmaxnreg", "wgmma"}
+_CMP = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
+        "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b}
+
+
+def _split_operands(text: str) -> list[str]:
+    """Top-level comma split (keeps `[%map, {%a, %b}]` whole)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+@lru_cache(maxsize=None)
+def _constant(text: str) -> int:
+    """An immediate: a number or a constant expression left by the preprocessor (`128 - 1`)."""
+    if not re.fullmatch(r"[0-9a-fA-FxX\s+\-*()<>]+", text):
+        raise AssertionError(f"model: operand {text!r} is not an integer constant")
+    return int(eval(text, {"__builtins__": {}}))   # digits and operators only (checked above)
+
+
+class Program:
+    """The kernel body, reduced to what decides the schedule.
+
+    Parsed into (guard, opcode, operands) statements; then a backward slice from the branch
+    guards and the watched registers keeps the 32-bit integer and predicate statements that
+    feed them (the "modelled" ones). Everything else is dropped, except a dropped statement
+    that writes a predicate the slice reads: an mbarrier wait, a vote, a float compare, which
+    set it true here. A dropped statement that writes an integer register of the slice fails
+    the build of the model, so the model cannot silently drift from the PTX. The run list
+    keeps labels that are watched as events."""
+
+    def __init__(self, text: str, watched: set[str], elements: bool = False):
+        body = text[text.index("\n{", text.index(".entry")) + 2:text.rindex("}")]
+        stmts: list[tuple[tuple[bool, str] | None, str, list[str]]] = []
+        labels: dict[str, int] = {}
+        pending = ""
+        for line in body.splitlines():
+            line = line.split("//")[0].strip()
+            if not line or line.startswith("."):
+                continue
+            m = re.fullmatch(r"([A-Za-z_$][\w$]*):", line)
+            if m and not pending:
+                labels[m.group(1)] = len(stmts)
+                continue
+            pending = f"{pending} {line}".strip()
+            if not pending.endswith(";"):
+                continue
+            stmt, pending = pending[:-1].strip(), ""
+            guard = None
+            g = re.match(r"@(!?)(%\w+)\s+", stmt)
+            if g:
+                guard, stmt = (g.group(1) == "!", g.group(2)), stmt[g.end():]
+            op, _, rest = stmt.partition(" ")
+            stmts.append((guard, op, _split_operands(rest)))
+
+        def regs(texts):
+            return {r for a in texts for r in re.findall(r"%[\w]+(?:\.[xyz])?", a)}
+
+        # the slice: registers and predicates that decide branches or are watched
+        keep = set(watched) | {g[1] for g, op, _ in stmts if g and op in ("bra.uni", "bra", "ret")}
+        # elements: also the score mask, `selp.f32 %sN, -inf, %sN, P` (which slots P masks)
+        masks = {i: (int(args[0][2:]), args[3]) for i, (_, op, args) in enumerate(stmts)
+                 if elements and op == "selp.f32" and re.fullmatch(r"%s\d+", args[0])
+                 and args[1] == "0fFF800000" and args[2] == args[0]}
+        keep |= {pred for _, pred in masks.values()}
+        while True:
+            grown = set(keep)
+            for guard, op, args in stmts:
+                if self._modellable(op) and args and args[0] in keep:
+                    grown |= regs(args[1:]) | ({guard[1]} if guard else set())
+            if grown == keep:
+                break
+            keep = grown
+        self.run_list: list[tuple] = []          # ("op", guard, op, args) / ("true", guard, pred)
+        self.labels: dict[str, int] = {}
+        at_label: dict[int, list[str]] = {}
+        for name, i in labels.items():
+            at_label.setdefault(i, []).append(name)
+        for i, (guard, op, args) in enumerate(stmts + [(None, "ret", [])]):
+            for name in at_label.get(i, ()):
+                self.labels[name] = len(self.run_list)
+                if name in WATCHED_LABELS:
+                    self.run_list.append(("event", name))
+            if op in ("bra.uni", "bra"):
+                self.run_list.append(("bra", guard, args[0]))
+                continue
+            if op == "ret":
+                self.run_list.append(("ret", guard))
+                continue
+            if self._modellable(op) and args[0] in keep:
+                self.run_list.append(("op", guard, _compile(op, args)))
+                continue
+            if i in masks:
+                self.run_list.append(("mask", guard, *masks[i]))
+                continue
+            no_dst = op.split(".")[0] in _NO_DESTINATION or op.startswith("mbarrier.init")
+            dst = args[0] if args and not no_dst else ""
+            if dst not in keep:
+                continue                           # nothing the schedule reads
+            if dst.startswith("%p_") and op.split(".")[0] in ("mbarrier", "vote", "setp"):
+                self.run_list.append(("true", guard, dst))
+                continue
+            raise AssertionError(f"model: `{op} {', '.join(args)}` writes {dst}, which decides "
+                                 f"the schedule, and the model has no rule for it")
+
+    @staticmethod
+    def _modellable(op: str) -> bool:
+        parts = op.split(".")
+        if parts[0] in ("and", "or", "not") and parts[-1] == "pred":
+            return True
+        if parts[0] == "ld" and parts[1] == "param" and parts[-1] in _INT_TYPES:
+            return True
+        if op == "shfl.sync.idx.b32":            # %wg made uniform: lane 0's value (the same)
+            return True
+        if parts[-1] not in _INT_TYPES or "wide" in parts:   # (.wide: a 64-bit result)
+            return False
+        return parts[0] in _ARITH | {"mov", "setp", "selp"}
+
+
+def _compile(op: str, args: list[str]):
+    """A modelled statement as fn(regs, preds), which updates the two dicts."""
+    parts = op.split(".")
+    kind, typ = parts[0], parts[-1]
+    dst = args[0]
+
+    def src(a: str):
+        if a.startswith("%"):
+            return lambda r: r[a]
+        c = 0 if a == "smem" else _constant(a)
+        return lambda r: c
+
+    def pred(a: str):
+        name, neg = (a[1:], True) if a.startswith("!") else (a, False)
+        return lambda p: p[name] != neg
+
+    if typ == "pred":
+        a = [pred(x) for x in args[1:]]
+        if kind == "not":
+            return lambda r, p: p.__setitem__(dst, not a[0](p))
+        if kind == "and":
+            return lambda r, p: p.__setitem__(dst, a[0](p) and a[1](p))
+        return lambda r, p: p.__setitem__(dst, a[0](p) or a[1](p))
+    if kind == "ld":
+        name = re.fullmatch(r"\[(\w+)\]", args[1]).group(1)
+        return lambda r, p: r.__setitem__(dst, r["@params"][name] & MASK32)
+    if op == "shfl.sync.idx.b32" or kind == "mov":
+        a = src(args[1])
+        return lambda r, p: r.__setitem__(dst, a(r) & MASK32)
+    conv = _s32 if typ == "s32" else (lambda x: x & MASK32)
+    x = [src(v) for v in args[1:]]
+    if kind == "setp":
+        cmp = _CMP[parts[1]]
+        if parts[2] in ("and", "or"):
+            c = pred(args[3])
+            if parts[2] == "and":
+                return lambda r, p: p.__setitem__(dst, cmp(conv(x[0](r)), conv(x[1](r))) and c(p))
+            return lambda r, p: p.__setitem__(dst, cmp(conv(x[0](r)), conv(x[1](r))) or c(p))
+        return lambda r, p: p.__setitem__(dst, cmp(conv(x[0](r)), conv(x[1](r))))
+    if kind == "selp":
+        c = pred(args[3])
+        return lambda r, p: r.__setitem__(dst, (x[0](r) if c(p) else x[1](r)) & MASK32)
+    if kind in ("mul", "mad"):
+        assert parts[1] == "lo", op
+    if kind in ("rem", "div"):
+        assert typ == "u32", op                  # (the kernel divides unsigned only)
+    rule = {
+        "add": lambda a: a[0] + a[1], "sub": lambda a: a[0] - a[1],
+        "mul": lambda a: a[0] * a[1], "mad": lambda a: a[0] * a[1] + a[2],
+        "shl": lambda a: a[0] << (a[1] & 31),
+        "shr": lambda a: a[0] >> a[1],           # arithmetic for s32 (signed), logical for u32
+        "and": lambda a: a[0] & a[1], "or": lambda a: a[0] | a[1], "xor": lambda a: a[0] ^ a[1],
+        "min": lambda a: min(a[0], a[1]), "max": lambda a: max(a[0], a[1]),
+        "rem": lambda a: a[0] % a[1], "div": lambda a: a[0] // a[1], "neg": lambda a: -a[0],
+    }.get(kind)
+    if rule is None:
+        raise AssertionError(f"model: no rule for {op}")
+    return lambda r, p: r.__setitem__(dst, rule([conv(f(r)) for f in x]) & MASK32)
+
+
+class Thread:
+    """One thread of one CTA, run from the kernel's entry to `ret`."""
+
+    def __init__(self, prog: Program, *, tid: int, ctaid: int, nctaid: int, params: dict,
+                 watch: dict[str, tuple[str, ...]], max_steps: int = 2_000_000):
+        self.p, self.watch = prog, watch
+        self.regs: dict = {"%tid.x": tid, "%ctaid.x": ctaid, "%nctaid.x": nctaid,
+                           "@params": params}
+        self.preds: dict[str, bool] = {}
+        self.events: list[tuple[str, dict]] = []
+        self.max_steps = max_steps
+
+    def run(self):
+        run_list, labels, pc = self.p.run_list, self.p.labels, 0
+        regs, preds = self.regs, self.preds
+        try:
+            for _ in range(self.max_steps):
+                item = run_list[pc]
+                pc += 1
+                what = item[0]
+                if what == "event":
+                    name = item[1]
+                    if name in self.watch:
+                        self.events.append((name, {r: (preds[r] if r in preds else regs.get(r))
+                                                   for r in self.watch[name]}))
+                    continue
+                guard = item[1]
+                if guard is not None and preds[guard[1]] == guard[0]:
+                    continue                       # guard false: not executed
+                if what == "true":
+                    preds[item[2]] = PREDS_TRUE_WHEN_SKIPPED
+                elif what == "mask":             # score slot item[2] masked? (to the last event)
+                    self.events[-1][1].setdefault("masks", {})[item[2]] = preds[item[3]]
+                elif what == "bra":
+                    pc = labels[item[2]]
+                elif what == "ret":
+                    return self
+                else:
+                    item[2](regs, preds)
+        except KeyError as exc:
+            raise AssertionError(f"model: {exc.args[0]} read before the PTX wrote it") from None
+        raise AssertionError("model: the thread did not finish (a loop that never ends?)")
+
+
+# ---- the builds ------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def program(head_dim: int, masked: bool, round_robin: bool = False,
+            elements: bool = False) -> Program:
+    st = stages.PRODUCTION.specialize(head_dim, masked=masked)
+    defines = dict(st.defines)
+    if round_robin:
+        defines["PTXATTN_ROUND_ROBIN"] = "1"
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    return Program(ptx.source(st, defines), watched, elements)
+
+
+@lru_cache(maxsize=None)
+def build_constant(head_dim: int, name: str) -> int:
+    """A #define of production.ptx: BLOCK_M (one for every build), else from the build table's
+    row of this head dim (`#if HEAD_DIM == d` up to the next #elif/#else)."""
+    src = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    if name == "BLOCK_M":
+        return int(re.search(r"^#define BLOCK_M (\d+)", src, re.M).group(1))
+    row = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", src,
+                    re.M | re.S)
+    return int(re.search(rf"^#define {name} (\d+)", row.group(1), re.M).group(1))
+
+
+CONSUMER_WATCH = {
+    "consumer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
+    "wait_full_k0": (),                          # (the prologue's score mask follows)
+    "wait_q": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
+    "mask_first_done": ("%p_edge", "%kv_base", "%key_base"),
+    "mask_done_first": ("%kv_base", "%p_tail"),
+    "masked_wait_full_k": ("%kv_global", "%kv_base", "%key_base"),
+    "plain_wait_full_k": ("%kv_global", "%kv_base"),
+    "last_pv": ("%kv_global", "%kv_end", "%p_last_tile", "%p_second"),
+}
+PRODUCER_WATCH = {
+    "producer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
+    "produce_q": ("%q_row", "%q_row1", "%head", "%batch"),
+    "produce_k": ("%kv_global", "%kv_row", "%head_kv", "%batch"),
+}
+WATCHED_LABELS = set(CONSUMER_WATCH) | set(PRODUCER_WATCH)
+
+
+def params(seq_q, seq_k, heads=1, batch=1, heads_per_kv=1, diag=0, left=UNBOUNDED,
+           right=UNBOUNDED):
+    return dict(seq_q=seq_q, seq_k=seq_k, heads=heads, batch=batch, heads_per_kv=heads_per_kv,
+                diag_offset=diag, window_left=left, window_right=right)
+
+
+def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None,
+            tids=(0, 128, 256)):
+    """(producer, consumer 0, consumer 1) of one CTA, each a list of watched events."""
+    prog = prog or program(head_dim, masked, round_robin)
+    out = []
+    for tid, watch in ((t, PRODUCER_WATCH if t < 128 else CONSUMER_WATCH) for t in tids):
+        out.append(Thread(prog, tid=tid, ctaid=ctaid, nctaid=nctaid, params=prm,
+                          watch=watch).run().events)
+    return out
+
+
+def consumer_tiles(events):
+    """Per tile of one consumer: (tile, info at wait_q, [(kv position, masked?, key_base)],
+    info at last_pv)."""
+    tiles, cur = [], None
+    for name, v in events:
+        if name == "consumer_tile_loop":
+            cur = {"tile": v["%tile"], "kv_base": v["%kv_base"], "steps": []}
+            tiles.append(cur)
+        elif name == "wait_q":
+            cur.update(v)
+        elif name == "wait_full_k0":
+            prologue = v                       # its "masks" come before mask_first_done
+        elif name in ("mask_first_done", "mask_done_first"):
+            # tile 0 of the Q tile: masked when the prologue's test held
+            flag = v["%p_edge"] if name == "mask_first_done" else v["%p_tail"]
+            cur["steps"].append((v["%kv_base"], bool(flag), v.get("%key_base")))
+            cur.setdefault("masks", []).append(prologue.get("masks"))
+        elif name == "masked_wait_full_k":
+            cur["steps"].append((v["%kv_global"], True, v.get("%key_base")))
+            cur.setdefault("masks", []).append(v.get("masks"))
+        elif name == "plain_wait_full_k":
+            cur["steps"].append((v["%kv_global"], False, None))
+            cur.setdefault("masks", []).append(v.get("masks"))
+        elif name == "last_pv":
+            cur["last"] = v
+    return tiles
+
+
+# ---- the definition the schedule must meet --------------------------------------------
+
+def truth(seq_q, seq_k, q_row, block_m, block_n, diag, left, right):
+    """K/V tiles some row of the Q tile at q_row sees (sorted), and those it sees only in part:
+    each row's key range clipped to [0, seq_k), against each tile's [t*N, t*N + N - 1]."""
+    rows = np.arange(q_row, min(q_row + block_m, seq_q))[:, None]
+    lo, hi = np.maximum(0, rows + diag - left), np.minimum(seq_k - 1, rows + diag + right)
+    a = np.arange(-(-seq_k // block_n))[None, :] * block_n
+    b = a + block_n - 1
+    vis_lo, vis_hi = np.maximum(a, lo), np.minimum(b, hi)
+    seen = (vis_lo <= vis_hi).any(axis=0)
+    partial = ((vis_lo != a) | (vis_hi != b)).any(axis=0)
+    return [int(t) for t in np.flatnonzero(seen)], {int(t) for t in np.flatnonzero(partial)}
+
+
+def straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right, key_base):
+    """TILE_STRADDLES_EDGE's condition, as the PTX states it."""
+    q_last = min(q_row + block_m - 1, seq_q - 1)
+    below = q_last + diag - left
+    above = min(q_row + diag + right, seq_k - 1)
+    return key_base < below or key_base + block_n - 1 > above
+
+
+def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
+    """One consumer's record of one Q tile against the definition."""
+    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
+    m_blocks = -(-seq_q // block_m)
+    m = t["tile"] % m_blocks
+    bh = t["tile"] // m_blocks
+    assert (t["%head"], t["%batch"]) == (bh % prm["heads"], bh // prm["heads"])
+    m_block = m_blocks - 1 - m if masked else m      # longest rows first (masked build)
+    q_row = m_block * block_m
+    positions = [s[0] for s in t["steps"]]
+    count = len(positions)
+    # consecutive ring positions from kv_base, each once, and the loop ends where it should
+    assert positions == list(range(t["kv_base"], t["kv_base"] + count)), positions
+    assert t["last"]["%kv_global"] == t["kv_base"] + count == t["last"]["%kv_end"]
+    if not masked:
+        n_tiles = -(-seq_k // block_n)
+        assert count == n_tiles
+        ragged = seq_k % block_n != 0
+        for i, (_, was_masked, _) in enumerate(t["steps"]):
+            assert was_masked == (ragged and i == n_tiles - 1), (i, t["steps"])
+        return count
+    diag, left, right = prm["diag_offset"], prm["window_left"], prm["window_right"]
+    assert t["%m_block"] == m_block
+    seen, partial = truth(seq_q, seq_k, q_row, block_m, block_n, diag, left, right)
+    first = t["%kv_first"]
+    tiles = list(range(first, first + count))
+    if seen:
+        assert tiles == seen, f"Q rows from {q_row}: visits K/V tiles {tiles}, sees {seen}"
+    else:                              # no row sees a key: one fully masked tile, output 0
+        assert count == 1 and 0 <= first < -(-seq_k // block_n)
+    for i, (_, was_masked, key_base) in enumerate(t["steps"]):
+        kv = first + i
+        need = kv in partial
+        assert was_masked == need, (
+            f"Q rows from {q_row}, K/V tile {kv} (step {i} of {count}): "
+            f"{'masked' if was_masked else 'plain'} copy, but some row sees it "
+            f"{'only in part' if need else 'whole'}")
+        assert need == straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right,
+                                 kv * block_n)
+        if was_masked:
+            assert key_base == kv * block_n, (i, key_base)
+    return count
+
+
+def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None):
+    """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
+    block_m = build_constant(head_dim, "BLOCK_M")
+    block_n = build_constant(head_dim, "BLOCK_N")
+    tiles = -(-prm["seq_q"] // block_m) * prm["heads"] * prm["batch"]
+    done = []
+    for c in range(grid):
+        producer, c0, c1 = run_cta(head_dim, masked, prm, c, grid, round_robin, prog)
+        t0, t1 = consumer_tiles(c0), consumer_tiles(c1)
+        assert [t["tile"] for t in t0] == [t["tile"] for t in t1]
+        assert [t["steps"] for t in t0] == [t["steps"] for t in t1]
+        # the producer walks the same tiles and loads, per tile, the K/V tiles consumed
+        p_tiles = [v["%tile"] for name, v in producer if name == "producer_tile_loop"]
+        assert p_tiles == [t["tile"] for t in t0], (p_tiles, [t["tile"] for t in t0])
+        loads = [v for name, v in producer if name == "produce_k"]
+        consumed = [s[0] for t in t0 for s in t["steps"]]
+        assert [v["%kv_global"] for v in loads] == consumed
+        i = 0
+        for t in t0:
+            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n)
+            first = t["%kv_first"] if masked else 0
+            for j in range(count):
+                v = loads[i + j]
+                assert v["%kv_row"] == (first + j) * block_n
+                assert v["%batch"] == t["%batch"]
+                assert v["%head_kv"] == t["%head"] // prm["heads_per_kv"]
+            i += count
+        qs = [v for name, v in producer if name == "produce_q"]
+        for t, q in zip(t0, qs):
+            assert q["%q_row"] == t["%m_block"] * block_m if masked else True
+        # the last tile flag: true on this CTA's last tile only, for both consumers
+        for seq in (t0, t1):
+            flags = [t["last"]["%p_last_tile"] for t in seq]
+            assert flags == [False] * (len(seq) - 1) + [True], flags
+        done += [t["tile"] for t in t0]
+    assert sorted(done) == list(range(tiles)), f"grid {grid}: tiles done {sorted(done)}"
+    return done
+
+
+# ---- the tests -------------------------------------------------------------------------
+
+def test_the_interpreter_reads_the_builds_constants():
+    assert build_constant(128, "BLOCK_N") == 128 and build_constant(256, "BLOCK_N") == 64
+    assert build_constant(64, "BLOCK_N") == 128 and build_constant(128, "BLOCK_M") == 128
+    for d in (64, 128, 256):
+        assert build_constant(d, "BLOCK_N") == stages.PRODUCTION_VARIANTS[(d, True)].block_n
+
+
+def test_the_interpreter_fails_a_wrong_schedule():
+    """The checks can fail: a consumer record with one tile masked wrongly is refused."""
+    prm = params(300, 300, diag=0, left=UNBOUNDED, right=0)
+    _, c0, _ = run_cta(128, True, prm, 0, 1)
+    t = consumer_tiles(c0)
+    check_q_tile(t[0], prm, 128, True, 128, 128)
+    bad = dict(t[0], steps=[(p, not m, k) for p, m, k in t[0]["steps"]])
+    with pytest.raises(AssertionError):
+        check_q_tile(bad, prm, 128, True, 128, 128)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_masked_kv_runs_cover_each_tile_once_with_the_right_copy(head_dim):
+    """Front run / plain loop / back run, exhaustive over small lengths, windows, diagonals."""
+    n = build_constant(head_dim, "BLOCK_N")
+    lengths = sorted({1, n + 1, 2 * n + 5, 5 * n})
+    sides = sorted({0, 1, n - 1, n + 1, UNBOUNDED})
+    cases = 0
+    for seq_q, seq_k in itertools.product(lengths, repeat=2):
+        diags = sorted({0, seq_k - seq_q, -3, 5})
+        for diag, left, right in itertools.product(diags, sides, sides):
+            if left == right == UNBOUNDED:
+                continue                       # the unmasked build's case
+            prm = params(seq_q, seq_k, diag=diag, left=left, right=right)
+            (c0,) = run_cta(head_dim, True, prm, 0, 1, tids=(128,))
+            block_m = build_constant(head_dim, "BLOCK_M")
+            for t in consumer_tiles(c0):
+                check_q_tile(t, prm, head_dim, True, block_m, n)
+            cases += 1
+    assert cases > 500
+
+
+def kv_cases(head_dim):
+    n = build_constant(head_dim, "BLOCK_N")
+    for seq_q, seq_k in itertools.product((1, n + 1, 3 * n + 5), repeat=2):
+        for diag, left, right in itertools.product(sorted({0, seq_k - seq_q, -3}),
+                                                   (0, n - 1, n + 1, UNBOUNDED), (0, 1, n)):
+            yield params(seq_q, seq_k, diag=diag, left=left, right=right)
+
+
+def check_elements(t, prm, tid, block_m, block_n):
+    """One consumer thread's score mask on each step of a Q tile against the definition: slot
+    4j + h of the wgmma accumulator is row 16*warp + lane/4 (+ 8 for h >= 2) of this consumer's
+    64, key 8j + 2*(lane % 4) + h % 2 of the tile; masked exactly when the row does not see
+    the key (rows past seq_q are clipped by the store: not checked)."""
+    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
+    diag, left, right = prm["diag_offset"], prm["window_left"], prm["window_right"]
+    consumer, warp, lane = (tid >> 7) - 1, (tid & 127) >> 5, tid & 31
+    row0 = t["%m_block"] * block_m + 64 * consumer + 16 * warp + lane // 4
+    for i, ((_, was_masked, _), masks) in enumerate(zip(t["steps"], t["masks"])):
+        key_base = (t["%kv_first"] + i) * block_n
+        if not was_masked:
+            assert masks is None                # the plain copy has no mask at all
+        else:
+            assert sorted(masks) == list(range(block_n // 2)), sorted(masks)
+        for slot in range(block_n // 2):
+            row = row0 + (8 if slot % 4 >= 2 else 0)
+            key = key_base + 8 * (slot // 4) + 2 * (lane % 4) + slot % 2
+            if row >= seq_q:
+                continue
+            hidden = not (max(0, row + diag - left) <= key <= min(seq_k - 1, row + diag + right))
+            got = masks[slot] if was_masked else False
+            assert got == hidden, (f"row {row} key {key} (thread {tid}, slot {slot}, step {i}): "
+                                   f"{'masked' if got else 'kept'}, should be "
+                                   f"{'masked' if hidden else 'kept'}")
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_score_mask_of_sampled_threads(head_dim):
+    """The element mask (MASK_TILE_RANGE / MASK_RANGE) on the masked steps, for threads of
+    both consumers, every lane % 4 and several warps and rows, over kv_cases."""
+    prog = program(head_dim, True, elements=True)
+    n = build_constant(head_dim, "BLOCK_N")
+    # consumer 0: warps 0-3, lane % 4 = 0-3, rows 0 and 7 of a warp; consumer 1: two more
+    tids = [128 + 0, 128 + 32 + 1, 128 + 64 + 10, 128 + 96 + 31, 256 + 5, 256 + 64 + 30]
+    for prm in kv_cases(head_dim):
+        for tid in tids:
+            (events,) = run_cta(head_dim, True, prm, 0, 1, prog=prog, tids=(tid,))
+            for t in consumer_tiles(events):
+                check_elements(t, prm, tid, build_constant(head_dim, "BLOCK_M"), n)
+
+
+def test_the_element_check_fails_a_wrong_mask():
+    """The window's right edge one key too far in every thread: caught."""
+    st = stages.PRODUCTION.specialize(128, masked=True)
+    text = ptx.source(st, dict(st.defines))
+    old = "add.s32 %row_lo_last, %tmp, %win_right;"
+    assert old in text
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    prog = Program(text.replace(old, old + "\nadd.s32 %row_lo_last, %row_lo_last, 1;"), watched,
+                   elements=True)
+    with pytest.raises(AssertionError, match="should be masked"):
+        for prm in kv_cases(128):
+            (events,) = run_cta(128, True, prm, 0, 1, prog=prog, tids=(128,))
+            for t in consumer_tiles(events):
+                check_elements(t, prm, 128, 128, 128)
+
+
+def mutated(head_dim, old, new):
+    """The masked build with one statement changed: the model must notice."""
+    st = stages.PRODUCTION.specialize(head_dim, masked=True)
+    text = ptx.source(st, dict(st.defines))
+    assert text.count(old) >= 1, old
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    return Program(text.replace(old, new), watched)
+
+
+@pytest.mark.parametrize("old, new", [
+    # the back run starts one tile late: the diagonal's tile would run unmasked
+    ("add.s32 %tmp, %mask_above, 1;", "add.s32 %tmp, %mask_above, 129;"),
+    # the front run ends one tile early: a window's left-edge tile would run unmasked
+    ("add.s32 %tmp, %mask_below, 128 - 1;", "add.s32 %tmp, %mask_below, -1;"),
+])
+def test_the_model_catches_a_wrong_run_boundary(old, new):
+    prog = mutated(128, old, new)
+    with pytest.raises(AssertionError):
+        for prm in kv_cases(128):
+            (c0,) = run_cta(128, True, prm, 0, 1, prog=prog, tids=(128,))
+            for t in consumer_tiles(c0):
+                check_q_tile(t, prm, 128, True, 128, 128)
+
+
+def test_the_model_catches_a_wrong_snake():
+    """Odd rounds without the -1: tile k*G + G - c, one CTA past the round (a tile twice)."""
+    prog = mutated(128, "@%p_odd add.u32 %tmp, %tmp, -1;", "")
+    prm = params(128 * 5, 128, heads=3, diag=0, left=UNBOUNDED, right=0)
+    with pytest.raises(AssertionError):
+        check_launch(128, True, prm, 4, prog=prog)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("masked", [True, False])
+def test_every_tile_once_across_ctas_and_the_last_tile_flag(head_dim, masked):
+    """Tile walk (snake in the masked build) for every grid size up to the tile count."""
+    n = build_constant(head_dim, "BLOCK_N")
+    for seq_q, heads, batch in [(128, 1, 1), (300, 2, 1), (513, 3, 2), (129, 2, 3)]:
+        for seq_k in ((n - 5,) if heads * batch > 1 else (n - 5, 2 * n + 1)):
+            prm = params(seq_q, seq_k, heads=heads, batch=batch, heads_per_kv=heads,
+                         diag=seq_k - seq_q, left=(n + 7) if masked else UNBOUNDED,
+                         right=0 if masked else UNBOUNDED)
+            tiles = -(-seq_q // build_constant(head_dim, "BLOCK_M")) * heads * batch
+            # every grid up to 12, then a few up to one CTA per tile (the launcher: min(SMs, tiles))
+            grids = {*range(1, min(tiles, 12) + 1), tiles // 2 + 1, max(tiles - 1, 1), tiles}
+            for grid in sorted(grids):
+                check_launch(head_dim, masked, prm, grid)
+
+
+def test_round_robin_knob_still_covers_every_tile():
+    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
+    for grid in (1, 3, 7, 19, 20):
+        check_launch(128, True, prm, grid, round_robin=True)
+
+
+def test_snake_order_is_the_documented_one():
+    """Round k of CTA c: k*G + c on even rounds, k*G + G-1-c on odd ones."""
+    prm = params(128 * 5, 128, heads=3, batch=1, diag=0, left=UNBOUNDED, right=0)   # 15 tiles
+    grid = 4
+    for c in range(grid):
+        _, c0, _ = run_cta(128, True, prm, c, grid)
+        got = [t["tile"] for t in consumer_tiles(c0)]
+        want = [k * grid + (c if k % 2 == 0 else grid - 1 - c) for k in range(4)]
+        assert got == [w for w in want if w < 15]
+
+
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 0), (0, 2**32), (-1, 2**40)])
+def test_huge_window_sides_reach_the_kernel_as_unbounded(window, gpu):
+    """A window side of 2^30 or more sees every key, as -1 does; the kernel's s32 arithmetic
+    must get UNBOUNDED for it. (0, 2^31 - 1) passed as is: q_last + right wraps negative and a
+    Q tile visits one K/V tile (checked here through the model); 2^32 wraps to 0 in the s32
+    parameter (a causal mask)."""
+    q, k, v = (dev((1, 2, 300, 128), i) for i in range(3))
+    attn.prepare(q, k, v, window=window).launch()
+    (_, _, (values, types), _), = gpu["cuLaunchKernelEx"]
+    want = tuple(UNBOUNDED if x < 0 or x >= UNBOUNDED else x for x in window)
+    assert values[-2:] == want
+    # and the kernel, given them, visits every K/V tile a row sees
+    prm = params(300, 300, diag=0, left=values[-2], right=values[-1])
+    (c0,) = run_cta(128, True, prm, 0, 1, tids=(128,))
+    for t in consumer_tiles(c0):
+        check_q_tile(t, prm, 128, True, 128, 128)
