@@ -116,7 +116,7 @@ if [[ -n ${VARIANTS:-} ]]; then
         [[ -z $line || $line == \#* ]] && continue
         echo "+ variants.py $line" | tee -a "$OUT/variants.txt"
         # shellcheck disable=SC2086  (the line is a list of arguments)
-        python3 bench/experiments/variants.py $line --out "$OUT/variants.jsonl" 2>&1 \
+        python3 bench/experiments/variants.py $line --out "$OUT/variants.jsonl" < /dev/null 2>&1 \
             | tee -a "$OUT/variants.txt" || status=1
     done < "$VARIANTS"
 fi

@@ -206,6 +206,14 @@ def test_sliding_window(window, layout):
     check(q, k, v, layout, seed=5, window=window)
 
 
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 0), (2**40, 5)])
+def test_huge_window_sides_are_unbounded(window):
+    """A side of 2^30 or more means no bound (the review's case: 2^31 - 1 overflowed the
+    kernel's s32 key-range arithmetic; 2^32 wrapped to 0 when packed)."""
+    q, k, v = qkv(1, 2, 1, 300, 300, "bhld", seed=window[1] % 97 + 3)
+    check(q, k, v, "bhld", seed=11, window=window)
+
+
 def test_window_that_leaves_rows_without_keys():
     """Lq > Lk bottom-right with a narrow window: the first rows see no key (output 0, lse
     -inf); the others see at most 11 keys."""

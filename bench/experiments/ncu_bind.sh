@@ -15,6 +15,6 @@ while read -r line; do
     timeout 240 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         -k ptxattn_fwd --launch-skip 1 --launch-count 1 \
-        python3 bench/experiments/ncu_bind.py $line >> "$OUT/ncu.txt" 2>&1
+        python3 bench/experiments/ncu_bind.py $line < /dev/null >> "$OUT/ncu.txt" 2>&1
     echo "ncu exit $?" | tee -a "$OUT/ncu.txt"
 done <<< "$KERNELS"
