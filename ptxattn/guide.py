@@ -308,8 +308,10 @@ def build(out: Path = DOCS, results: Path = RESULTS) -> dict[str, str]:
     col = trace.Collection.read_json(tpath) if tpath else None
     img = Path("img")
     files: dict[str, str] = {"README.md": _index(all_st, speed, runs)}
+    by_number = {st.number: st for st in all_st}
     for i, st in enumerate(all_st):
-        prev = all_st[i - 1] if i else None
+        # the page diffs a stage against the one it changes (16 and 17 change 14, not 15 or 16)
+        prev = by_number.get(st.predecessor)
         nxt = all_st[i + 1] if i + 1 < len(all_st) else None
         written: dict[str, str] = {}
         files[page_name(st)] = _page(st, prev, nxt, speed, runs, cache, col, img, written)

@@ -50,6 +50,15 @@ class Stage:
     production: bool = False   # the production kernel: any lengths, GQA/MQA, LSE out; its ABI
                                # adds heads_per_kv (u32) and lse_ptr (u64) after the lineage's
     defines: tuple[tuple[str, str], ...] = ()   # preprocessor defines of this build (a variant)
+    built_on: int | None = None  # the lineage stage whose diff to this one is its idea
+                                 # (None: the one numbered before it)
+
+    @property
+    def predecessor(self) -> int | None:
+        """Number of the stage this one changes by one idea (None for the first stage)."""
+        if self.built_on is not None:
+            return self.built_on
+        return self.number - 1 if self.number > 1 else None
 
     @property
     def label(self) -> str:
@@ -190,13 +199,13 @@ STAGES: tuple[Stage, ...] = (
     _sm90(16, "rowsum_mma",
           "row sums of P on the tensor cores (P times a tile of ones, beside PV): no FADD "
           "per score",
-          block_n=128, persistent=True,
+          built_on=14, block_n=128, persistent=True,
           # stage 14's layout + the mbarriers' atom rounded up to 1 KiB + 2 KiB of ones
           smem_bytes=12 * _KV16 + 1024 + 2048 + 1024, **_TWO_CONSUMERS),
     _sm90(17, "tiles_back_to_back",
           "a persistent CTA's K/V steps run on across tiles: the next tile's first S beside "
           "this tile's last PV; Q double-buffered",
-          block_n=128, persistent=True,
+          built_on=14, block_n=128, persistent=True,
           # Q 2 x 32 KiB + K/V ring 128 KiB + O staging 32 KiB + 12 mbarriers + alignment slack
           smem_bytes=14 * _KV16 + 128 + 1024, **_TWO_CONSUMERS),
 )
