@@ -392,12 +392,23 @@ def straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right, key_base
     return key_base < below or key_base + block_n - 1 > above
 
 
+@lru_cache(maxsize=None)
+def mblock_major_max_bh() -> int:
+    """production.ptx's MBLOCK_MAJOR_MAX_BH: up to this many (batch, head) pairs the masked
+    build walks its tiles m_block-major."""
+    text = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    return int(re.search(r"^#define MBLOCK_MAJOR_MAX_BH (\d+)", text, re.M).group(1))
+
+
 def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
     """One consumer's record of one Q tile against the definition."""
     seq_q, seq_k = prm["seq_q"], prm["seq_k"]
     m_blocks = -(-seq_q // block_m)
-    m = t["tile"] % m_blocks
-    bh = t["tile"] // m_blocks
+    bh_count = prm["heads"] * prm["batch"]
+    if masked and bh_count <= mblock_major_max_bh():
+        m, bh = divmod(t["tile"], bh_count)          # m_block-major: few heads (TILE_TO_BLOCK)
+    else:
+        bh, m = divmod(t["tile"], m_blocks)          # head-major: m_block fastest
     assert (t["%head"], t["%batch"]) == (bh % prm["heads"], bh // prm["heads"])
     m_block = m_blocks - 1 - m if masked else m      # longest rows first (masked build)
     q_row = m_block * block_m
@@ -629,6 +640,18 @@ def test_every_tile_once_across_ctas_and_the_last_tile_flag(head_dim, masked):
             grids = {*range(1, min(tiles, 12) + 1), tiles // 2 + 1, max(tiles - 1, 1), tiles}
             for grid in sorted(grids):
                 check_launch(head_dim, masked, prm, grid)
+
+
+def test_many_heads_walk_head_major_and_few_m_block_major():
+    """Past MBLOCK_MAJOR_MAX_BH (batch, head) pairs the masked build's walk is head-major, at or
+    under it m_block-major (check_q_tile asserts which); both cover every tile once."""
+    cap = mblock_major_max_bh()
+    for heads, batch in ((cap, 1), (cap + 1, 1), (cap // 2 + 1, 2)):
+        prm = params(300, 300, heads=heads, batch=batch, heads_per_kv=heads, diag=0,
+                     left=UNBOUNDED, right=0)
+        tiles = 3 * heads * batch                     # 300 rows: 3 Q tiles a (batch, head)
+        for grid in (7, tiles // 2 + 1, tiles):       # the launcher: min(SMs, tiles)
+            check_launch(128, True, prm, grid)
 
 
 def test_round_robin_knob_still_covers_every_tile():
