@@ -115,7 +115,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
     """_pick_uncached, remembered per arguments: the answer depends on them and on the
     registry alone, and a model asks the same question every call. The memory is dropped
     whenever the registry objects change (tests swap them); errors are never remembered."""
-    registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST, stages_sm100.SM100_STAGES)
+    registry = _registry()
     if any(a is not b for a, b in zip(registry, _PICKS_REGISTRY)):
         _PICKS.clear()
         _PICKS_REGISTRY[:] = registry
@@ -133,7 +133,16 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
 
 
 _PICKS: dict[tuple, Stage] = {}
-_PICKS_REGISTRY: list = [None, None, None, None]
+_PICKS_REGISTRY: list = [None, None, None, None, None]
+_SM100_NAMES = vars(stages_sm100)   # its FASTEST_FIRST is optional: a dict lookup, no raise
+
+
+def _registry() -> tuple:
+    """Every registry object _pick_uncached reads, Blackwell's included (stages.by_speed reads
+    stages_sm100.FASTEST_FIRST when it is defined). A remembered pick or steady call is stale
+    when any of them is not the same object (tests swap them)."""
+    return (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST, stages_sm100.SM100_STAGES,
+            _SM100_NAMES.get("FASTEST_FIRST"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -760,7 +769,7 @@ class _Steady:
         spec = prepared._spec
         ctx, o_map, lse_slot = prepared._steady
         self.ctx = ctx
-        self.registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
+        self.registry = _registry()
         self.function = spec.function.handle
         self.config, self.attrs = spec.config, spec._attrs
         values, self.types = spec.params
@@ -902,9 +911,11 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     if entry is None:
         return None, key
     ctx = driver.context()
-    registry = entry.registry
+    registry = entry.registry             # (_registry(), spelled out: this is the hot path)
     if (entry.ctx is not ctx or registry[0] is not PRODUCTION
-            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST):
+            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST
+            or registry[3] is not stages_sm100.SM100_STAGES
+            or registry[4] is not _SM100_NAMES.get("FASTEST_FIRST")):
         return None, key                  # another context or registry: rebuilt, replaced
 
     # the stream handshake, as the full path's imports and _build do it
