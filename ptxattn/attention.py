@@ -783,8 +783,10 @@ class _Steady:
         self.packs: dict[tuple[int, int], tuple[int, tuple]] = {}
         self._lock = threading.Lock()
 
-    def pack(self, out_ptr: int, lse_ptr: int) -> int:
-        """The void*[] of the parameters with this O (map and pointer) and LSE pointer."""
+    def pack(self, out_ptr: int, lse_ptr: int) -> tuple[int, tuple]:
+        """The void*[] of the parameters with this O (map and pointer) and LSE pointer: (its
+        address, its holders). The caller keeps the tuple until its launch is queued: another
+        thread may evict it from `packs` meanwhile, and the holders are the array itself."""
         values = list(self.values)
         values[3] = tma.encode_qkvo_map(out_ptr, *self.o_map)
         values[4] = out_ptr
@@ -795,7 +797,7 @@ class _Steady:
             if len(self.packs) >= _PACKS_MAX:
                 self.packs.pop(next(iter(self.packs)), None)
             self.packs[(out_ptr, lse_ptr)] = packed
-        return packed[0]
+        return packed
 
 
 def _array_fields(shape, dtype) -> tuple:
@@ -943,9 +945,12 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     if return_lse:
         lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
         lse_ptr = lse.ptr
+    # `packed` (the void*[] and what it points at) stays referenced here until the launch is
+    # queued: another thread's pack() may evict it from entry.packs at any time
     packed = entry.packs.get((out_ptr, lse_ptr))
-    address = packed[0] if packed is not None else entry.pack(out_ptr, lse_ptr)
-    err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, address, 0)[0])
+    if packed is None:
+        packed = entry.pack(out_ptr, lse_ptr)
+    err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, packed[0], 0)[0])
     if err:
         raise CudaError(err, "cuLaunchKernelEx (a remembered attention call)")
     if type(result) is DeviceArray:

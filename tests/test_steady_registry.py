@@ -47,3 +47,35 @@ def test_a_changed_blackwell_speed_order_is_a_miss(b200, sm100, monkeypatch):
     monkeypatch.setattr(stages_sm100, "FASTEST_FIRST", (1, 14), raising=False)
     assert attn._pick_stage(None, D, 512, 512, B200) is one  # the pick's memory noticed too
     assert call(b200) == one.threads
+
+
+def test_a_new_parameter_pack_outlives_another_threads_eviction(gpu, monkeypatch):
+    """A steady call that packs parameters for a new output address launches with the pack's
+    address; another thread's call on the same entry may evict that pack (past _PACKS_MAX
+    addresses) before the launch. The caller must hold the pack itself, not only its address,
+    or the launch reads a freed void*[]. Here the "other thread" evicts every pack inside the
+    (recorded) launch, and the pack launched must still be alive."""
+    import gc
+    import weakref
+
+    from test_prepare import cu
+    from test_steady import dev as array
+    monkeypatch.setattr(attn, "_STEADY", {})
+    q, k, v = (array((1, 2, 128, 128), i) for i in range(3))
+    attn.attention(q, k, v)                 # the full path: remembered (a fresh output)
+    (entry,) = attn._STEADY.values()
+    alive = []
+
+    def launch(config, function, address, extra):
+        holders = next(p[1] for p in entry.packs.values() if p[0] == address)
+        array_ref = weakref.ref(holders[-1])                       # the void*[] itself
+        del holders
+        with entry._lock:
+            entry.packs.clear()                                    # evicted meanwhile
+        gc.collect()
+        alive.append(array_ref() is not None)
+        return (0,)
+
+    monkeypatch.setattr(cu, "cuLaunchKernelEx", launch)
+    attn.attention(q, k, v)                 # a hit; its fresh output: a new address
+    assert alive == [True]
