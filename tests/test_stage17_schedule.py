@@ -43,7 +43,8 @@ from test_production_schedule import Program, Thread, _constant
 
 STAGE_FILE = "17_tiles_back_to_back.ptx"
 _SYNC = re.compile(r"(@(!?)(%\w+)\s+)?(mbarrier\.init|mbarrier\.try_wait\.parity|"
-                   r"mbarrier\.arrive\.expect_tx|mbarrier\.arrive|bar\.sync|bar\.arrive)\S*\s+(.*);$")
+                   r"mbarrier\.arrive\.expect_tx|mbarrier\.arrive|bar\.sync|bar\.arrive)"
+                   r"\S*\s+(.*);$")
 # registers recorded at every synchronising statement besides its operands: the buffer and slot
 # indices that the descriptors are made from, and the coordinates the producer's TMA loads read
 CONTEXT = ("%q_buf", "%ring_slot", "%prev_slot", "%q_row", "%q_row1", "%head", "%batch",
@@ -90,8 +91,10 @@ class Model:
         self.watch["tile_end"] = TILE_END
         self.program = Program(instrumented, {r for v in self.watch.values() for r in v},
                                watched_labels=set(self.watch))
-        self.defines = {k: int(v) for k, v in re.findall(r"^#define (SMEM_BAR_\w+|BLOCK_[MN]) "
-                                                        r"(\d+)", stage_file_text(), re.M)}
+        # barrier offsets (smem's base is 0 in the model: the carve-up adds them to it),
+        # tile sizes and ring depth, from the stage's own #defines
+        self.defines = {k: int(v) for k, v in re.findall(
+            r"^#define (SMEM_BAR_\w+|BLOCK_[MN]|KV_STAGES) (\d+)", stage_file_text(), re.M)}
 
     def run(self, tid: int, ctaid: int, grid: int, prm: dict):
         return Thread(self.program, tid=tid, ctaid=ctaid, nctaid=grid, params=prm,
@@ -137,7 +140,7 @@ class Replay:
         d = m.defines
         self.q_full = {d["SMEM_BAR_Q"]: 0, d["SMEM_BAR_Q_1"]: 1}
         self.q_empty = {d["SMEM_BAR_Q_EMPTY"]: 0, d["SMEM_BAR_Q_EMPTY_1"]: 1}
-        stages_ = 2
+        stages_ = d["KV_STAGES"]
         self.k_full = {d["SMEM_BAR_FULL_K"] + 8 * s: s for s in range(stages_)}
         self.v_full = {d["SMEM_BAR_FULL_V"] + 8 * s: s for s in range(stages_)}
         self.k_empty = {d["SMEM_BAR_EMPTY_K"] + 8 * s: s for s in range(stages_)}
@@ -172,6 +175,7 @@ class Replay:
         named = {}                               # id -> [needed units, units, syncers, generation]
         generation = {}                          # id -> generations completed
         turns = [0, 0]
+        turn_order = []                          # turn barriers (1, 2) in completion order
         pcs = [0, 0, 0]
         blocked = [None, None, None]             # (named id, generation) a bar.sync waits on
         observed = [{"Q": [], "K": [], "V": []} for _ in range(2)]
@@ -184,6 +188,8 @@ class Replay:
                              f"over twice)")
             generation[bid] = generation.get(bid, 0) + 1
             del named[bid]
+            if bid in (1, 2):
+                turn_order.append(bid)
 
         def arrive_mbar(addr, weight, who):
             assert addr in count, f"{who}: arrive on barrier {addr} never initialised"
@@ -242,7 +248,14 @@ class Replay:
                     else:
                         raise AssertionError(f"{who}: waits on barrier {addr}, not a FULL one")
                 else:
-                    assert addr in self.full_of, f"producer waits on {addr}, not an EMPTY one"
+                    full = self.full_of.get(addr)
+                    assert full is not None, f"producer waits on {addr}, not an EMPTY one"
+                    # it waits before its next fill of that buffer: for the release of every
+                    # earlier fill, not one more (that would be a later phase of this parity)
+                    n = len(fills.get(full, []))
+                    assert done[addr] == n, (
+                        f"producer: wait (parity {parity}) on EMPTY {addr} passed after "
+                        f"{done[addr]} releases, before fill #{n}")
             elif kind == "mbarrier.arrive.expect_tx":
                 assert t == 0, f"{who}: expect_tx"
                 addr = address(args[1], regs)
@@ -275,6 +288,7 @@ class Replay:
                 arrive_mbar(addr, WG, who)
             else:                                # bar.sync / bar.arrive
                 bid = value(args[0], regs)
+                # no count: every thread of the CTA (BAR_CTA), the three warpgroups
                 need = value(args[1], regs) // WG if len(args) > 1 else 3
                 entry = named.setdefault(bid, [need, 0, 0, generation.get(bid, 0)])
                 assert entry[0] == need, f"{who}: named barrier {bid} with two counts"
@@ -304,6 +318,8 @@ class Replay:
                 raise AssertionError(f"deadlock: {where}")
         assert not named, f"named barriers left half arrived: {named}"
         assert turns[0] == turns[1], f"turns taken: {turns}"
+        # pingpong: consumer 0's turn, then consumer 1's, and so on
+        assert turn_order == [1, 2] * turns[0], turn_order
         tiles, q_ref, kv_ref = self.reference()
         for c in range(2):
             assert observed[c]["Q"] == q_ref, (c, observed[c]["Q"], q_ref)
