@@ -437,3 +437,14 @@ def test_the_replay_catches_a_skipped_last_handover_on_the_wrong_consumer():
                                 "%p_tiles, %p_last_tile;"))
     with pytest.raises(AssertionError, match="deadlock|half arrived"):
         play_all(m, prm(256, 256), 1, seeds=1)
+
+
+def test_the_traced_build_synchronises_as_the_plain_one():
+    """PTXATTN_TRACE=1 (`ptxattn trace`) adds trace points around the waits: the same
+    statements, the same replay."""
+    st = stage17()
+    traced = Model(ptx.source(st, {**dict(st.defines), "PTXATTN_TRACE": 1}))
+    assert sorted(k for k, _, _ in traced.ops.values()) == \
+        sorted(k for k, _, _ in model().ops.values())
+    for p, grid in ((prm(384, 128, heads=2), 4), (prm(256, 384, heads=2), 3)):
+        play_all(traced, p, grid, seeds=1)
