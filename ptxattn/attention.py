@@ -115,7 +115,7 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
     """_pick_uncached, remembered per arguments: the answer depends on them and on the
     registry alone, and a model asks the same question every call. The memory is dropped
     whenever the registry objects change (tests swap them); errors are never remembered."""
-    registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST, stages_sm100.SM100_STAGES)
+    registry = _registry()
     if any(a is not b for a, b in zip(registry, _PICKS_REGISTRY)):
         _PICKS.clear()
         _PICKS_REGISTRY[:] = registry
@@ -133,7 +133,16 @@ def _pick_stage(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: b
 
 
 _PICKS: dict[tuple, Stage] = {}
-_PICKS_REGISTRY: list = [None, None, None, None]
+_PICKS_REGISTRY: list = [None, None, None, None, None]
+_SM100_NAMES = vars(stages_sm100)   # its FASTEST_FIRST is optional: a dict lookup, no raise
+
+
+def _registry() -> tuple:
+    """Every registry object _pick_uncached reads, Blackwell's included (stages.by_speed reads
+    stages_sm100.FASTEST_FIRST when it is defined). A remembered pick or steady call is stale
+    when any of them is not the same object (tests swap them)."""
+    return (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST, stages_sm100.SM100_STAGES,
+            _SM100_NAMES.get("FASTEST_FIRST"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -760,7 +769,7 @@ class _Steady:
         spec = prepared._spec
         ctx, o_map, lse_slot = prepared._steady
         self.ctx = ctx
-        self.registry = (PRODUCTION, stages.STAGES, stages.FASTEST_FIRST)
+        self.registry = _registry()
         self.function = spec.function.handle
         self.config, self.attrs = spec.config, spec._attrs
         values, self.types = spec.params
@@ -774,8 +783,10 @@ class _Steady:
         self.packs: dict[tuple[int, int], tuple[int, tuple]] = {}
         self._lock = threading.Lock()
 
-    def pack(self, out_ptr: int, lse_ptr: int) -> int:
-        """The void*[] of the parameters with this O (map and pointer) and LSE pointer."""
+    def pack(self, out_ptr: int, lse_ptr: int) -> tuple[int, tuple]:
+        """The void*[] of the parameters with this O (map and pointer) and LSE pointer: (its
+        address, its holders). The caller keeps the tuple until its launch is queued: another
+        thread may evict it from `packs` meanwhile, and the holders are the array itself."""
         values = list(self.values)
         values[3] = tma.encode_qkvo_map(out_ptr, *self.o_map)
         values[4] = out_ptr
@@ -786,7 +797,7 @@ class _Steady:
             if len(self.packs) >= _PACKS_MAX:
                 self.packs.pop(next(iter(self.packs)), None)
             self.packs[(out_ptr, lse_ptr)] = packed
-        return packed[0]
+        return packed
 
 
 def _array_fields(shape, dtype) -> tuple:
@@ -902,9 +913,11 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     if entry is None:
         return None, key
     ctx = driver.context()
-    registry = entry.registry
+    registry = entry.registry             # (_registry(), spelled out: this is the hot path)
     if (entry.ctx is not ctx or registry[0] is not PRODUCTION
-            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST):
+            or registry[1] is not stages.STAGES or registry[2] is not stages.FASTEST_FIRST
+            or registry[3] is not stages_sm100.SM100_STAGES
+            or registry[4] is not _SM100_NAMES.get("FASTEST_FIRST")):
         return None, key                  # another context or registry: rebuilt, replaced
 
     # the stream handshake, as the full path's imports and _build do it
@@ -932,9 +945,12 @@ def _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
     if return_lse:
         lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
         lse_ptr = lse.ptr
+    # `packed` (the void*[] and what it points at) stays referenced here until the launch is
+    # queued: another thread's pack() may evict it from entry.packs at any time
     packed = entry.packs.get((out_ptr, lse_ptr))
-    address = packed[0] if packed is not None else entry.pack(out_ptr, lse_ptr)
-    err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, address, 0)[0])
+    if packed is None:
+        packed = entry.pack(out_ptr, lse_ptr)
+    err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, packed[0], 0)[0])
     if err:
         raise CudaError(err, "cuLaunchKernelEx (a remembered attention call)")
     if type(result) is DeviceArray:

@@ -89,7 +89,9 @@ class Program:
     the build of the model, so the model cannot silently drift from the PTX. The run list
     keeps labels that are watched as events."""
 
-    def __init__(self, text: str, watched: set[str], elements: bool = False):
+    def __init__(self, text: str, watched: set[str], elements: bool = False,
+                 watched_labels: set[str] | None = None):
+        watched_labels = WATCHED_LABELS if watched_labels is None else watched_labels
         body = text[text.index("\n{", text.index(".entry")) + 2:text.rindex("}")]
         stmts: list[tuple[tuple[bool, str] | None, str, list[str]]] = []
         labels: dict[str, int] = {}
@@ -139,7 +141,7 @@ class Program:
         for i, (guard, op, args) in enumerate(stmts + [(None, "ret", [])]):
             for name in at_label.get(i, ()):
                 self.labels[name] = len(self.run_list)
-                if name in WATCHED_LABELS:
+                if name in watched_labels:
                     self.run_list.append(("event", name))
             if op in ("bra.uni", "bra"):
                 self.run_list.append(("bra", guard, args[0]))
