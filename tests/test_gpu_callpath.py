@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from gpu_checks import assert_passes, check_rows, import_or_skip
+from gpu_checks import assert_passes, check_rows, import_or_skip, skip_or_fail
 
 import ptxattn
 from ptxattn import driver, tensors
@@ -20,6 +20,21 @@ pytestmark = pytest.mark.gpu
 
 SHAPE = (1, 2, 128, 128)
 MiB = 1 << 20
+
+
+def cuda_torch():
+    """torch with CUDA, or skip (fail under PTXATTN_REQUIRE_GPU=1) saying why."""
+    torch = import_or_skip("torch")
+    if not torch.cuda.is_available():
+        skip_or_fail("torch has no CUDA here")
+    return torch
+
+
+def torch_qkv(torch, seed: int):
+    """Fresh random bf16 q, k, v of SHAPE on the GPU, from one seeded generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for _ in range(3))
 
 
 def host_qkv(shape, seed):
@@ -160,12 +175,8 @@ def test_driver_stream_capture_records_one_kernel_node_and_replays_the_same_bits
 
 
 def test_torch_graph_capture_records_one_kernel_and_replays_the_same_bits():
-    torch = import_or_skip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
-    g = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
+    torch = cuda_torch()
+    q, k, v = torch_qkv(torch, seed=11)
     out = torch.full_like(q, float("nan"))
     direct = ptxattn.attention(q, k, v, out=torch.empty_like(q))   # warm: JIT, maps, config
     torch.cuda.synchronize()
@@ -197,9 +208,7 @@ def test_torch_graph_capture_records_one_kernel_and_replays_the_same_bits():
 
 
 def test_torch_tensors_read_directly_match_their_dlpack_import():
-    torch = import_or_skip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = cuda_torch()
     x = torch.randn(2, 64, 3, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)[:, 1:]
     fast = tensors.as_device_array(x, stream=torch.cuda.current_stream().cuda_stream)
     capsule = tensors._consume_capsule(x.__dlpack__(), x, "x")
@@ -263,9 +272,7 @@ def test_a_new_torch_tensor_at_a_remembered_address_is_read_afresh():
     """The key holds addresses, not objects: a new tensor that the caching allocator places
     where a freed one was, with the same geometry, hits the remembered launch. The maps
     describe that address, so the launch reads the new tensor's data."""
-    torch = import_or_skip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = cuda_torch()
     g = torch.Generator(device="cuda").manual_seed(31)
     k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
@@ -285,14 +292,10 @@ def test_the_torch_op_eager_path_matches_the_dispatched_op():
     """ptxattn.torch.attention in plain eager mode calls the op's body directly; the
     dispatched op (torch.ops.ptxattn.attention) must give the same bits, and so must the SDPA
     wrapper, for a plain call and a causal one."""
-    torch = import_or_skip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = cuda_torch()
     pt = import_or_skip("ptxattn.torch")
     from ptxattn.torch import _op
-    g = torch.Generator(device="cuda").manual_seed(41)
-    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
+    q, k, v = torch_qkv(torch, seed=41)
     assert _op._eager(q, k, v)
     for causal in (False, True):
         scale = 1.0 / math.sqrt(128)                     # the op's default, bit for bit
@@ -308,13 +311,9 @@ def test_the_torch_op_eager_path_matches_the_dispatched_op():
 def test_a_remembered_call_captured_in_a_torch_graph_is_one_kernel_node():
     """Warm on the capture's own stream, so the captured call is a hit of the steady path:
     it must record one kernel node and replay the same bits."""
-    torch = import_or_skip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA here")
+    torch = cuda_torch()
     from ptxattn import attention as attn
-    g = torch.Generator(device="cuda").manual_seed(51)
-    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
+    q, k, v = torch_qkv(torch, seed=51)
     out = torch.empty_like(q)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

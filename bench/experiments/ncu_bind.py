@@ -16,18 +16,18 @@ import sys
 
 import numpy as np
 
-from ptxattn import driver, reference, tensors
+from ptxattn import bench, driver, reference, tensors
 from ptxattn.attention import prepare
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel")
-    ap.add_argument("--shape", default="4x16x8192x128", help="BxHxLxD")
+    ap.add_argument("--shape", default="4x16x8192x128", help="4k, 8k, ... or BxHxLxD")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("-d", "--define", action="append", default=[], help="NAME=VALUE")
     args = ap.parse_args(argv)
-    b, h, seq, d = (int(x) for x in args.shape.lower().split("x"))
+    _, (b, h, seq, d) = bench.parse_shape(args.shape)   # the benchmark's own shape names too
     q, k, v = reference.random_qkv(b, h, seq, seq, d, "bhld", seed=1)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
