@@ -19,7 +19,7 @@ from ptxattn import sass, stages, tma
 SOURCE = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
 DESC_HEADER = (stages.ptx_root() / "sm90" / "include" / "wgmma_desc.ptxh").read_text()
 MAX_DYNAMIC_SMEM = 227 * 1024          # per CTA on sm_90
-BARRIER_BYTES = 128                    # the 10 mbarriers' room at the end of the carve-up
+BARRIER_BYTES = 128                    # the 10 or 12 mbarriers' room at the end of the carve-up
 ALIGN_SLACK = 1024                     # the kernel rounds the dynamic base up to 1024
 HEAD_DIMS = sorted({d for d, _ in stages.PRODUCTION_VARIANTS})
 UNMASKED = [d for d in HEAD_DIMS if (d, False) in stages.PRODUCTION_VARIANTS]
@@ -68,9 +68,12 @@ def test_build_table_row_is_consistent(d):
     q_box, kv_tile = num(f, "Q_TILE_BYTES"), num(f, "KV_TILE_BYTES")
     assert q_box == 64 * d * 2 and kv_tile == n * d * 2
     assert num(f, "KV_SLOT_DESC") == kv_tile >> 4
-    # the carve-up: Q (2 boxes) | K ring | V ring | O staging (or O in Q's place) | barriers
+    # the carve-up: Q (buffers x 2 boxes) | K ring | V ring | O staging (or O in Q's place)
+    # | barriers; a second Q buffer (tiles back to back) only where O has its own staging
     sq, sk, sv, so = (num(f, k) for k in ("SMEM_Q", "SMEM_K", "SMEM_V", "SMEM_O"))
-    assert sq == 0 and sk == sq + 2 * q_box and sv == sk + ring * kv_tile
+    q_buffers = num(f, "Q_BUFFERS")
+    assert q_buffers == (1 if num(f, "O_STAGED_IN_Q") else 2)
+    assert sq == 0 and sk == sq + q_buffers * 2 * q_box and sv == sk + ring * kv_tile
     end = sv + ring * kv_tile
     if num(f, "O_STAGED_IN_Q"):
         assert so == sq
@@ -84,6 +87,9 @@ def test_build_table_row_is_consistent(d):
     assert bars[0] == end
     assert bars == [end, end + 8, end + 8 + 8 * ring, end + 8 + 16 * ring, end + 8 + 24 * ring,
                     end + 8 + 32 * ring]
+    if q_buffers == 2:                     # buffer 1's Q FULL and Q EMPTY follow
+        bars += [num(f, "SMEM_BAR_Q_1"), num(f, "SMEM_BAR_Q_EMPTY_1")]
+        assert bars[-2:] == [bars[-3] + 8, bars[-3] + 16]
     assert bars[-1] + 8 <= end + BARRIER_BYTES
     assert v.smem_bytes == end + BARRIER_BYTES + ALIGN_SLACK <= MAX_DYNAMIC_SMEM
     # register lists and the generated macros of this (N, D)
@@ -158,19 +164,23 @@ def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
     """ptxas on the HEAD_DIM build: no spills or local memory (O is 128 registers per thread at
     D = 256), setmaxnreg kept, wgmma not serialized, and the counts the tile shape implies:
     QK^T is D/16 k-steps and PV BLOCK_N/16, each issued three times (QK^T: the prologue and the
-    loop's plain and masked steps; PV: the two steps and the last tile); exponentials BLOCK_N/2
-    per thread and 2 corrections, three times; one stmatrix per 8 of O's D/2 registers."""
+    loop's plain and masked steps; PV: the two steps and the last tile) and a fourth time in the
+    boundary step where tiles run back to back (two Q buffers); exponentials BLOCK_N/2 per thread
+    and 2 corrections, once per S; one stmatrix per 8 of O's D/2 registers, per epilogue (the
+    boundary's and the last tile's)."""
     n = stages.PRODUCTION.specialize(d).block_n
+    back_to_back = int(build_defines(d)["Q_BUFFERS"]) == 2
+    copies, epilogues = (4, 2) if back_to_back else (3, 1)
     result = sass.inspect_stage(stages.PRODUCTION, defines={"HEAD_DIM": str(d)})
     s = result.summary
     assert s.spill_bytes == 0 and s.stack_frame == 0, (s.spill_bytes, s.stack_frame)
     assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")
     assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
     assert s.classes["USETMAXREG"] == 2
-    assert s.classes["HGMMA"] == 3 * (d // 16 + n // 16)
-    assert s.classes["STSM"] == d // 16
+    assert s.classes["HGMMA"] == copies * (d // 16 + n // 16)
+    assert s.classes["STSM"] == epilogues * d // 16
     # SW_EXP2_DEFAULT of the row: that many of every 8 exponentials are FMA polynomials
     sw = int(build_defines(d).get("SW_EXP2_DEFAULT", "0"))
-    assert s.classes["MUFU.EX2"] == 3 * (n // 2 * (8 - sw) // 8 + 2)   # + 2 corrections each
+    assert s.classes["MUFU.EX2"] == copies * (n // 2 * (8 - sw) // 8 + 2)   # + 2 corrections
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass     # S waited with PV in flight
     assert s.dynamic_smem == stages.PRODUCTION_VARIANTS[(d, False)].smem_bytes

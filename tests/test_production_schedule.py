@@ -287,11 +287,13 @@ class Thread:
 
 @lru_cache(maxsize=None)
 def program(head_dim: int, masked: bool, round_robin: bool = False,
-            elements: bool = False) -> Program:
+            elements: bool = False, tile_at_a_time: bool = False) -> Program:
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
     defines = dict(st.defines)
     if round_robin:
         defines["PTXATTN_ROUND_ROBIN"] = "1"
+    if tile_at_a_time:
+        defines["PTXATTN_TILE_AT_A_TIME"] = "1"
     watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
     return Program(ptx.source(st, defines), watched, elements)
 
@@ -314,9 +316,15 @@ CONSUMER_WATCH = {
     "wait_q": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
     "mask_first_done": ("%p_edge", "%kv_base", "%key_base"),
     "mask_done_first": ("%kv_base", "%p_tail"),
+    # tiles back to back: a CTA's later tiles start in the boundary step, not the prologue
+    "wait_q_next": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
+    "wait_full_k_next": (),                      # (the boundary's score mask follows)
+    "mask_next_done": ("%p_edge", "%kv_base", "%key_base"),
+    "mask_done_next": ("%kv_base", "%p_tail"),
     "masked_wait_full_k": ("%kv_global", "%kv_base", "%key_base"),
     "plain_wait_full_k": ("%kv_global", "%kv_base"),
-    "last_pv": ("%kv_global", "%kv_end", "%p_last_tile", "%p_second"),
+    "tile_end": ("%kv_global", "%kv_end", "%p_last_tile"),
+    "last_pv": ("%local_tile",),
 }
 PRODUCER_WATCH = {
     "producer_tile_loop": ("%tile", "%local_tile", "%kv_base"),
@@ -344,20 +352,23 @@ def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None,
 
 
 def consumer_tiles(events):
-    """Per tile of one consumer: (tile, info at wait_q, [(kv position, masked?, key_base)],
-    info at last_pv)."""
+    """Per tile of one consumer: its tile, the info at wait_q (or wait_q_next: "start" says
+    whether it began in the prologue or in the boundary step with the tile before), its steps
+    [(kv position, masked?, key_base)], the info at tile_end ("last") and, where the tile's own
+    last PV ran apart from a boundary, at last_pv."""
     tiles, cur = [], None
     for name, v in events:
         if name == "consumer_tile_loop":
             cur = {"tile": v["%tile"], "kv_base": v["%kv_base"], "steps": []}
             tiles.append(cur)
-        elif name == "wait_q":
+        elif name in ("wait_q", "wait_q_next"):
             cur.update(v)
-        elif name == "wait_full_k0":
-            prologue = v                       # its "masks" come before mask_first_done
-        elif name in ("mask_first_done", "mask_done_first"):
-            # tile 0 of the Q tile: masked when the prologue's test held
-            flag = v["%p_edge"] if name == "mask_first_done" else v["%p_tail"]
+            cur["start"] = "prologue" if name == "wait_q" else "boundary"
+        elif name in ("wait_full_k0", "wait_full_k_next"):
+            prologue = v                       # its "masks" come before mask_*_done
+        elif name in ("mask_first_done", "mask_done_first", "mask_next_done", "mask_done_next"):
+            # tile 0 of the Q tile (prologue or boundary): masked when the edge test held
+            flag = v["%p_edge"] if name.endswith("_done") else v["%p_tail"]
             cur["steps"].append((v["%kv_base"], bool(flag), v.get("%key_base")))
             cur.setdefault("masks", []).append(prologue.get("masks"))
         elif name == "masked_wait_full_k":
@@ -366,8 +377,10 @@ def consumer_tiles(events):
         elif name == "plain_wait_full_k":
             cur["steps"].append((v["%kv_global"], False, None))
             cur.setdefault("masks", []).append(v.get("masks"))
-        elif name == "last_pv":
+        elif name == "tile_end":
             cur["last"] = v
+        elif name == "last_pv":
+            cur["last_pv"] = v
     return tiles
 
 
@@ -449,7 +462,8 @@ def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
     return count
 
 
-def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None):
+def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
+                 back_to_back=None):
     """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
     block_m = build_constant(head_dim, "BLOCK_M")
     block_n = build_constant(head_dim, "BLOCK_N")
@@ -479,10 +493,21 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None):
         qs = [v for name, v in producer if name == "produce_q"]
         for t, q in zip(t0, qs):
             assert q["%q_row"] == t["%m_block"] * block_m if masked else True
-        # the last tile flag: true on this CTA's last tile only, for both consumers
+        # the last tile flag: true on this CTA's last tile only, for both consumers; with two
+        # Q buffers the tiles run back to back: every tile but the first starts in the
+        # boundary step, and only the last tile's PV runs on its own
+        if back_to_back is None:
+            back_to_back = build_constant(head_dim, "Q_BUFFERS") == 2
         for seq in (t0, t1):
             flags = [t["last"]["%p_last_tile"] for t in seq]
             assert flags == [False] * (len(seq) - 1) + [True], flags
+            starts = [t["start"] for t in seq]
+            own_last_pv = ["last_pv" in t for t in seq]
+            if back_to_back:
+                assert starts == ["prologue"] + ["boundary"] * (len(seq) - 1), starts
+                assert own_last_pv == [False] * (len(seq) - 1) + [True], own_last_pv
+            else:
+                assert starts == ["prologue"] * len(seq) and all(own_last_pv), starts
         done += [t["tile"] for t in t0]
     assert sorted(done) == list(range(tiles)), f"grid {grid}: tiles done {sorted(done)}"
     return done
@@ -660,6 +685,18 @@ def test_round_robin_knob_still_covers_every_tile():
     prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
     for grid in (1, 3, 7, 19, 20):
         check_launch(128, True, prm, grid, round_robin=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tile_at_a_time_knob_still_covers_every_tile_and_is_told_apart(head_dim):
+    """The measurement knob that turns tiles back to back off: every tile is still covered, each
+    from its own prologue; and the back-to-back check does fail on it (it can fail)."""
+    prog = program(head_dim, True, tile_at_a_time=True)
+    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
+    for grid in (1, 3, 7):
+        check_launch(head_dim, True, prm, grid, prog=prog, back_to_back=False)
+    with pytest.raises(AssertionError):
+        check_launch(head_dim, True, prm, 3, prog=prog, back_to_back=True)
 
 
 def test_snake_order_is_the_documented_one():
