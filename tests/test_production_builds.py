@@ -159,19 +159,22 @@ requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
 
 
 @requires_ptxas
-@pytest.mark.parametrize("d", [64, 256])
-def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
+@pytest.mark.parametrize("d, back_to_back", [(64, False), (256, False), (128, True)])
+def test_build_assembles_without_spills_and_with_its_instruction_counts(d, back_to_back):
     """ptxas on the HEAD_DIM build: no spills or local memory (O is 128 registers per thread at
     D = 256), setmaxnreg kept, wgmma not serialized, and the counts the tile shape implies:
     QK^T is D/16 k-steps and PV BLOCK_N/16, each issued three times (QK^T: the prologue and the
     loop's plain and masked steps; PV: the two steps and the last tile) and a fourth time in the
-    boundary step where tiles run back to back (two Q buffers); exponentials BLOCK_N/2 per thread
-    and 2 corrections, once per S; one stmatrix per 8 of O's D/2 registers, per epilogue (the
-    boundary's and the last tile's)."""
+    boundary step of the PTXATTN_BACK_TO_BACK knob (two Q buffers); exponentials BLOCK_N/2 per
+    thread and 2 corrections, once per S; one stmatrix per 8 of O's D/2 registers, per epilogue
+    (with the knob: the boundary's and the last tile's)."""
     n = stages.PRODUCTION.specialize(d).block_n
-    back_to_back = int(build_defines(d)["Q_BUFFERS"]) == 2
     copies, epilogues = (4, 2) if back_to_back else (3, 1)
-    result = sass.inspect_stage(stages.PRODUCTION, defines={"HEAD_DIM": str(d)})
+    defines = {"HEAD_DIM": str(d)}
+    if back_to_back:
+        assert int(build_defines(d)["Q_BUFFERS"]) == 2
+        defines["PTXATTN_BACK_TO_BACK"] = "1"
+    result = sass.inspect_stage(stages.PRODUCTION, defines=defines)
     s = result.summary
     assert s.spill_bytes == 0 and s.stack_frame == 0, (s.spill_bytes, s.stack_frame)
     assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")

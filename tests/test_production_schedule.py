@@ -287,13 +287,13 @@ class Thread:
 
 @lru_cache(maxsize=None)
 def program(head_dim: int, masked: bool, round_robin: bool = False,
-            elements: bool = False, tile_at_a_time: bool = False) -> Program:
+            elements: bool = False, back_to_back: bool = False) -> Program:
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
     defines = dict(st.defines)
     if round_robin:
         defines["PTXATTN_ROUND_ROBIN"] = "1"
-    if tile_at_a_time:
-        defines["PTXATTN_TILE_AT_A_TIME"] = "1"
+    if back_to_back:
+        defines["PTXATTN_BACK_TO_BACK"] = "1"
     watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
     return Program(ptx.source(st, defines), watched, elements)
 
@@ -463,7 +463,7 @@ def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
 
 
 def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
-                 back_to_back=None):
+                 back_to_back=False):
     """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
     block_m = build_constant(head_dim, "BLOCK_M")
     block_n = build_constant(head_dim, "BLOCK_N")
@@ -493,11 +493,9 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
         qs = [v for name, v in producer if name == "produce_q"]
         for t, q in zip(t0, qs):
             assert q["%q_row"] == t["%m_block"] * block_m if masked else True
-        # the last tile flag: true on this CTA's last tile only, for both consumers; with two
-        # Q buffers the tiles run back to back: every tile but the first starts in the
+        # the last tile flag: true on this CTA's last tile only, for both consumers; with tiles
+        # back to back (the PTXATTN_BACK_TO_BACK knob) every tile but the first starts in the
         # boundary step, and only the last tile's PV runs on its own
-        if back_to_back is None:
-            back_to_back = build_constant(head_dim, "Q_BUFFERS") == 2
         for seq in (t0, t1):
             flags = [t["last"]["%p_last_tile"] for t in seq]
             assert flags == [False] * (len(seq) - 1) + [True], flags
@@ -688,15 +686,24 @@ def test_round_robin_knob_still_covers_every_tile():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_tile_at_a_time_knob_still_covers_every_tile_and_is_told_apart(head_dim):
-    """The measurement knob that turns tiles back to back off: every tile is still covered, each
-    from its own prologue; and the back-to-back check does fail on it (it can fail)."""
-    prog = program(head_dim, True, tile_at_a_time=True)
-    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
-    for grid in (1, 3, 7):
-        check_launch(head_dim, True, prm, grid, prog=prog, back_to_back=False)
+@pytest.mark.parametrize("masked", [True, False])
+def test_back_to_back_knob_covers_every_tile_from_boundary_steps(head_dim, masked):
+    """The PTXATTN_BACK_TO_BACK knob (tiles back to back, a measured negative kept for
+    measurement): every tile covered once with the right masks, every tile after a CTA's first
+    started in the boundary step, the last PV apart only on the last tile; and the same check
+    fails on the default build (it can fail)."""
+    prog = program(head_dim, masked, back_to_back=True)
+    n = build_constant(head_dim, "BLOCK_N")
+    for seq_q, seq_k, heads in [(513, 300, 2), (129, n - 5, 3), (300, 2 * n + 1, 1)]:
+        prm = params(seq_q, seq_k, heads=heads, batch=2, heads_per_kv=heads,
+                     diag=(seq_k - seq_q) if masked else 0, left=(n + 7) if masked else UNBOUNDED,
+                     right=0 if masked else UNBOUNDED)
+        tiles = -(-seq_q // build_constant(head_dim, "BLOCK_M")) * heads * 2
+        for grid in (1, 2, 3, 7):
+            if grid <= tiles:                  # the launcher: min(SMs, tiles) CTAs
+                check_launch(head_dim, masked, prm, grid, prog=prog, back_to_back=True)
     with pytest.raises(AssertionError):
-        check_launch(head_dim, True, prm, 3, prog=prog, back_to_back=True)
+        check_launch(head_dim, masked, prm, 3, back_to_back=True)
 
 
 def test_snake_order_is_the_documented_one():
