@@ -20,7 +20,7 @@ import pytest
 
 from ptxattn import ptx, ptxgen_sm100, sass
 from ptxattn.stages import SWIZZLE_128B, SWIZZLE_NONE, ptx_root
-from ptxattn.stages_sm100 import SASS_NEEDS, SM100_STAGES
+from ptxattn.stages_sm100 import HOPPER_SAME_IDEA, SASS_NEEDS, SM100_STAGES
 
 SM100 = ptx_root() / "sm100"
 INCLUDE = SM100 / "include"
@@ -172,9 +172,10 @@ def test_row_geometry_matches_the_ptx(stage):
 def test_header_says_the_one_change_and_the_hopper_counterpart(stage):
     head = (ptx_root() / stage.file).read_text().split(".version")[0]
     assert head.startswith(f"// Stage {stage.number} (sm_100a) - ")
-    if stage.number > 1:
-        assert f"The one change against stage {stage.number - 1}:" in head
-        assert f"Against Hopper stage {stage.number}" in head
+    if stage.predecessor is not None:            # a minor step may build on an earlier stage
+        assert f"The one change against stage {stage.predecessor}:" in head
+        hopper = HOPPER_SAME_IDEA.get(stage.number, stage.number)
+        assert f"Against Hopper stage {hopper}" in head
     # every mbarrier the kernel places in shared memory is in its header's barrier table
     # (by its name, e.g. S_FULL_g for SMEM_BAR_S_FULL, or bar_q for SMEM_BAR_Q in stages 1-3)
     text = (ptx_root() / stage.file).read_text()
@@ -210,3 +211,77 @@ def test_stage_sass_holds_what_its_idea_needs(stage):
                if not any(op.startswith(need) for op in opcodes)]
     assert missing == [], f"{stage.label}: no {missing} in its SASS"
 
+
+
+# --------------------------------------------------------------------------- the minor steps
+
+# The kernel ABI every sm_100a stage shares (ptx/sm100/README.md), in order; a stage that takes
+# its tiles from a global counter adds tile_counter, which the launcher passes last.
+ABI = ("tmap_q", "tmap_k", "tmap_v", "tmap_o", "o_ptr", "o_row_stride", "o_head_stride",
+       "o_batch_stride", "seq_q", "seq_k", "heads", "batch", "softmax_scale")
+
+
+def _params(text: str) -> tuple[str, ...]:
+    entry = re.search(r"\.entry ptxattn_fwd\((.*?)\)", text, re.DOTALL).group(1)
+    return tuple(re.findall(r"\.param\s[^,]*?(\w+)(?:\[\d+\])?\s*(?:,|//|$)", entry, re.MULTILINE))
+
+
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_kernel_parameters_are_what_the_launcher_passes(stage):
+    params = _params((ptx_root() / stage.file).read_text())
+    assert params == ABI + (("tile_counter",) if stage.dynamic_tiles else ()), stage.label
+
+
+def test_the_minor_steps_are_registered():
+    """Issue 15's minor steps: the dynamic scheduler (15) on stage 14, and the TMA-store
+    epilogue (16) built on 14 too, its diff against 14 one idea."""
+    by_number = {s.number: s for s in SM100_STAGES}
+    assert by_number[15].name == "dynamic_scheduler" and by_number[15].dynamic_tiles
+    assert by_number[15].predecessor == 14 and by_number[15].persistent
+    assert by_number[16].name == "tma_store_epilogue" and not by_number[16].dynamic_tiles
+    assert by_number[16].predecessor == 14 and by_number[16].persistent
+    assert [s.number for s in SM100_STAGES if s.dynamic_tiles] == [15]
+
+
+@requires_ptxas
+@requires_disassembler
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_only_the_dynamic_scheduler_takes_tiles_from_a_global_counter(stage):
+    """The counter's atom.add is in the SASS of the dynamic stage only: one fetch before the
+    first tile, one a tile ahead in the loop, and the finish count that lets the last CTA
+    reset the counter (3); and none of its roles still strides the static list by the grid."""
+    _, text = _built(stage.file)
+    atomics = [m for m, _ in sass.instructions(text) if m.startswith("ATOMG")]
+    if stage.dynamic_tiles:
+        assert len(atomics) >= 3 and all(m.startswith("ATOMG.E.ADD") for m in atomics), atomics
+        source = (ptx_root() / stage.file).read_text()
+        assert "add.u32 %tile, %tile, %n_ctas" not in source
+        # the three roles that do not load read every tile from the load warp's ring
+        assert len(re.findall(r"^\s+TAKE_TILE\(\w+\)", source, re.MULTILINE)) == 3
+    else:
+        assert atomics == [], f"{stage.label}: a global atomic without a tile counter"
+
+
+@requires_ptxas
+@requires_disassembler
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_o_leaves_by_tma_store_exactly_where_the_stage_says(stage):
+    """A stage whose idea needs UTMASTG stores O only through the TMA (no thread stores a row
+    to global memory) from a 1024-byte aligned staging tile that fits its shared memory; every
+    other stage leaves tmap_o unread, as the ABI note says."""
+    _, text = _built(stage.file)
+    opcodes = [m for m, _ in sass.instructions(text)]
+    stores_tma = any(m.startswith("UTMASTG") for m in opcodes)
+    assert stores_tma == ("UTMASTG" in SASS_NEEDS[stage.number]), stage.label
+    source = (ptx_root() / stage.file).read_text()
+    if stores_tma:
+        assert not any(m.startswith("STG") for m in opcodes), stage.label
+        d = _defines(source)
+        staging = int(d["SMEM_STAGE"])
+        assert staging % 1024 == 0                           # 128-byte swizzle atoms
+        assert staging + 128 * 128 * 2 <= stage.smem_bytes - 1024
+        assert stage.swizzle == SWIZZLE_128B                 # the O map's swizzle = the staging's
+    else:
+        body = re.sub(r"//[^\n]*", "", source.split(".entry")[1])
+        body = body.replace(".param .align 64 .b8 tmap_o[128]", "")
+        assert not re.search(r"\btmap_o\b", body), f"{stage.label} reads tmap_o"
