@@ -94,6 +94,11 @@ SM100_STAGES: tuple[Stage, ...] = (
            smem_bytes=7 * _TILE + 2048 + _SLACK),
 )
 
+# The order attention() tries these stages in on a B200 (stages.by_speed), the rest after them
+# by falling number. Never timed: a prediction from the same ideas on the H200, where the
+# TMA-store epilogue was a gain and the dynamic scheduler was slower than the static list.
+FASTEST_FIRST: tuple[int, ...] = (16, 14, 15)
+
 # The Hopper stage of the same idea, where its number is not the Blackwell stage's own (each
 # sm100 header says how it differs from it): the TMA-store epilogue was Hopper's stage 12.
 HOPPER_SAME_IDEA: dict[int, int] = {16: 12}
