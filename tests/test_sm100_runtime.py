@@ -634,3 +634,55 @@ def test_the_tma_store_stage_gets_the_abi_and_an_o_map_of_its_staging_tile(gpu, 
     assert mo[3] == (64, 128, 2, 1, 1)
     assert mo[4] == driver.cu().CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
     assert config.sharedMemBytes == stage.smem_bytes == 227 * 1024
+
+
+# --------------------------------------------------------------------------- on a B200 only
+
+def _on_a_b200():
+    """Skip unless the GPU runs the sm_100a lineage (compute capability 10.0): on the H200s
+    lent to this project these tests never run; they are for whoever runs the lineage first."""
+    if driver.context().compute_capability != B200:
+        pytest.skip("needs a GPU of compute capability 10.0 (B200) for sm_100a code")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", stages_sm100.SM100_STAGES, ids=lambda s: s.label)
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_gpu_b200_stage_matches_the_reference(stage, layout, no_verdicts):
+    from gpu_checks import assert_passes, check_rows
+
+    from ptxattn import tensors
+    from ptxattn.reference import random_qkv
+    _on_a_b200()
+    for B, H, Lq, Lk in ((2, 3, 512, 512), (1, 2, 256, 1024)):
+        q, k, v = random_qkv(B, H, Lq, Lk, D, layout, seed=5)
+        out = tensors.empty(q.shape)
+        out.fill_u16(0xFFFF)                                  # NaN: rows never written show
+        got = attn.attention(*(tensors.from_numpy(x) for x in (q, k, v)), stage=stage,
+                             layout=layout, out=out).to_numpy()
+        assert_passes(check_rows(q, k, v, got, layout), f"{stage.label} {layout} {Lq}x{Lk}:")
+
+
+@pytest.mark.gpu
+def test_gpu_b200_the_dynamic_scheduler_leaves_its_counter_zero(no_verdicts, monkeypatch):
+    """Two CTAs take all 12 tiles from the counter; the last CTA out resets it, so every
+    launch of one prepared call finds zeros and computes the same right answer."""
+    from gpu_checks import assert_passes, check_rows
+
+    from ptxattn import tensors
+    from ptxattn.reference import random_qkv
+    _on_a_b200()
+    monkeypatch.setenv(attn.PERSISTENT_CTAS_ENV, "2")
+    stage = stages.get_stage(15, arch="sm_100a")
+    q, k, v = random_qkv(2, 3, 512, 512, D, "bhld", seed=6)     # 2 x 3 x 2 = 12 tiles
+    prepared = attn.prepare(*(tensors.from_numpy(x) for x in (q, k, v)), stage=stage)
+    assert prepared.grid == (2, 1, 1)
+    first = None
+    for launch in range(3):
+        prepared.out.fill_u16(0xFFFF)
+        prepared.launch()
+        got = prepared.out.to_numpy()
+        assert_passes(check_rows(q, k, v, got, "bhld"), f"launch {launch}:")
+        if first is None:
+            first = got.view(np.uint16).copy()
+        np.testing.assert_array_equal(got.view(np.uint16), first)
