@@ -285,3 +285,43 @@ def test_o_leaves_by_tma_store_exactly_where_the_stage_says(stage):
         body = re.sub(r"//[^\n]*", "", source.split(".entry")[1])
         body = body.replace(".param .align 64 .b8 tmap_o[128]", "")
         assert not re.search(r"\btmap_o\b", body), f"{stage.label} reads tmap_o"
+
+
+def _tma_sw128_offset(row: int, col: int) -> int:
+    """Byte offset of bf16 O[row, col] in a TMA box (64, 128, 2) with 128-byte swizzle, as the
+    TMA unit lays it out in (and reads it from) 1024-byte aligned shared memory: [col / 64][row]
+    [64], the 16-byte unit u of each 128-byte row at u ^ (row % 8)."""
+    half, c = divmod(col, 64)
+    unit, byte = divmod(2 * c, 16)
+    return half * 128 * 128 + row * 128 + (unit ^ (row % 8)) * 16 + byte
+
+
+def test_staged_o_lands_where_the_tma_store_reads_it():
+    """Stage 16's staging writes, simulated from the macros as written (STAGE_O_ROW in
+    epilogue_tma.ptxh, the generated STS_OB_SW128): every element of a 128 x 128 O tile goes
+    to the byte the O map's swizzled box holds it at, and no two share one."""
+    text = (INCLUDE / "epilogue_tma.ptxh").read_text()
+    half_bytes = int(re.search(r"^#define STAGE_HALF_BYTES (\d+)", text, re.MULTILINE).group(1))
+    body = text.split("#define STAGE_O_ROW(")[1].split("\n\n")[0]
+    chunks = [(int(off or 0), int(c), 0 if h == "0" else half_bytes)
+              for off, c, h in re.findall(r"STAGE_O_CHUNK\(MY_O(?:\+(\d+))?, ROW, X16, T, (\d+), "
+                                          r"(0|STAGE_HALF_BYTES), INV\)", body)]
+    assert len(chunks) == 4                                    # 4 x 32 columns = D
+    gen = ptxgen_sm100.header().split("#define STS_OB_SW128(")[1].split("\n\n")[0]
+    units = re.findall(r"xor\.b32 T, X16, C(?: \+ (\d+))?;.*?st\.shared\.v4\.b32 \[T\+HALF\], "
+                       r"\{([^}]*)\};", gen, re.DOTALL)
+    assert len(units) == 4
+    seen = {}
+    for row in range(128):
+        x16 = (row % 8) * 16
+        for col0, c, half in chunks:
+            for extra, regs in units:
+                addr = half + row * 128 + ((c + int(extra or 0)) ^ x16)
+                for i, reg in enumerate(r.strip() for r in regs.split(",")):
+                    pair = int(reg.removeprefix("%ob"))        # %ob<k>: columns 2k (low), 2k + 1
+                    for lane in (0, 1):
+                        col = col0 + 2 * pair + lane
+                        seen[(row, col)] = addr + 4 * i + 2 * lane
+    assert len(seen) == 128 * 128 and len(set(seen.values())) == 128 * 128
+    wrong = [(rc, a) for rc, a in seen.items() if a != _tma_sw128_offset(*rc)]
+    assert wrong == [], wrong[:4]
