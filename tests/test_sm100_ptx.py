@@ -325,3 +325,82 @@ def test_staged_o_lands_where_the_tma_store_reads_it():
     assert len(seen) == 128 * 128 and len(set(seen.values())) == 128 * 128
     wrong = [(rc, a) for rc, a in seen.items() if a != _tma_sw128_offset(*rc)]
     assert wrong == [], wrong[:4]
+
+
+class _MBarrier:
+    """An mbarrier as the PTX ISA has it: `count` arrivals complete a phase; try_wait.parity P
+    passes once the phase of parity P has completed, i.e. while the current phase's parity is
+    not P. A waiter that fell two phases behind would wait on the wrong phase: counted here."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.count
+
+    def ready(self, phase: int) -> bool:
+        """try_wait.parity for the waiter's phase (its index, not only its parity)."""
+        assert self.completed <= phase + 1, "a waiter fell two phases behind"
+        return (self.completed & 1) != (phase & 1)
+
+
+def test_stage15_tile_ring_hands_every_role_every_tile_in_order():
+    """Stage 15's tile index ring, with the parities of its barrier table, under random
+    interleavings: the load warp publishes index n in slot n & 1 (waiting, from n = 2 on, for
+    TILE_EMPTY's use (n >> 1) - 1), every reader takes index n from TILE_FULL's use n >> 1 and
+    gives it back. Every reader sees exactly the load warp's list and the end, none waits on a
+    phase two behind, and nothing deadlocks. The arrival count is the PTX's TILE_READERS."""
+    import random
+    d = _defines((SM100 / "15_dynamic_scheduler.ptx").read_text())
+    readers = int(d["TILE_READERS"])
+    softmax, correction = 2 * int(d["SOFTMAX_THREADS"]), 128
+    assert readers == 1 + softmax + correction          # MMA lane 0, both softmax WGs, correction
+    # one simulated reader per role, each arriving for all its threads at once
+    roles = {"mma": 1, "softmax": softmax, "correction": correction}
+    for seed in range(40):
+        rng = random.Random(seed)
+        tiles = [rng.randrange(100) for _ in range(rng.randrange(0, 7))] + [10**6]   # + the end
+        full, empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(readers) for _ in range(2)]
+        index = [None, None]
+        seen = {r: [] for r in roles}
+
+        def load():
+            for n, tile in enumerate(tiles):
+                s, u = n & 1, n >> 1
+                if n >= 2:
+                    while not empty[s].ready(u - 1):
+                        yield
+                index[s] = tile
+                full[s].arrive()
+                for _ in range(rng.randrange(3)):       # the tile's loads
+                    yield
+
+        def reader(role):
+            n = 0
+            while True:
+                s, u = n & 1, n >> 1
+                while not full[s].ready(u):
+                    yield
+                tile = index[s]
+                for _ in range(roles[role]):
+                    empty[s].arrive()
+                seen[role].append(tile)
+                if tile >= 10**6:
+                    return
+                n += 1
+                for _ in range(rng.randrange(4)):       # the tile's work
+                    yield
+
+        running = [load()] + [reader(r) for r in roles]
+        for _ in range(10_000):
+            if not running:
+                break
+            task = rng.choice(running)
+            try:
+                next(task)
+            except StopIteration:
+                running.remove(task)
+        assert not running, f"seed {seed}: deadlock"
+        assert all(got == tiles for got in seen.values()), (seed, seen, tiles)
