@@ -256,12 +256,19 @@ def info():
 
 
 @main.command(name="list")
-def list_stages():
+@click.option("--arch", default=None, metavar="ARCH",
+              help="Only this lineage: sm_90a (Hopper, with the production kernel) or sm_100a "
+                   "(Blackwell). Default: both.")
+def list_stages(arch):
     """The production kernel (the default), then the lineage: number, name, arch, CTA,
     constraints, idea. Then the Blackwell (sm_100a) lineage, which has never run here."""
+    wanted = _stages.lineage(arch)
+    if arch is not None and wanted is None:
+        raise click.BadParameter(f"expected {_stages.HOPPER} or {_stages.BLACKWELL}, got "
+                                 f"{arch!r}", param_hint="--arch")
     rows = [("#", "name", "arch", "threads", "tile MxN", "constraints", "idea")]
-    hopper = _stages.all_kernels()
-    blackwell = _stages.all_kernels(_stages.BLACKWELL)
+    hopper = _stages.all_kernels() if wanted != _stages.BLACKWELL else ()
+    blackwell = _stages.all_kernels(_stages.BLACKWELL) if wanted != _stages.HOPPER else ()
     for s in hopper + blackwell:
         missing = "" if (_stages.ptx_root() / s.file).is_file() else " [no PTX file yet]"
         rows.append(("-" if s.production else s.number, s.name, s.arch, s.threads,
@@ -274,7 +281,9 @@ def list_stages():
                f"sm100_stageNN, or N with --arch {_stages.BLACKWELL}")
     if not blackwell:
         heading += "\n(no stage registered yet)"
-    click.echo("\n".join(lines[:split] + [heading] + lines[split:]))
+    if wanted == _stages.HOPPER:
+        heading = None
+    click.echo("\n".join(lines[:split] + ([heading] if heading else []) + lines[split:]))
 
 
 # --------------------------------------------------------------------------- run

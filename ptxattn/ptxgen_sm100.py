@@ -146,6 +146,21 @@ def output_macros() -> list[str]:
                   [f"st.global.v4.b32 [ADDR+{16 * j}], {{%ob{4 * j}, %ob{4 * j + 1}, %ob{4 * j + 2}, "
                    f"%ob{4 * j + 3}}};" for j in range(c // 8)],
                   f"the chunk's {c * 2} bytes to global memory at ADDR (16-byte aligned)")
+    # The TMA-store epilogue (stage 16): the chunk into a 128-byte swizzled staging tile,
+    # [D/64][row][64], where 16-byte unit u of a row sits at unit u ^ (row % 8). The row's
+    # XOR is a run-time value, so each unit's offset is computed: (C + 16 j) ^ X16.
+    units = c * 2 // CORE_BYTES
+    body = []
+    for j in range(units):
+        body += [f"xor.b32 T, X16, C + {CORE_BYTES * j};" if j else "xor.b32 T, X16, C;",
+                 "add.u32 T, T, ROW;",
+                 f"st.shared.v4.b32 [T+HALF], {{%ob{4 * j}, %ob{4 * j + 1}, %ob{4 * j + 2}, "
+                 f"%ob{4 * j + 3}}};"]
+    out += _macro("STS_OB_SW128", "ROW, X16, T, C, HALF", body,
+                  f"the chunk's {units} 16-byte units to a 128-byte swizzled row of shared memory:\n"
+                  f"ROW = the tile's base + row * {SWIZZLE_BYTES}, X16 = (row % 8) * 16, C = the byte "
+                  f"offset of the chunk\nin its {SWIZZLE_BYTES}-byte row (0 or {c * 2}), HALF = the "
+                  f"64-column half's offset (immediate); T scratch b32")
     return out
 
 

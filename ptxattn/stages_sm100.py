@@ -77,7 +77,31 @@ SM100_STAGES: tuple[Stage, ...] = (
     _sm100(14, "persistent",
            "grid = SM count, static tile scheduler; the next tile's Q and S under the epilogue",
            **_FOUR_WG, persistent=True, smem_bytes=6 * _TILE + 2048 + 256 + _SLACK),
+    # Minor steps. The published lineage's own were not found; these are our Hopper lineage's
+    # steps past its stage 14 that apply to Blackwell (ptx/sm100/README.md says why these two).
+    _sm100(15, "dynamic_scheduler",
+           "persistent CTAs take tiles from a global counter (atom.add), fetched a tile ahead; "
+           "the load warp hands each tile index to the other roles through shared memory",
+           **_FOUR_WG, persistent=True, dynamic_tiles=True,
+           # stage 14's layout + 4 mbarriers and 2 tile index slots past its 256 bytes
+           smem_bytes=6 * _TILE + 2048 + 512 + _SLACK),
+    _sm100(16, "tma_store_epilogue",
+           "O leaves through a 128-byte swizzled staging tile in shared memory and one TMA "
+           "store per Q tile",
+           built_on=14, **_FOUR_WG, persistent=True,
+           # Q, K, V 6 tiles + CORR 1 KiB + mbarriers 1 KiB + one O staging tile (the row sums
+           # over its first KiB): 227 KiB with the slack, the most a CTA may have
+           smem_bytes=7 * _TILE + 2048 + _SLACK),
 )
+
+# The order attention() tries these stages in on a B200 (stages.by_speed), the rest after them
+# by falling number. Never timed: a prediction from the same ideas on the H200, where the
+# TMA-store epilogue was a gain and the dynamic scheduler was slower than the static list.
+FASTEST_FIRST: tuple[int, ...] = (16, 14, 15)
+
+# The Hopper stage of the same idea, where its number is not the Blackwell stage's own (each
+# sm100 header says how it differs from it): the TMA-store epilogue was Hopper's stage 12.
+HOPPER_SAME_IDEA: dict[int, int] = {16: 12}
 
 # What each stage's SASS must hold for its idea to be there (opcode names as nvdisasm prints
 # them for sm_100a, checked against ptxas 13.0), checked by tests/test_sm100_ptx.py: stage
@@ -89,6 +113,8 @@ SM100_STAGES: tuple[Stage, ...] = (
 #   MUFU.EX2    ex2.approx                        FADD.RM     the polynomial exp2's floor (stage 9)
 #   VOTE.ANY    the warp's rescale-or-skip vote (stage 11)
 #   LDS         the correction factors handed to the correction warpgroup (stage 12)
+#   ATOMG.E.ADD the dynamic scheduler's atom.add on the tile counter (stage 15)
+#   UTMASTG     TMA tensor store (stage 16)
 _EVERY = ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTCATOMSWS", "UTMALDG", "SYNCS")
 SASS_NEEDS: dict[int, tuple[str, ...]] = {
     1: _EVERY + ("STS.128",),
@@ -105,4 +131,6 @@ SASS_NEEDS: dict[int, tuple[str, ...]] = {
     12: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
     13: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
     14: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS"),
+    15: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS", "ATOMG.E.ADD"),
+    16: _EVERY + ("USETMAXREG", "MUFU.EX2", "FADD.RM", "VOTE.ANY", "LDS", "UTMASTG"),
 }

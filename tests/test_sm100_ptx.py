@@ -20,7 +20,7 @@ import pytest
 
 from ptxattn import ptx, ptxgen_sm100, sass
 from ptxattn.stages import SWIZZLE_128B, SWIZZLE_NONE, ptx_root
-from ptxattn.stages_sm100 import SASS_NEEDS, SM100_STAGES
+from ptxattn.stages_sm100 import HOPPER_SAME_IDEA, SASS_NEEDS, SM100_STAGES
 
 SM100 = ptx_root() / "sm100"
 INCLUDE = SM100 / "include"
@@ -172,9 +172,10 @@ def test_row_geometry_matches_the_ptx(stage):
 def test_header_says_the_one_change_and_the_hopper_counterpart(stage):
     head = (ptx_root() / stage.file).read_text().split(".version")[0]
     assert head.startswith(f"// Stage {stage.number} (sm_100a) - ")
-    if stage.number > 1:
-        assert f"The one change against stage {stage.number - 1}:" in head
-        assert f"Against Hopper stage {stage.number}" in head
+    if stage.predecessor is not None:            # a minor step may build on an earlier stage
+        assert f"The one change against stage {stage.predecessor}:" in head
+        hopper = HOPPER_SAME_IDEA.get(stage.number, stage.number)
+        assert f"Against Hopper stage {hopper}" in head
     # every mbarrier the kernel places in shared memory is in its header's barrier table
     # (by its name, e.g. S_FULL_g for SMEM_BAR_S_FULL, or bar_q for SMEM_BAR_Q in stages 1-3)
     text = (ptx_root() / stage.file).read_text()
@@ -210,3 +211,196 @@ def test_stage_sass_holds_what_its_idea_needs(stage):
                if not any(op.startswith(need) for op in opcodes)]
     assert missing == [], f"{stage.label}: no {missing} in its SASS"
 
+
+
+# --------------------------------------------------------------------------- the minor steps
+
+# The kernel ABI every sm_100a stage shares (ptx/sm100/README.md), in order; a stage that takes
+# its tiles from a global counter adds tile_counter, which the launcher passes last.
+ABI = ("tmap_q", "tmap_k", "tmap_v", "tmap_o", "o_ptr", "o_row_stride", "o_head_stride",
+       "o_batch_stride", "seq_q", "seq_k", "heads", "batch", "softmax_scale")
+
+
+def _params(text: str) -> tuple[str, ...]:
+    entry = re.search(r"\.entry ptxattn_fwd\((.*?)\)", text, re.DOTALL).group(1)
+    return tuple(re.findall(r"\.param\s[^,]*?(\w+)(?:\[\d+\])?\s*(?:,|//|$)", entry, re.MULTILINE))
+
+
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_kernel_parameters_are_what_the_launcher_passes(stage):
+    params = _params((ptx_root() / stage.file).read_text())
+    assert params == ABI + (("tile_counter",) if stage.dynamic_tiles else ()), stage.label
+
+
+def test_the_minor_steps_are_registered():
+    """Issue 15's minor steps: the dynamic scheduler (15) on stage 14, and the TMA-store
+    epilogue (16) built on 14 too, its diff against 14 one idea."""
+    by_number = {s.number: s for s in SM100_STAGES}
+    assert by_number[15].name == "dynamic_scheduler" and by_number[15].dynamic_tiles
+    assert by_number[15].predecessor == 14 and by_number[15].persistent
+    assert by_number[16].name == "tma_store_epilogue" and not by_number[16].dynamic_tiles
+    assert by_number[16].predecessor == 14 and by_number[16].persistent
+    assert [s.number for s in SM100_STAGES if s.dynamic_tiles] == [15]
+
+
+@requires_ptxas
+@requires_disassembler
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_only_the_dynamic_scheduler_takes_tiles_from_a_global_counter(stage):
+    """The counter's atom.add is in the SASS of the dynamic stage only: one fetch before the
+    first tile, one a tile ahead in the loop, and the finish count that lets the last CTA
+    reset the counter (3); and none of its roles still strides the static list by the grid."""
+    _, text = _built(stage.file)
+    atomics = [m for m, _ in sass.instructions(text) if m.startswith("ATOMG")]
+    if stage.dynamic_tiles:
+        assert len(atomics) >= 3 and all(m.startswith("ATOMG.E.ADD") for m in atomics), atomics
+        source = (ptx_root() / stage.file).read_text()
+        assert "add.u32 %tile, %tile, %n_ctas" not in source
+        # the three roles that do not load read every tile from the load warp's ring
+        assert len(re.findall(r"^\s+TAKE_TILE\(\w+\)", source, re.MULTILINE)) == 3
+    else:
+        assert atomics == [], f"{stage.label}: a global atomic without a tile counter"
+
+
+@requires_ptxas
+@requires_disassembler
+@pytest.mark.parametrize("stage", SM100_STAGES, ids=lambda s: s.label)
+def test_o_leaves_by_tma_store_exactly_where_the_stage_says(stage):
+    """A stage whose idea needs UTMASTG stores O only through the TMA (no thread stores a row
+    to global memory) from a 1024-byte aligned staging tile that fits its shared memory; every
+    other stage leaves tmap_o unread, as the ABI note says."""
+    _, text = _built(stage.file)
+    opcodes = [m for m, _ in sass.instructions(text)]
+    stores_tma = any(m.startswith("UTMASTG") for m in opcodes)
+    assert stores_tma == ("UTMASTG" in SASS_NEEDS[stage.number]), stage.label
+    source = (ptx_root() / stage.file).read_text()
+    if stores_tma:
+        assert not any(m.startswith("STG") for m in opcodes), stage.label
+        d = _defines(source)
+        staging = int(d["SMEM_STAGE"])
+        assert staging % 1024 == 0                           # 128-byte swizzle atoms
+        assert staging + 128 * 128 * 2 <= stage.smem_bytes - 1024
+        assert stage.swizzle == SWIZZLE_128B                 # the O map's swizzle = the staging's
+    else:
+        body = re.sub(r"//[^\n]*", "", source.split(".entry")[1])
+        body = body.replace(".param .align 64 .b8 tmap_o[128]", "")
+        assert not re.search(r"\btmap_o\b", body), f"{stage.label} reads tmap_o"
+
+
+def _tma_sw128_offset(row: int, col: int) -> int:
+    """Byte offset of bf16 O[row, col] in a TMA box (64, 128, 2) with 128-byte swizzle, as the
+    TMA unit lays it out in (and reads it from) 1024-byte aligned shared memory: [col / 64][row]
+    [64], the 16-byte unit u of each 128-byte row at u ^ (row % 8)."""
+    half, c = divmod(col, 64)
+    unit, byte = divmod(2 * c, 16)
+    return half * 128 * 128 + row * 128 + (unit ^ (row % 8)) * 16 + byte
+
+
+def test_staged_o_lands_where_the_tma_store_reads_it():
+    """Stage 16's staging writes, simulated from the macros as written (STAGE_O_ROW in
+    epilogue_tma.ptxh, the generated STS_OB_SW128): every element of a 128 x 128 O tile goes
+    to the byte the O map's swizzled box holds it at, and no two share one."""
+    text = (INCLUDE / "epilogue_tma.ptxh").read_text()
+    half_bytes = int(re.search(r"^#define STAGE_HALF_BYTES (\d+)", text, re.MULTILINE).group(1))
+    body = text.split("#define STAGE_O_ROW(")[1].split("\n\n")[0]
+    chunks = [(int(off or 0), int(c), 0 if h == "0" else half_bytes)
+              for off, c, h in re.findall(r"STAGE_O_CHUNK\(MY_O(?:\+(\d+))?, ROW, X16, T, (\d+), "
+                                          r"(0|STAGE_HALF_BYTES), INV\)", body)]
+    assert len(chunks) == 4                                    # 4 x 32 columns = D
+    gen = ptxgen_sm100.header().split("#define STS_OB_SW128(")[1].split("\n\n")[0]
+    units = re.findall(r"xor\.b32 T, X16, C(?: \+ (\d+))?;.*?st\.shared\.v4\.b32 \[T\+HALF\], "
+                       r"\{([^}]*)\};", gen, re.DOTALL)
+    assert len(units) == 4
+    seen = {}
+    for row in range(128):
+        x16 = (row % 8) * 16
+        for col0, c, half in chunks:
+            for extra, regs in units:
+                addr = half + row * 128 + ((c + int(extra or 0)) ^ x16)
+                for i, reg in enumerate(r.strip() for r in regs.split(",")):
+                    pair = int(reg.removeprefix("%ob"))        # %ob<k>: columns 2k (low), 2k + 1
+                    for lane in (0, 1):
+                        col = col0 + 2 * pair + lane
+                        seen[(row, col)] = addr + 4 * i + 2 * lane
+    assert len(seen) == 128 * 128 and len(set(seen.values())) == 128 * 128
+    wrong = [(rc, a) for rc, a in seen.items() if a != _tma_sw128_offset(*rc)]
+    assert wrong == [], wrong[:4]
+
+
+class _MBarrier:
+    """An mbarrier as the PTX ISA has it: `count` arrivals complete a phase; try_wait.parity P
+    passes once the phase of parity P has completed, i.e. while the current phase's parity is
+    not P. A waiter that fell two phases behind would wait on the wrong phase: counted here."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.count
+
+    def ready(self, phase: int) -> bool:
+        """try_wait.parity for the waiter's phase (its index, not only its parity)."""
+        assert self.completed <= phase + 1, "a waiter fell two phases behind"
+        return (self.completed & 1) != (phase & 1)
+
+
+def test_stage15_tile_ring_hands_every_role_every_tile_in_order():
+    """Stage 15's tile index ring, with the parities of its barrier table, under random
+    interleavings: the load warp publishes index n in slot n & 1 (waiting, from n = 2 on, for
+    TILE_EMPTY's use (n >> 1) - 1), every reader takes index n from TILE_FULL's use n >> 1 and
+    gives it back. Every reader sees exactly the load warp's list and the end, none waits on a
+    phase two behind, and nothing deadlocks. The arrival count is the PTX's TILE_READERS."""
+    import random
+    d = _defines((SM100 / "15_dynamic_scheduler.ptx").read_text())
+    readers = int(d["TILE_READERS"])
+    softmax, correction = 2 * int(d["SOFTMAX_THREADS"]), 128
+    assert readers == 1 + softmax + correction          # MMA lane 0, both softmax WGs, correction
+    # one simulated reader per role, each arriving for all its threads at once
+    roles = {"mma": 1, "softmax": softmax, "correction": correction}
+    for seed in range(40):
+        rng = random.Random(seed)
+        tiles = [rng.randrange(100) for _ in range(rng.randrange(0, 7))] + [10**6]   # + the end
+        full, empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(readers) for _ in range(2)]
+        index = [None, None]
+        seen = {r: [] for r in roles}
+
+        def load():
+            for n, tile in enumerate(tiles):
+                s, u = n & 1, n >> 1
+                if n >= 2:
+                    while not empty[s].ready(u - 1):
+                        yield
+                index[s] = tile
+                full[s].arrive()
+                for _ in range(rng.randrange(3)):       # the tile's loads
+                    yield
+
+        def reader(role):
+            n = 0
+            while True:
+                s, u = n & 1, n >> 1
+                while not full[s].ready(u):
+                    yield
+                tile = index[s]
+                for _ in range(roles[role]):
+                    empty[s].arrive()
+                seen[role].append(tile)
+                if tile >= 10**6:
+                    return
+                n += 1
+                for _ in range(rng.randrange(4)):       # the tile's work
+                    yield
+
+        running = [load()] + [reader(r) for r in roles]
+        for _ in range(10_000):
+            if not running:
+                break
+            task = rng.choice(running)
+            try:
+                next(task)
+            except StopIteration:
+                running.remove(task)
+        assert not running, f"seed {seed}: deadlock"
+        assert all(got == tiles for got in seen.values()), (seed, seen, tiles)

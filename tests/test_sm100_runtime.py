@@ -15,7 +15,7 @@ import fake_gpu
 import numpy as np
 import pytest
 from cli_helpers import cli, one_clean_error
-from test_prepare import dev, gpu, launched     # noqa: F401 - gpu is a fixture
+from test_prepare import dev, gpu, launched, maps     # noqa: F401 - gpu is a fixture
 
 from ptxattn import attention as attn
 from ptxattn import driver, sass, selfcheck, stages, stages_sm100
@@ -562,3 +562,127 @@ def test_gpu_hopper_runs_without_self_checks_and_refuses_sm100_stages(sm100, mon
     with pytest.raises(ValueError, match=r"sm100_stage14 \(persistent\) is built for sm_100a, "
                                          r"which this GPU \(compute capability 9.0\) cannot run"):
         attn.attention(q, k, v, stage=last)
+
+
+# --------------------------------------------------------------------------- the minor steps
+
+def test_list_arch_shows_one_lineage(sm100):
+    one, last = sm100
+    result = cli("list", "--arch", "sm_100a")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("Blackwell lineage"))
+    assert "never run here" in lines[heading]
+    assert [line.split()[:3] for line in lines[heading + 1:]] == [
+        ["1", "baseline", "sm_100a"], ["14", "persistent", "sm_100a"]]
+    assert not any("sm_90a" in line for line in lines)              # no Hopper row, no production
+    hopper = cli("list", "--arch", "hopper")
+    assert hopper.exit_code == 0 and "Blackwell" not in hopper.output
+    assert "sm_100a" not in hopper.output and "production" in hopper.output
+    one_clean_error(cli("list", "--arch", "sm_89"), "--arch", "sm_89")
+
+
+def test_list_shows_the_minor_steps_as_never_run():
+    """The registry's own rows (no made-up stages): 15 and 16 are listed under the heading that
+    says the lineage never ran."""
+    result = cli("list", "--arch", "sm_100a")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    heading = next(i for i, line in enumerate(lines) if line.startswith("Blackwell lineage"))
+    assert "never run here" in lines[heading]
+    rows = [line.split()[:3] for line in lines[heading + 1:]]
+    assert ["15", "dynamic_scheduler", "sm_100a"] in rows
+    assert ["16", "tma_store_epilogue", "sm_100a"] in rows
+
+
+def test_a_b200_tries_the_predicted_order_then_falling_numbers():
+    order = [s.number for s in stages.by_speed("sm_100a")]
+    assert order[:3] == [16, 14, 15]                    # the static scheduler before the dynamic
+    assert order[3:] == sorted(order[3:], reverse=True)
+    assert sorted(order) == [s.number for s in stages_sm100.SM100_STAGES]
+
+
+def _launch_on_a_b200(gpu, monkeypatch, number):
+    gpu["ctx"].compute_capability = B200
+    monkeypatch.setattr(selfcheck, "_RESULTS", {})
+    monkeypatch.setattr(selfcheck, "_METRICS", {})
+    monkeypatch.setattr(selfcheck, "run", passing)
+    stage = stages.get_stage(number, arch="sm_100a")
+    p = attn.prepare(*qkv(L=512, H=2), stage=stage)
+    p.launch()
+    config, (values, types) = launched(gpu)
+    return stage, p, config, values, types
+
+
+def test_the_dynamic_scheduler_gets_a_zeroed_tile_counter_last(gpu, monkeypatch):
+    stage, p, config, values, types = _launch_on_a_b200(gpu, monkeypatch, 15)
+    assert stage.dynamic_tiles and p.grid == (min(gpu["ctx"].sm_count, 2 * (512 // 256)), 1, 1)
+    assert len(values) == len(types) == 14                     # the ABI's 13, then tile_counter
+    assert types[-1] == driver.PTR and type(values[-1]) is int
+    # the two u32 counters are set to zero on the launch's stream before the kernel runs
+    zeroed = [a for name in ("cuMemsetD8", "cuMemsetD8Async") for a in gpu[name]]
+    assert any(int(a[0]) == values[-1] and int(a[1]) == 0 and int(a[2]) == 8 for a in zeroed), zeroed
+    assert config.sharedMemBytes == stage.smem_bytes and config.blockDimX == 512
+
+
+def test_the_tma_store_stage_gets_the_abi_and_an_o_map_of_its_staging_tile(gpu, monkeypatch):
+    stage, p, config, values, types = _launch_on_a_b200(gpu, monkeypatch, 16)
+    assert len(values) == 13 and not stage.dynamic_tiles
+    mo = maps(gpu)[3]
+    assert mo[0] == p.out.ptr
+    # the box the kernel stages: (64, 128, 2) over (d_inner, row, d_outer), 128-byte swizzle
+    assert mo[3] == (64, 128, 2, 1, 1)
+    assert mo[4] == driver.cu().CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert config.sharedMemBytes == stage.smem_bytes == 227 * 1024
+
+
+# --------------------------------------------------------------------------- on a B200 only
+
+def _on_a_b200():
+    """Skip unless the GPU runs the sm_100a lineage (compute capability 10.0): on the H200s
+    lent to this project these tests never run; they are for whoever runs the lineage first."""
+    if driver.context().compute_capability != B200:
+        pytest.skip("needs a GPU of compute capability 10.0 (B200) for sm_100a code")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", stages_sm100.SM100_STAGES, ids=lambda s: s.label)
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_gpu_b200_stage_matches_the_reference(stage, layout, no_verdicts):
+    from gpu_checks import assert_passes, check_rows
+
+    from ptxattn import tensors
+    from ptxattn.reference import random_qkv
+    _on_a_b200()
+    for B, H, Lq, Lk in ((2, 3, 512, 512), (1, 2, 256, 1024)):
+        q, k, v = random_qkv(B, H, Lq, Lk, D, layout, seed=5)
+        out = tensors.empty(q.shape)
+        out.fill_u16(0xFFFF)                                  # NaN: rows never written show
+        got = attn.attention(*(tensors.from_numpy(x) for x in (q, k, v)), stage=stage,
+                             layout=layout, out=out).to_numpy()
+        assert_passes(check_rows(q, k, v, got, layout), f"{stage.label} {layout} {Lq}x{Lk}:")
+
+
+@pytest.mark.gpu
+def test_gpu_b200_the_dynamic_scheduler_leaves_its_counter_zero(no_verdicts, monkeypatch):
+    """Two CTAs take all 12 tiles from the counter; the last CTA out resets it, so every
+    launch of one prepared call finds zeros and computes the same right answer."""
+    from gpu_checks import assert_passes, check_rows
+
+    from ptxattn import tensors
+    from ptxattn.reference import random_qkv
+    _on_a_b200()
+    monkeypatch.setenv(attn.PERSISTENT_CTAS_ENV, "2")
+    stage = stages.get_stage(15, arch="sm_100a")
+    q, k, v = random_qkv(2, 3, 512, 512, D, "bhld", seed=6)     # 2 x 3 x 2 = 12 tiles
+    prepared = attn.prepare(*(tensors.from_numpy(x) for x in (q, k, v)), stage=stage)
+    assert prepared.grid == (2, 1, 1)
+    first = None
+    for launch in range(3):
+        prepared.out.fill_u16(0xFFFF)
+        prepared.launch()
+        got = prepared.out.to_numpy()
+        assert_passes(check_rows(q, k, v, got, "bhld"), f"launch {launch}:")
+        if first is None:
+            first = got.view(np.uint16).copy()
+        np.testing.assert_array_equal(got.view(np.uint16), first)
