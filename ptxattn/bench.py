@@ -19,6 +19,7 @@ import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import shutil
@@ -681,7 +682,14 @@ def source_id(root=None) -> dict:
                 dirty = bool(diff.stdout.strip()) if diff.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired):
             pass
-    return {"commit": commit, "dirty": dirty, "tree_sha256": digest.hexdigest()}
+    out = {"commit": commit, "dirty": dirty, "tree_sha256": digest.hexdigest()}
+    # A machine that got a copy of the tree may carry a stale .git (the lent H200 does): the
+    # runner can declare the commit it copied, and tree_sha256 is what checks the declaration
+    # (the same hash computed at that commit locally).
+    declared = os.environ.get("PTXATTN_SOURCE_COMMIT", "").strip()
+    if declared:
+        out["declared_commit"] = declared
+    return out
 
 
 def environment(info: dict, torch=None) -> dict:
@@ -1351,7 +1359,9 @@ def format_table(result: dict) -> str:
                     + (f", cuDNN {env['cudnn']}" if env.get("cudnn") else "")
                     + (f", {proto['rounds']} rounds x {proto['reps']} reps"
                        if "rounds" in proto and "reps" in proto else "")
-                    + (f", commit {src['commit'][:12]}{' (dirty)' if src.get('dirty') else ''}"
+                    + (f", declared commit {src['declared_commit'][:12]}, tree "
+                       f"{src['tree_sha256'][:12]}" if src.get("declared_commit") else
+                       f", commit {src['commit'][:12]}{' (dirty)' if src.get('dirty') else ''}"
                        if src.get("commit") else
                        (f", tree {src['tree_sha256'][:12]}" if src.get("tree_sha256") else "")))
     for r in ours:

@@ -1023,3 +1023,16 @@ def test_production_set_small_on_the_gpu():
             assert peers[name]["status"] in ("ok",), peers[name]
         assert peers["gqa32:4-8k"]["gqa"].startswith(("enable_gqa", "repeat"))
         assert "pct_of_peer" in p8
+
+
+def test_a_declared_commit_is_recorded_beside_the_tree_hash(tmp_path, monkeypatch):
+    """The lent GPU's copy of the tree carries a stale .git: the runner's declared commit is
+    kept apart from git's answer, and the tree hash (which checks it) is unchanged by it."""
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "a.ptx").write_text("x")
+    plain = bench.source_id(tmp_path)
+    assert "declared_commit" not in plain
+    monkeypatch.setenv("PTXATTN_SOURCE_COMMIT", "abc123def456789")
+    declared = bench.source_id(tmp_path)
+    assert declared["declared_commit"] == "abc123def456789"
+    assert declared["tree_sha256"] == plain["tree_sha256"]
