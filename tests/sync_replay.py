@@ -5,8 +5,9 @@ test_production_sync.py (the production kernel's builds); no tests here.
 How: test_production_schedule's interpreter runs the PTX's integer/predicate code for the
 producer (thread 0) and both consumers (threads 128 and 256, one warpgroup each: their control
 flow is uniform). Every synchronising statement (mbarrier init / try_wait.parity / arrive /
-arrive.expect_tx, bar.sync / bar.arrive) gets a label in front, so the interpreter records its
-operands (barrier address, parity, named barrier ID, guard) as the thread reaches it. The three
+arrive.expect_tx, bar.sync / bar.arrive) and every TMA load gets a label in front, so the
+interpreter records its operands (barrier address, parity, named barrier ID, guard; a load's
+shared destination, tensor map, coordinates and barrier) as the thread reaches it. The three
 recorded sequences are then replayed together under the hardware's rules:
   - an mbarrier completes a phase when its arrivals reach the init count (a warpgroup's arrive
     is 128 arrivals, thread 0's is 1; the TMA's bytes land at once, the producer's best case
@@ -17,19 +18,23 @@ recorded sequences are then replayed together under the hardware's rules:
 under several interleavings (producer first, either consumer first, random). The replay
 asserts: no deadlock; each FULL wait sees the next fill of that barrier (not one behind, not
 one ahead: a parity off by one either blocks for ever or sees the wrong fill) and its content
-is the reference schedule's (Q of tile j; K/V tile i of tile j, in order across tiles), and the
-consumers see the K and V fills in the producer's order; the producer never refills a buffer
+(the coordinates of the TMA loads that complete that fill) is the reference schedule's (Q of
+tile j; K/V tile i of tile j, in order across tiles), and the consumers see the K and V fills in
+the producer's order; a fill's loads write the buffer its barrier guards and bring the bytes its
+expect_tx announced; the producer never refills a buffer
 before both consumers released its previous fill; a consumer releases only what it acquired;
 the consumer's buffer index matches the barrier it waits on; each S = Q K^T (a K FULL wait)
 reads the Q of its own tile, acquired and not yet released; named barriers are never completed
 by hand-overs alone and none is left half arrived; both consumers take the same number of turns;
 %p_last_tile is true on the CTA's last tile only.
 
-What a build must give: its text, its #defines (barrier offsets SMEM_BAR_*, BLOCK_M, BLOCK_N,
-KV_STAGES; SMEM_BAR_Q_1 / SMEM_BAR_Q_EMPTY_1 where Q is double-buffered), the register its
-producer's K/V loads read the head from, and a reference schedule: reference(prm, ctaid, grid)
--> (tiles, [Q content per tile], [[K/V content per K/V tile] per tile]), contents as the
-producer's loads record them: ("Q", q_row, q_row1, head, batch) and (kv_row, kv_head, batch).
+What a build must give: its text, its #defines (barrier offsets SMEM_BAR_*, buffer offsets
+SMEM_Q / SMEM_K / SMEM_V and sizes Q_TILE_BYTES / KV_TILE_BYTES, BLOCK_M, BLOCK_N, KV_STAGES;
+SMEM_BAR_Q_1 / SMEM_BAR_Q_EMPTY_1 where Q is double-buffered: buffer b at SMEM_Q + 2b *
+Q_TILE_BYTES) and a reference schedule: reference(prm, ctaid, grid) -> (tiles, [Q content per
+tile], [[K/V content per K/V tile] per tile]), contents as the TMA coordinates give them:
+("Q", q_row, q_row + 64, head, batch) and (kv_row, kv_head, batch) (kv_head: the K/V head the
+query head reads, head // heads_per_kv with GQA).
 """
 
 from __future__ import annotations
@@ -37,28 +42,53 @@ from __future__ import annotations
 import random
 import re
 
-from test_production_schedule import Program, Thread, _constant
+from test_production_schedule import Program, Thread, _constant, _split_operands
 
 _SYNC = re.compile(r"(@(!?)(%\w+)\s+)?(mbarrier\.init|mbarrier\.try_wait\.parity|"
                    r"mbarrier\.arrive\.expect_tx|mbarrier\.arrive|bar\.sync|bar\.arrive)"
                    r"\S*\s+(.*);$")
+# a TMA load into shared memory that completes bytes on an mbarrier (one statement, two lines)
+_LOAD = re.compile(r"(@(!?)(%\w+)\s+)?cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global\."
+                   r"mbarrier::complete_tx::bytes\s+(.*);$")
 # registers recorded at every synchronising statement besides its operands: the buffer and slot
-# indices that the descriptors are made from, and the coordinates the producer's TMA loads read
-CONTEXT = ("%q_buf", "%ring_slot", "%prev_slot", "%q_row", "%q_row1", "%head", "%batch",
-           "%kv_row")
+# indices that the descriptors are made from
+CONTEXT = ("%q_buf", "%ring_slot", "%prev_slot")
 TILE_END = ("%tile", "%p_last_tile")
-# the barrier offsets (and tile sizes) a build must define
+# the barrier and buffer offsets (and tile sizes) a build must define
 BARRIERS = ("SMEM_BAR_Q", "SMEM_BAR_Q_EMPTY", "SMEM_BAR_FULL_K", "SMEM_BAR_FULL_V",
             "SMEM_BAR_EMPTY_K", "SMEM_BAR_EMPTY_V")
-SIZES = ("BLOCK_M", "BLOCK_N", "KV_STAGES")
+SIZES = ("SMEM_Q", "SMEM_K", "SMEM_V", "Q_TILE_BYTES", "KV_TILE_BYTES", "BLOCK_M", "BLOCK_N",
+         "KV_STAGES")
 
 
 def instrument(text: str):
-    """The PTX with a label `sync_N:` before each synchronising statement, and
-    {label: (kind, guard, operands)}."""
-    out, ops = [], {}
-    for line in text.splitlines():
-        m = _SYNC.match(line.split("//")[0].strip())
+    """The PTX with a label `sync_N:` before each synchronising statement and `load_N:` before
+    each TMA load, {sync label: (kind, guard, operands)} and {load label: ("tma.load", guard,
+    [destination, map, coordinates..., barrier])}."""
+    out, ops, loads = [], {}, {}
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        code = line.split("//")[0].strip()
+        if re.match(r"(@!?%\w+\s+)?cp\.async\.bulk\.tensor\.\S*\.global\.mbarrier", code):
+            stmt = [line]                        # the operands follow on the next line(s)
+            while not code.endswith(";"):
+                i += 1
+                stmt.append(lines[i])
+                code = f"{code} {lines[i].split('//')[0].strip()}"
+            m = _LOAD.match(code)
+            assert m, code
+            dst, src, bar = _split_operands(m.group(4))
+            tmap, coords = re.fullmatch(r"\[(%\w+),\s*\{(.*)\}\]", src).groups()
+            name = f"load_{len(loads)}"
+            guard = (m.group(2) == "!", m.group(3)) if m.group(1) else None
+            loads[name] = ("tma.load", guard, [dst, tmap] + [c.strip() for c in coords.split(",")]
+                         + [bar])
+            out += [f"{name}:"] + stmt
+            i += 1
+            continue
+        m = _SYNC.match(code)
         if m:
             assert m.group(5).count(";") == 0, line      # one statement a line
             name = f"sync_{len(ops)}"
@@ -67,28 +97,30 @@ def instrument(text: str):
             ops[name] = (m.group(4), guard, args)
             out.append(f"{name}:")
         out.append(line)
-    return "\n".join(out) + "\n", ops
+        i += 1
+    return "\n".join(out) + "\n", ops, loads
 
 
 class Model:
-    """One build's text (optionally mutated), instrumented and sliced once.
+    """One build's text (optionally mutated), instrumented and sliced once; defines: the
+    build's #defines as ints (see the module's doc)."""
 
-    defines: the build's #defines as ints (see the module's doc); kv_head: the register the
-    producer's K/V loads read the head from (%head, or %head_kv with GQA)."""
-
-    def __init__(self, text: str, defines: dict, kv_head: str = "%head"):
+    def __init__(self, text: str, defines: dict):
         missing = [k for k in BARRIERS + SIZES if k not in defines]
         if missing:
             raise ValueError(f"defines: missing {', '.join(missing)}")
-        self.text, self.kv_head = text, kv_head
+        self.text = text
         self.defines = {k: int(v) for k, v in defines.items()}
         self.q_buffers = 2 if "SMEM_BAR_Q_1" in self.defines else 1
-        instrumented, self.ops = instrument(text)
+        instrumented, self.ops, self.loads = instrument(text)
         self.watch = {}
-        for name, (kind, guard, args) in self.ops.items():
-            # operands read (an mbarrier statement's first is its result: %p_ready, %state)
+        for name, (kind, guard, args) in {**self.ops, **self.loads}.items():
+            # operands read (an mbarrier statement's first is its result: %p_ready, %state; a
+            # load's map is a parameter's address, not modelled)
             read = args[1:] if kind.startswith("mbarrier.") and kind != "mbarrier.init" else args
-            regs = set(CONTEXT) | {kv_head} | {r for a in read for r in re.findall(r"%\w+", a)}
+            if kind == "tma.load":
+                read = [a for a in args if a != args[1]]
+            regs = set(CONTEXT) | {r for a in read for r in re.findall(r"%\w+", a)}
             if guard:
                 regs.add(guard[1])
             self.watch[name] = tuple(sorted(regs))
@@ -163,6 +195,54 @@ class Replay:
                 self.full_of[e] = next(f for f, j in full.items() if j == i)
         self.traces = [m.run(tid, ctaid, grid, prm) for tid in (0, 128, 256)]
 
+    def loads_after(self, pc: int):
+        """The producer's TMA loads right after its statement pc (the loads of one
+        expect_tx), each as (map, [coordinates], destination, barrier)."""
+        out = []
+        for name, regs in self.traces[0][pc + 1:]:
+            if not name.startswith("load_"):
+                break
+            _, guard, args = self.m.loads[name]
+            if guard is not None and regs[guard[1]] == guard[0]:
+                continue
+            out.append((args[1], [value(a, regs) for a in args[2:-1]], address(args[0], regs),
+                        address(args[-1], regs)))
+        return out
+
+    def fill(self, addr: int, tx_bytes: int, regs, loads):
+        """A fill's content from its loads, after checking that they complete on its barrier,
+        write the buffer that barrier guards, bring the bytes announced and read whole tiles
+        (coordinates 0 and 2: the first element of D and of its 64-column blocks)."""
+        d = self.m.defines
+        assert loads and all(bar == addr for *_, bar in loads), (
+            f"producer: expect_tx on barrier {addr}, loads completing on "
+            f"{[bar for *_, bar in loads]}")
+        assert all(c[0] == 0 and c[2] == 0 for _, c, _, _ in loads), loads
+        if addr in self.q_full:
+            b = self.q_full[addr]
+            assert self.q_index(regs) == b
+            # buffer b holds consumer 0's 64 rows, then consumer 1's
+            want = [("%tmap_q", d["SMEM_Q"] + (2 * b + h) * d["Q_TILE_BYTES"]) for h in (0, 1)]
+            size = d["Q_TILE_BYTES"]
+            (_, c0, _, _), (_, c1, _, _) = loads[0], loads[-1]
+            assert c0[3:] == c1[3:], loads
+            content = ("Q", c0[1], c1[1], c0[3], c0[4])
+        else:
+            assert addr in self.k_full or addr in self.v_full, addr
+            slot = self.k_full.get(addr, self.v_full.get(addr))
+            assert regs["%ring_slot"] == slot
+            k = addr in self.k_full
+            want = [("%tmap_k" if k else "%tmap_v",
+                     d["SMEM_K" if k else "SMEM_V"] + slot * d["KV_TILE_BYTES"])]
+            size = d["KV_TILE_BYTES"]
+            (_, c, _, _), = loads[:1]
+            content = (c[1], c[3], c[4])
+        got = [(tmap, dst) for tmap, _, dst, _ in loads]
+        assert got == want, f"producer: loads {got} for barrier {addr}, not {want}"
+        assert tx_bytes == len(loads) * size, (
+            f"producer: expect_tx of {tx_bytes} bytes, {len(loads)} loads of {size}")
+        return content
+
     def q_index(self, regs) -> int:
         """The Q buffer a statement's descriptor reads (one buffer: always 0)."""
         return regs["%q_buf"] if self.m.q_buffers == 2 else 0
@@ -233,6 +313,10 @@ class Replay:
                 return True
             name, regs = events[t][pcs[t]]
             who = ("producer", "consumer 0", "consumer 1")[t]
+            if name.startswith("load_"):             # (read with its expect_tx)
+                assert t == 0, f"{who}: a TMA load"
+                pcs[t] += 1
+                return True
             if name == "tile_end":
                 assert t > 0
                 tile_ends[t - 1].append((regs["%tile"], regs["%p_last_tile"]))
@@ -285,15 +369,8 @@ class Replay:
             elif kind == "mbarrier.arrive.expect_tx":
                 assert t == 0, f"{who}: expect_tx"
                 addr = address(args[1], regs)
-                if addr in self.q_full:
-                    assert self.q_index(regs) == self.q_full[addr]
-                    content = ("Q", regs["%q_row"], regs["%q_row1"], regs["%head"],
-                               regs["%batch"])
-                else:
-                    assert addr in self.k_full or addr in self.v_full, addr
-                    slot = self.k_full.get(addr, self.v_full.get(addr))
-                    assert regs["%ring_slot"] == slot
-                    content = (regs["%kv_row"], regs[m.kv_head], regs["%batch"])
+                content = self.fill(addr, value(args[2], regs), regs, self.loads_after(pcs[0]))
+                if addr not in self.q_full:
                     fill_order["K" if addr in self.k_full else "V"].append(content)
                 n = len(fills.setdefault(addr, []))
                 empty = next(e for e, f in self.full_of.items() if f == addr)

@@ -54,10 +54,9 @@ class Build:
         self.head_dim, self.masked = head_dim, masked
         self.block_m = build_constant(head_dim, "BLOCK_M")
         self.block_n = build_constant(head_dim, "BLOCK_N")
-        # the producer's K/V loads read the K/V head (GQA), not the query head
         self.model = sync_replay.Model(text if text is not None
                                        else source(head_dim, masked, **knobs),
-                                       defines(head_dim), kv_head="%head_kv")
+                                       defines(head_dim))
 
     def reference(self, prm, ctaid, grid):
         if not self.masked:
@@ -154,6 +153,10 @@ def test_the_replay_sees_every_synchronising_statement():
                      if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
             assert len(lines) == len(m.ops)
             assert m.q_buffers == 2
+            # the producer's TMA loads: Q (two 64-row boxes), K, V; what the K/V ones read
+            loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
+            assert loads == [("%tmap_q", "%head"), ("%tmap_q", "%head"),
+                             ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
 @pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
@@ -281,17 +284,37 @@ MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
     # the boundary step's PV hand-over dropped: the other consumer never gets its turn
     "boundary hand-over dropped": ("bar.arrive %other_turn, 256;", "", None, "\nboundary:",
                                    "deadlock"),
+    # K and V loaded from the query head, not its K/V head (GQA/MQA)
+    "k/v loads read the query head": ("%zero, %head_kv, %batch}", "%zero, %head, %batch}", 2,
+                                      None, "producer's K loads"),
+    # the producer loads Q into buffer 0 every time, though it signals buffer local_tile % 2
+    "q loaded into the wrong buffer": (
+        "mad.lo.u32 %tmp, %q_buf, (2 * 16384), %sQ;", "mov.u32 %tmp, %sQ;", 1, None,
+        r"loads \[\('%tmap_q', 0\), \('%tmap_q', 16384\)\] for barrier"),
 }
 
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_the_replay_catches_a_broken_protocol(name, masked):
-    """Each mutant of production.ptx (D = 128) fails the replay, for its own reason."""
+    """Each mutant of production.ptx (D = 128) fails the replay, for its own reason (MQA:
+    5 query heads read K/V head 0)."""
     old, new, count, after, reason = MUTANTS[name]
     b = Build(128, masked, mutate(source(128, masked), old, new, count, after))
     make = causal if masked else params
     with pytest.raises(AssertionError, match=reason):
         for seq_k in (128, 385):                 # one K/V tile a Q tile, then four
             for grid in (1, 2):                  # 5 tiles: 3 a CTA at most
-                b.play(make(129, seq_k, heads=5), grid, seeds=1)
+                b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)
+
+
+def test_the_replay_catches_q_released_before_the_tiles_last_s():
+    """The Q EMPTY arrive moved from tile_end to right after a tile's first S: harmless with one
+    K/V tile a Q tile (its first S is its last), caught with more (a later S reads a released
+    Q, which the producer may overwrite)."""
+    arrive = "mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];"
+    text = mutate(source(128, False), arrive, "")
+    b = Build(128, False, mutate(text, "\nkv_runs:\n", f"\nkv_runs:\n    {arrive}\n"))
+    b.play(params(129, 128, heads=5), 2, seeds=1)
+    with pytest.raises(AssertionError, match="whose fill it has released|overwritten in use"):
+        b.play(params(129, 385, heads=5), 2, seeds=1)

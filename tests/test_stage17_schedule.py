@@ -42,10 +42,11 @@ def stage_file_text() -> str:
 
 @lru_cache(maxsize=None)
 def stage_defines() -> dict:
-    """Barrier offsets (smem's base is 0 in the model: the carve-up adds them to it), tile sizes
-    and ring depth, from the stage's own #defines."""
+    """Barrier and buffer offsets (smem's base is 0 in the model: the carve-up adds them to
+    it), tile sizes and ring depth, from the stage's own #defines."""
     return {k: int(v) for k, v in re.findall(
-        r"^#define (SMEM_BAR_\w+|BLOCK_[MN]|KV_STAGES) (\d+)", stage_file_text(), re.M)}
+        r"^#define (SMEM_\w+|BLOCK_[MN]|KV_STAGES|Q_TILE_BYTES|KV_TILE_BYTES) (\d+)",
+        stage_file_text(), re.M)}
 
 
 class Model(sync_replay.Model):
