@@ -9,13 +9,17 @@ across the CTA's whole walk. test_production_schedule checks the walk, the K/V r
 masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
 ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
 builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
-mutants of the protocol that it must catch.
+mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1), the knob
+PTXATTN_TILE_AT_A_TIME=1 (two Q buffers, a tile at a time) and D = 256 (one Q buffer), each
+told apart from tiles back to back by its turn count.
 
 The references: unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
 t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
 k*G + c, or k*G + G-1-c on odd rounds), m_block-major up to MBLOCK_MAJOR_MAX_BH (batch, head)
 pairs, longest rows first (m_block reversed), and the K/V tiles some row of the Q tile sees
 (test_production_schedule.truth; a Q tile whose rows see no key keeps one fully masked tile).
+A fill's content is read from its TMA loads' coordinates: the K/V loads' head is the K/V head
+the kernel actually loads (%head_kv), checked against the reference's head // heads_per_kv.
 """
 
 from __future__ import annotations
