@@ -1,0 +1,324 @@
+"""The production kernel's synchronisation with tiles back to back, replayed from its own PTX
+(CPU only).
+
+At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx runs a persistent
+CTA's tiles back to back: Q is double-buffered and loaded a tile ahead, and every tile after a
+CTA's first starts in the boundary step, which issues its first S beside the previous tile's
+last PV (one turn), so the Q parities, the K/V ring positions and the pingpong turns are counted
+across the CTA's whole walk. test_production_schedule checks the walk, the K/V runs and the
+masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
+ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
+builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
+mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1), the knob
+PTXATTN_TILE_AT_A_TIME=1 (two Q buffers, a tile at a time) and D = 256 (one Q buffer), each
+told apart from tiles back to back by its turn count.
+
+The references: unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
+t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
+k*G + c, or k*G + G-1-c on odd rounds), m_block-major up to MBLOCK_MAJOR_MAX_BH (batch, head)
+pairs, longest rows first (m_block reversed), and the K/V tiles some row of the Q tile sees
+(test_production_schedule.truth; a Q tile whose rows see no key keeps one fully masked tile).
+A fill's content is read from its TMA loads' coordinates: the K/V loads' head is the K/V head
+the kernel actually loads (%head_kv), checked against the reference's head // heads_per_kv.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import pytest
+
+from ptxattn import ptx, stages
+from ptxattn.attention import UNBOUNDED
+import sync_replay
+from sync_replay import round_robin
+from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
+
+BACK_TO_BACK_DIMS = (64, 128)     # the build table's rows with Q_BUFFERS 2
+
+
+def defines(head_dim: int) -> dict:
+    """The replay's #defines from the build table's row of this head dim."""
+    names = sync_replay.BARRIERS + sync_replay.SIZES
+    if build_constant(head_dim, "Q_BUFFERS") == 2:
+        names += ("SMEM_BAR_Q_1", "SMEM_BAR_Q_EMPTY_1")
+    return {n: build_constant(head_dim, n) for n in names}
+
+
+def source(head_dim: int, masked: bool, **knobs) -> str:
+    st = stages.PRODUCTION.specialize(head_dim, masked=masked)
+    return ptx.source(st, {**dict(st.defines), **{k: "1" for k, on in knobs.items() if on}})
+
+
+class Build:
+    """One production build, its replay model and its reference schedule."""
+
+    def __init__(self, head_dim: int, masked: bool, text: str | None = None, **knobs):
+        self.head_dim, self.masked = head_dim, masked
+        self.block_m = build_constant(head_dim, "BLOCK_M")
+        self.block_n = build_constant(head_dim, "BLOCK_N")
+        self.model = sync_replay.Model(text if text is not None
+                                       else source(head_dim, masked, **knobs),
+                                       defines(head_dim))
+
+    def reference(self, prm, ctaid, grid):
+        if not self.masked:
+            return round_robin(prm, ctaid, grid, self.block_m, self.block_n)
+        return masked_walk(prm, ctaid, grid, self.block_m, self.block_n)
+
+    def play(self, prm, grid, seeds=2, ctas=None):
+        """Every CTA of the launch (or those in ctas) under every interleaving."""
+        for c in range(grid) if ctas is None else ctas:
+            r = sync_replay.Replay(self.model, prm, c, grid, self.reference)
+            for order in sync_replay.orders(seeds):
+                r.play(order)
+
+
+@lru_cache(maxsize=None)
+def build(head_dim: int, masked: bool, **knobs) -> Build:
+    return Build(head_dim, masked, **knobs)
+
+
+def masked_walk(prm, ctaid, grid, block_m, block_n):
+    """The masked build's reference: the snake over tiles, each tile's (m_block, batch, head)
+    and the K/V tiles some of its rows see (the rules check_q_tile checks the walk against)."""
+    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
+    m_blocks = -(-seq_q // block_m)
+    bh_count = prm["heads"] * prm["batch"]
+    n_tiles = m_blocks * bh_count
+    tiles = []
+    for k in range(-(-n_tiles // grid)):
+        t = k * grid + (ctaid if k % 2 == 0 else grid - 1 - ctaid)
+        if t < n_tiles:
+            tiles.append(t)
+    q, kv = [], []
+    for t in tiles:
+        if bh_count <= mblock_major_max_bh():
+            m, bh = divmod(t, bh_count)          # m_block-major: few (batch, head) pairs
+        else:
+            bh, m = divmod(t, m_blocks)          # head-major
+        head, batch = bh % prm["heads"], bh // prm["heads"]
+        q_row = (m_blocks - 1 - m) * block_m     # longest rows first
+        q.append(("Q", q_row, q_row + block_m // 2, head, batch))
+        seen, _ = truth(seq_q, seq_k, q_row, block_m, block_n, prm["diag_offset"],
+                        prm["window_left"], prm["window_right"])
+        if not seen:
+            # no row sees a key: one fully masked tile, the one of the first row's first key
+            # clamped to [0, seq_k)
+            key = min(max(q_row + prm["diag_offset"] - prm["window_left"], 0), seq_k - 1)
+            seen = [key // block_n]
+        kv.append([(i * block_n, head // prm["heads_per_kv"], batch) for i in seen])
+    return tiles, q, kv
+
+
+def causal(seq_q, seq_k, **kw):
+    """The bottom-right causal mask (diag = seq_k - seq_q, no left edge, right edge 0)."""
+    return params(seq_q, seq_k, diag=seq_k - seq_q, left=UNBOUNDED, right=0, **kw)
+
+
+def tile_count(b: Build, prm) -> int:
+    return -(-prm["seq_q"] // b.block_m) * prm["heads"] * prm["batch"]
+
+
+def grids(tiles: int, few: int = 4):
+    """1 to `few` CTAs (each with many tiles: the Q buffers and their parities wrap), then a
+    few up to one CTA a tile (the launcher's min(SMs, tiles))."""
+    return sorted({*range(1, min(tiles, few) + 1), tiles // 2 + 1, max(tiles - 1, 1), tiles})
+
+
+# ragged lengths (seq_q 129, 300, 513; seq_k 1, 127, 128, 129, 385), several heads and batches,
+# GQA (heads_per_kv 2) and MQA (every head reads K/V head 0)
+UNMASKED_CASES = [
+    params(513, 385),                                    # 5 tiles of 4 K/V tiles, one CTA-row
+    params(300, 127, heads=2, batch=2, heads_per_kv=2),  # 12 tiles, one ragged K/V tile each
+    params(129, 128, heads=3, heads_per_kv=3),           # MQA; one K/V tile: boundary at once
+    params(300, 129, batch=3),
+]
+MASKED_CASES = [
+    causal(300, 385, heads=2, heads_per_kv=2),           # GQA, causal, ragged both
+    causal(513, 129),                  # rows 0-383 see no key: one fully masked K/V tile each
+    causal(129, 1, heads=2, batch=2),
+    params(513, 385, heads=2, diag=0, left=130, right=5),   # a window (front and back runs)
+    params(300, 127, heads=3, heads_per_kv=3, diag=-40, left=60, right=UNBOUNDED),
+]
+
+
+def test_the_replay_sees_every_synchronising_statement():
+    for head_dim in BACK_TO_BACK_DIMS:
+        for masked in (False, True):
+            m = build(head_dim, masked).model
+            kinds = sorted({k for k, _, _ in m.ops.values()})
+            assert kinds == ["bar.arrive", "bar.sync", "mbarrier.arrive",
+                             "mbarrier.arrive.expect_tx", "mbarrier.init",
+                             "mbarrier.try_wait.parity"]
+            body = m.text[m.text.index(".entry"):]
+            lines = [ln for ln in body.splitlines()
+                     if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
+            assert len(lines) == len(m.ops)
+            assert m.q_buffers == 2
+            # the producer's TMA loads: Q (two 64-row boxes), K, V; what the K/V ones read
+            loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
+            assert loads == [("%tmap_q", "%head"), ("%tmap_q", "%head"),
+                             ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
+
+
+@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
+def test_unmasked_builds_across_tiles(head_dim):
+    b = build(head_dim, False)
+    for prm in UNMASKED_CASES:
+        for grid in grids(tile_count(b, prm)):
+            b.play(prm, grid)
+
+
+@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
+def test_masked_builds_across_tiles(head_dim):
+    b = build(head_dim, True)
+    for prm in MASKED_CASES:
+        for grid in grids(tile_count(b, prm)):
+            b.play(prm, grid)
+
+
+def test_long_walks_wrap_the_q_buffers():
+    """CTAs with 10-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
+    ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
+    head) pairs is head-major."""
+    cap = mblock_major_max_bh()
+    for head_dim in BACK_TO_BACK_DIMS:
+        plain, masked = build(head_dim, False), build(head_dim, True)
+        prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)        # 40 tiles
+        for grid in (1, 3):
+            plain.play(prm, grid, seeds=1)
+        prm = causal(129, 300, heads=cap + 1, heads_per_kv=cap + 1)   # 66 tiles, head-major
+        masked.play(prm, 3, seeds=1)
+        masked.play(prm, 40, seeds=1, ctas=(0, 39))
+
+
+def expected_turns(b: Build, prm, ctaid, grid, back_to_back: bool) -> int:
+    """A consumer's turns: one a K/V tile (its S, beside the previous tile's PV), plus the last
+    PV on its own: once a CTA with tiles back to back, once a tile otherwise."""
+    tiles, _, kv = b.reference(prm, ctaid, grid)
+    return sum(map(len, kv)) + (1 if back_to_back else len(tiles))
+
+
+@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
+def test_the_boundary_merges_turns_and_the_knob_keeps_a_tile_at_a_time(head_dim):
+    """With tiles back to back every tile after a CTA's first starts in the boundary step (its
+    first S in the previous tile's last PV turn); PTXATTN_TILE_AT_A_TIME=1 keeps both Q buffers
+    but runs each tile from its own prologue to its own last PV, and replays too."""
+    for masked, prm in ((False, UNMASKED_CASES[1]), (True, MASKED_CASES[0])):
+        b2b = build(head_dim, masked)
+        one = build(head_dim, masked, PTXATTN_TILE_AT_A_TIME=True)
+        assert one.model.q_buffers == 2
+        for grid in (1, 3):
+            for b, back_to_back in ((b2b, True), (one, False)):
+                for c in range(grid):
+                    r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
+                    for order in sync_replay.orders(1):
+                        turns = r.play(order)
+                        want = expected_turns(b, prm, c, grid, back_to_back)
+                        assert turns == [want, want], (back_to_back, turns, want)
+
+
+def test_the_traced_build_synchronises_as_the_plain_one():
+    """PTXATTN_TRACE=1 (`ptxattn trace`) adds trace points around the waits: the same
+    statements, the same replay."""
+    for head_dim, masked in ((64, True), (128, False)):
+        traced = build(head_dim, masked, PTXATTN_TRACE=True)
+        plain = build(head_dim, masked)
+        assert sorted(k for k, _, _ in traced.model.ops.values()) == \
+            sorted(k for k, _, _ in plain.model.ops.values())
+        prm = MASKED_CASES[3] if masked else UNMASKED_CASES[1]
+        for grid in (1, 3, tile_count(traced, prm)):
+            traced.play(prm, grid, seeds=1)
+
+
+def test_head_dim_256_keeps_a_tile_at_a_time():
+    """D = 256 has one Q buffer (O staged in it; Q EMPTY after the O store): its replay, with the
+    turn count of a tile at a time."""
+    for masked, prm in ((False, params(300, 129, heads=2, heads_per_kv=2)),
+                        (True, causal(300, 385, heads=2))):
+        b = build(256, masked)
+        assert b.model.q_buffers == 1
+        for grid in (1, 2, 6):
+            for c in range(grid):
+                r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
+                for order in sync_replay.orders(1):
+                    want = expected_turns(b, prm, c, grid, back_to_back=False)
+                    assert r.play(order) == [want, want]
+
+
+# ---- mutants: the replay must catch a broken protocol ----------------------------------
+
+def mutate(text: str, old: str, new: str, count: int = 1, after: str | None = None) -> str:
+    """text with old replaced by new: every one of `count` occurrences, or with `after` the
+    first occurrence past that anchor only."""
+    if after is not None:
+        at = text.index(after)
+        i = text.index(old, at)
+        return text[:i] + new + text[i + len(old):]
+    assert text.count(old) == count, (old, text.count(old))
+    return text.replace(old, new)
+
+
+MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
+    # the consumer's Q parity without the buffer's use count: wrong from the 2nd tile (parity
+    # 1 on a fresh barrier passes at once) or the 3rd
+    "q parity without use count": (
+        "shr.u32 %q_phase, %local_tile, 1;\n    and.b32 %q_phase, %q_phase, 1;",
+        "and.b32 %q_phase, %local_tile, 1;", 1, None, "passed on fill|deadlock"),
+    # the producer's Q EMPTY parity off by one: it waits early (or for ever)
+    "q empty parity off by one": ("add.u32 %q_phase, %q_phase, 1;", "", 1, None,
+                                  "passed after 0 releases|deadlock"),
+    # the producer skips the Q EMPTY wait: a Q buffer overwritten while in use (with one K/V
+    # tile a Q tile; with more, the K/V ring alone holds the producer back far enough)
+    "q empty wait skipped": ("setp.lt.u32 %p_first, %local_tile, 2;",
+                             "setp.lt.u32 %p_first, %local_tile, 99;", 1, None,
+                             "overwritten in use"),
+    # the consumers never release Q (the tile-end arrive dropped): the producer waits for ever
+    "q empty arrive dropped": ("mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];", "",
+                               1, None, "deadlock"),
+    # the boundary step keeps the finished tile's Q buffer: the consumer's Q_BUFFER_OF_TILE
+    # reads local_tile as it was before tile_end's increment (its first tile: 0 either way)
+    "boundary keeps the q buffer": (
+        "and.b32 %q_buf, %local_tile, 1;",
+        "setp.ne.u32 %p_buf1, %local_tile, 0;\n    selp.b32 %q_buf, 1, 0, %p_buf1;\n"
+        "    sub.u32 %q_buf, %local_tile, %q_buf;\n    and.b32 %q_buf, %q_buf, 1;",
+        None, "consumer_tile_loop:", "passed on fill"),
+    # the boundary step's PV hand-over dropped: the other consumer never gets its turn
+    "boundary hand-over dropped": ("bar.arrive %other_turn, 256;", "", None, "\nboundary:",
+                                   "deadlock"),
+    # K and V loaded from the query head, not its K/V head (GQA/MQA)
+    "k/v loads read the query head": ("%zero, %head_kv, %batch}", "%zero, %head, %batch}", 2,
+                                      None, "producer's K loads"),
+    # the producer loads Q into buffer 0 every time, though it signals buffer local_tile % 2
+    "q loaded into the wrong buffer": (
+        "mad.lo.u32 %tmp, %q_buf, (2 * 16384), %sQ;", "mov.u32 %tmp, %sQ;", 1, None,
+        r"loads \[\('%tmap_q', 0\), \('%tmap_q', 16384\)\] for barrier"),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_the_replay_catches_a_broken_protocol(name, masked):
+    """Each mutant of production.ptx (D = 128) fails the replay, for its own reason (MQA:
+    5 query heads read K/V head 0)."""
+    old, new, count, after, reason = MUTANTS[name]
+    b = Build(128, masked, mutate(source(128, masked), old, new, count, after))
+    make = causal if masked else params
+    with pytest.raises(AssertionError, match=reason):
+        for seq_k in (128, 385):                 # one K/V tile a Q tile, then four
+            for grid in (1, 2):                  # 5 tiles: 3 a CTA at most
+                b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)
+
+
+def test_the_replay_catches_q_released_before_the_tiles_last_s():
+    """The Q EMPTY arrive moved from tile_end to right after a tile's first S: harmless with one
+    K/V tile a Q tile (its first S is its last), caught with more (a later S reads a released
+    Q, which the producer may overwrite)."""
+    arrive = "mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];"
+    text = mutate(source(128, False), arrive, "")
+    b = Build(128, False, mutate(text, "\nkv_runs:\n", f"\nkv_runs:\n    {arrive}\n"))
+    b.play(params(129, 128, heads=5), 2, seeds=1)
+    with pytest.raises(AssertionError, match="whose fill it has released|overwritten in use"):
+        b.play(params(129, 385, heads=5), 2, seeds=1)
