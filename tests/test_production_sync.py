@@ -1,17 +1,17 @@
-"""The production kernel's synchronisation with tiles back to back, replayed from its own PTX
-(CPU only).
+"""The production kernel's synchronisation with two Q buffers, replayed from its own PTX (CPU
+only).
 
-At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx runs a persistent
-CTA's tiles back to back: Q is double-buffered and loaded a tile ahead, and every tile after a
-CTA's first starts in the boundary step, which issues its first S beside the previous tile's
-last PV (one turn), so the Q parities, the K/V ring positions and the pingpong turns are counted
-across the CTA's whole walk. test_production_schedule checks the walk, the K/V runs and the
+At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx double-buffers Q and
+loads it a tile ahead, so the Q parities, the K/V ring positions and the pingpong turns are
+counted across a persistent CTA's whole walk. The knob PTXATTN_BACK_TO_BACK=1 (tiles back to
+back, a measured negative kept for measurement) also starts every tile after a CTA's first in
+the boundary step, which issues its first S beside the previous tile's last PV (one turn). Both
+are replayed. test_production_schedule checks the walk, the K/V runs and the
 masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
 ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
 builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
-mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1), the knob
-PTXATTN_TILE_AT_A_TIME=1 (two Q buffers, a tile at a time) and D = 256 (one Q buffer), each
-told apart from tiles back to back by its turn count.
+mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1) and D = 256
+(one Q buffer); the default and the knob are told apart by their turn counts.
 
 The references: unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
 t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
@@ -36,6 +36,8 @@ from sync_replay import round_robin
 from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
 
 BACK_TO_BACK_DIMS = (64, 128)     # the build table's rows with Q_BUFFERS 2
+# the default (a tile at a time) and the tiles-back-to-back knob, as build() keyword arguments
+FLOWS = {"tile": {}, "b2b": {"PTXATTN_BACK_TO_BACK": True}}
 
 
 def defines(head_dim: int) -> dict:
@@ -144,10 +146,11 @@ MASKED_CASES = [
 ]
 
 
-def test_the_replay_sees_every_synchronising_statement():
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_the_replay_sees_every_synchronising_statement(flow):
     for head_dim in BACK_TO_BACK_DIMS:
         for masked in (False, True):
-            m = build(head_dim, masked).model
+            m = build(head_dim, masked, **FLOWS[flow]).model
             kinds = sorted({k for k, _, _ in m.ops.values()})
             assert kinds == ["bar.arrive", "bar.sync", "mbarrier.arrive",
                              "mbarrier.arrive.expect_tx", "mbarrier.init",
@@ -163,29 +166,33 @@ def test_the_replay_sees_every_synchronising_statement():
                              ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
+@pytest.mark.parametrize("flow", sorted(FLOWS))
 @pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_unmasked_builds_across_tiles(head_dim):
-    b = build(head_dim, False)
+def test_unmasked_builds_across_tiles(head_dim, flow):
+    b = build(head_dim, False, **FLOWS[flow])
     for prm in UNMASKED_CASES:
         for grid in grids(tile_count(b, prm)):
             b.play(prm, grid)
 
 
+@pytest.mark.parametrize("flow", sorted(FLOWS))
 @pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_masked_builds_across_tiles(head_dim):
-    b = build(head_dim, True)
+def test_masked_builds_across_tiles(head_dim, flow):
+    b = build(head_dim, True, **FLOWS[flow])
     for prm in MASKED_CASES:
         for grid in grids(tile_count(b, prm)):
             b.play(prm, grid)
 
 
-def test_long_walks_wrap_the_q_buffers():
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_long_walks_wrap_the_q_buffers(flow):
     """CTAs with 10-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
     ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
     head) pairs is head-major."""
     cap = mblock_major_max_bh()
     for head_dim in BACK_TO_BACK_DIMS:
-        plain, masked = build(head_dim, False), build(head_dim, True)
+        plain = build(head_dim, False, **FLOWS[flow])
+        masked = build(head_dim, True, **FLOWS[flow])
         prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)        # 40 tiles
         for grid in (1, 3):
             plain.play(prm, grid, seeds=1)
@@ -202,13 +209,13 @@ def expected_turns(b: Build, prm, ctaid, grid, back_to_back: bool) -> int:
 
 
 @pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_the_boundary_merges_turns_and_the_knob_keeps_a_tile_at_a_time(head_dim):
-    """With tiles back to back every tile after a CTA's first starts in the boundary step (its
-    first S in the previous tile's last PV turn); PTXATTN_TILE_AT_A_TIME=1 keeps both Q buffers
-    but runs each tile from its own prologue to its own last PV, and replays too."""
+def test_the_knob_merges_turns_and_the_default_keeps_a_tile_at_a_time(head_dim):
+    """With PTXATTN_BACK_TO_BACK=1 every tile after a CTA's first starts in the boundary step
+    (its first S in the previous tile's last PV turn); the default keeps both Q buffers but runs
+    each tile from its own prologue to its own last PV."""
     for masked, prm in ((False, UNMASKED_CASES[1]), (True, MASKED_CASES[0])):
-        b2b = build(head_dim, masked)
-        one = build(head_dim, masked, PTXATTN_TILE_AT_A_TIME=True)
+        b2b = build(head_dim, masked, **FLOWS["b2b"])
+        one = build(head_dim, masked)
         assert one.model.q_buffers == 2
         for grid in (1, 3):
             for b, back_to_back in ((b2b, True), (one, False)):
@@ -220,12 +227,13 @@ def test_the_boundary_merges_turns_and_the_knob_keeps_a_tile_at_a_time(head_dim)
                         assert turns == [want, want], (back_to_back, turns, want)
 
 
-def test_the_traced_build_synchronises_as_the_plain_one():
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_the_traced_build_synchronises_as_the_plain_one(flow):
     """PTXATTN_TRACE=1 (`ptxattn trace`) adds trace points around the waits: the same
     statements, the same replay."""
     for head_dim, masked in ((64, True), (128, False)):
-        traced = build(head_dim, masked, PTXATTN_TRACE=True)
-        plain = build(head_dim, masked)
+        traced = build(head_dim, masked, PTXATTN_TRACE=True, **FLOWS[flow])
+        plain = build(head_dim, masked, **FLOWS[flow])
         assert sorted(k for k, _, _ in traced.model.ops.values()) == \
             sorted(k for k, _, _ in plain.model.ops.values())
         prm = MASKED_CASES[3] if masked else UNMASKED_CASES[1]
@@ -261,7 +269,7 @@ def mutate(text: str, old: str, new: str, count: int = 1, after: str | None = No
     return text.replace(old, new)
 
 
-MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
+MUTANTS = {        # name: (old, new, count, anchor, what the replay must say[, flow])
     # the consumer's Q parity without the buffer's use count: wrong from the 2nd tile (parity
     # 1 on a fresh barrier passes at once) or the 3rd
     "q parity without use count": (
@@ -284,10 +292,10 @@ MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
         "and.b32 %q_buf, %local_tile, 1;",
         "setp.ne.u32 %p_buf1, %local_tile, 0;\n    selp.b32 %q_buf, 1, 0, %p_buf1;\n"
         "    sub.u32 %q_buf, %local_tile, %q_buf;\n    and.b32 %q_buf, %q_buf, 1;",
-        None, "consumer_tile_loop:", "passed on fill"),
+        None, "consumer_tile_loop:", "passed on fill", "b2b"),
     # the boundary step's PV hand-over dropped: the other consumer never gets its turn
     "boundary hand-over dropped": ("bar.arrive %other_turn, 256;", "", None, "\nboundary:",
-                                   "deadlock"),
+                                   "deadlock", "b2b"),
     # K and V loaded from the query head, not its K/V head (GQA/MQA)
     "k/v loads read the query head": ("%zero, %head_kv, %batch}", "%zero, %head, %batch}", 2,
                                       None, "producer's K loads"),
@@ -301,10 +309,12 @@ MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_the_replay_catches_a_broken_protocol(name, masked):
-    """Each mutant of production.ptx (D = 128) fails the replay, for its own reason (MQA:
-    5 query heads read K/V head 0)."""
-    old, new, count, after, reason = MUTANTS[name]
-    b = Build(128, masked, mutate(source(128, masked), old, new, count, after))
+    """Each mutant of production.ptx (D = 128; the default build, or the knob's where the
+    mutant is of its boundary step) fails the replay, for its own reason (MQA: 5 query heads
+    read K/V head 0)."""
+    old, new, count, after, reason, *flow = MUTANTS[name]
+    knobs = FLOWS[flow[0] if flow else "tile"]
+    b = Build(128, masked, mutate(source(128, masked, **knobs), old, new, count, after))
     make = causal if masked else params
     with pytest.raises(AssertionError, match=reason):
         for seq_k in (128, 385):                 # one K/V tile a Q tile, then four
@@ -312,13 +322,20 @@ def test_the_replay_catches_a_broken_protocol(name, masked):
                 b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)
 
 
-def test_the_replay_catches_q_released_before_the_tiles_last_s():
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+def test_the_replay_catches_q_released_before_the_tiles_last_s(flow):
     """The Q EMPTY arrive moved from tile_end to right after a tile's first S: harmless with one
     K/V tile a Q tile (its first S is its last), caught with more (a later S reads a released
     Q, which the producer may overwrite)."""
     arrive = "mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];"
-    text = mutate(source(128, False), arrive, "")
-    b = Build(128, False, mutate(text, "\nkv_runs:\n", f"\nkv_runs:\n    {arrive}\n"))
+    text = mutate(source(128, False, **FLOWS[flow]), arrive, "")
+    # where the K/V runs start, after the prologue (and the knob's boundary step)
+    if flow == "b2b":                      # past the label both paths reach
+        text = mutate(text, "\nkv_runs:\n", f"\nkv_runs:\n    {arrive}\n")
+    else:
+        runs = "\n    add.u32 %kv_end, %kv_base"
+        text = mutate(text, runs, f"\n    {arrive}{runs}")
+    b = Build(128, False, text)
     b.play(params(129, 128, heads=5), 2, seeds=1)
     with pytest.raises(AssertionError, match="whose fill it has released|overwritten in use"):
         b.play(params(129, 385, heads=5), 2, seeds=1)
