@@ -107,7 +107,8 @@ class Stage:
             raise ValueError(f"{self.label}: no build for head dim {head_dim}"
                              f"{' with a mask' if masked else ''}")
         defines = (("HEAD_DIM", str(head_dim)),) + ((("PTXATTN_MASKED", "1"),) if masked else ())
-        return dataclasses.replace(self, head_dims=(head_dim,), block_n=v.block_n,
+        return dataclasses.replace(self, head_dims=(head_dim,), block_m=v.block_m,
+                                   block_n=v.block_n, threads=v.threads,
                                    smem_bytes=v.smem_bytes, defines=defines)
 
     def unsupported(self, head_dim: int, seq_q: int, seq_k: int) -> str | None:
@@ -218,6 +219,8 @@ class Variant:
     block_n: int               # key/value rows per tile
     kv_stages: int             # K/V ring depth
     smem_bytes: int            # dynamic shared memory per CTA
+    block_m: int = 128         # query rows per tile: 64 per consumer warpgroup
+    threads: int = 384         # a producer warpgroup and block_m / 64 consumers
 
 
 # (head dim, masked) -> the build. masked: causal or sliding-window (the mask code is compiled
@@ -225,13 +228,16 @@ class Variant:
 # The figures are those of the build table in production.ptx's header (smem: Q, the K/V ring,
 # O staging, then 10 or 12 mbarriers in 128 bytes, plus 1 KiB of slack to align the base to 1024);
 # tests/test_production_builds.py checks them against the PTX's own defines.
-_D64 = Variant(block_n=128, kv_stages=2, smem_bytes=7 * _KV16 + 128 + 1024)
+# D = 64: three consumers (192 query rows a tile, 512 threads): Q 2 x 24 KiB, K/V 2 x 2 x 16 KiB,
+# O 3 x 8 KiB = 136 KiB
+_D64 = Variant(block_n=128, kv_stages=2, smem_bytes=136 * 1024 + 128 + 1024, block_m=192,
+               threads=512)
 _D128 = Variant(block_n=128, kv_stages=2, smem_bytes=14 * _KV16 + 128 + 1024)
 _D256 = Variant(block_n=64, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024)
 PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
-    # D = 64: Q 2 x 16 KiB (tiles back to back), K/V 2 x 2 x 16 KiB, O 16 KiB
+    # D = 64: three consumers, Q 2 x 24 KiB (loaded a tile ahead), K/V 2 x 2 x 16 KiB, O 24 KiB
     (64, False): _D64, (64, True): _D64,
-    # D = 128: Q 2 x 32 KiB (tiles back to back), K/V 2 x 2 x 32 KiB, O 32 KiB
+    # D = 128: Q 2 x 32 KiB (loaded a tile ahead), K/V 2 x 2 x 32 KiB, O 32 KiB
     (128, False): _D128, (128, True): _D128,
     # D = 256: Q 64 KiB (O staged there), K/V 2 x 2 x 32 KiB of 64 rows: O's 128 registers
     # per thread leave room for a 64 x 64 S tile only

@@ -71,15 +71,18 @@ def test_build_table_row_is_consistent(d):
     # the carve-up: Q (buffers x 2 boxes) | K ring | V ring | O staging (or O in Q's place)
     # | barriers; a second Q buffer (tiles back to back) only where O has its own staging
     sq, sk, sv, so = (num(f, k) for k in ("SMEM_Q", "SMEM_K", "SMEM_V", "SMEM_O"))
-    q_buffers = num(f, "Q_BUFFERS")
+    q_buffers, consumers = num(f, "Q_BUFFERS"), num(f, "CONSUMERS")
     assert q_buffers == (1 if num(f, "O_STAGED_IN_Q") else 2)
-    assert sq == 0 and sk == sq + q_buffers * 2 * q_box and sv == sk + ring * kv_tile
+    # a consumer warpgroup is 64 query rows; the launcher's block_m and threads agree
+    assert num(f, "BLOCK_M") == 64 * consumers == v.block_m
+    assert v.threads == 128 * (consumers + 1)
+    assert sq == 0 and sk == sq + q_buffers * consumers * q_box and sv == sk + ring * kv_tile
     end = sv + ring * kv_tile
     if num(f, "O_STAGED_IN_Q"):
         assert so == sq
     else:
         assert so == end
-        end += 2 * q_box
+        end += consumers * q_box
     for base in (sq, sk, sv, so, kv_tile, q_box):
         assert base % 1024 == 0, "a 128B-swizzle atom (8 rows x 128 B) needs 1024-byte alignment"
     bars = [num(f, k) for k in ("SMEM_BAR_Q", "SMEM_BAR_FULL_K", "SMEM_BAR_FULL_V",

@@ -300,11 +300,9 @@ def program(head_dim: int, masked: bool, round_robin: bool = False,
 
 @lru_cache(maxsize=None)
 def build_constant(head_dim: int, name: str) -> int:
-    """A #define of production.ptx: BLOCK_M (one for every build), else from the build table's
-    row of this head dim (`#if HEAD_DIM == d` up to the next #elif/#else)."""
+    """A #define of production.ptx's build table: the row of this head dim (`#if HEAD_DIM == d`
+    up to the next #elif/#else)."""
     src = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
-    if name == "BLOCK_M":
-        return int(re.search(r"^#define BLOCK_M (\d+)", src, re.M).group(1))
     row = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", src,
                     re.M | re.S)
     return int(re.search(rf"^#define {name} (\d+)", row.group(1), re.M).group(1))
@@ -340,10 +338,12 @@ def params(seq_q, seq_k, heads=1, batch=1, heads_per_kv=1, diag=0, left=UNBOUNDE
                 diag_offset=diag, window_left=left, window_right=right)
 
 
-def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None,
-            tids=(0, 128, 256)):
-    """(producer, consumer 0, consumer 1) of one CTA, each a list of watched events."""
+def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None, tids=None):
+    """(producer, consumer 0, consumer 1[, consumer 2]) of one CTA (thread 0 of each warpgroup,
+    the build's CONSUMERS), each a list of watched events."""
     prog = prog or program(head_dim, masked, round_robin)
+    if tids is None:
+        tids = tuple(128 * w for w in range(build_constant(head_dim, "CONSUMERS") + 1))
     out = []
     for tid, watch in ((t, PRODUCER_WATCH if t < 128 else CONSUMER_WATCH) for t in tids):
         out.append(Thread(prog, tid=tid, ctaid=ctaid, nctaid=nctaid, params=prm,
@@ -470,10 +470,13 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
     tiles = -(-prm["seq_q"] // block_m) * prm["heads"] * prm["batch"]
     done = []
     for c in range(grid):
-        producer, c0, c1 = run_cta(head_dim, masked, prm, c, grid, round_robin, prog)
-        t0, t1 = consumer_tiles(c0), consumer_tiles(c1)
-        assert [t["tile"] for t in t0] == [t["tile"] for t in t1]
-        assert [t["steps"] for t in t0] == [t["steps"] for t in t1]
+        producer, *consumers = run_cta(head_dim, masked, prm, c, grid, round_robin, prog)
+        assert len(consumers) == build_constant(head_dim, "CONSUMERS")
+        seqs = [consumer_tiles(events) for events in consumers]
+        t0 = seqs[0]
+        for other in seqs[1:]:                 # every consumer walks the same tiles and steps
+            assert [t["tile"] for t in other] == [t["tile"] for t in t0]
+            assert [t["steps"] for t in other] == [t["steps"] for t in t0]
         # the producer walks the same tiles and loads, per tile, the K/V tiles consumed
         p_tiles = [v["%tile"] for name, v in producer if name == "producer_tile_loop"]
         assert p_tiles == [t["tile"] for t in t0], (p_tiles, [t["tile"] for t in t0])
@@ -496,7 +499,7 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
         # the last tile flag: true on this CTA's last tile only, for both consumers; with tiles
         # back to back (the PTXATTN_BACK_TO_BACK knob) every tile but the first starts in the
         # boundary step, and only the last tile's PV runs on its own
-        for seq in (t0, t1):
+        for seq in seqs:
             flags = [t["last"]["%p_last_tile"] for t in seq]
             assert flags == [False] * (len(seq) - 1) + [True], flags
             starts = [t["start"] for t in seq]
@@ -516,6 +519,7 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
 def test_the_interpreter_reads_the_builds_constants():
     assert build_constant(128, "BLOCK_N") == 128 and build_constant(256, "BLOCK_N") == 64
     assert build_constant(64, "BLOCK_N") == 128 and build_constant(128, "BLOCK_M") == 128
+    assert build_constant(64, "BLOCK_M") == 192 and build_constant(64, "CONSUMERS") == 3
     for d in (64, 128, 256):
         assert build_constant(d, "BLOCK_N") == stages.PRODUCTION_VARIANTS[(d, True)].block_n
 
@@ -587,14 +591,17 @@ def check_elements(t, prm, tid, block_m, block_n):
                                    f"{'masked' if hidden else 'kept'}")
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_score_mask_of_sampled_threads(head_dim):
     """The element mask (MASK_TILE_RANGE / MASK_RANGE) on the masked steps, for threads of
-    both consumers, every lane % 4 and several warps and rows, over kv_cases."""
+    every consumer, every lane % 4 and several warps and rows, over kv_cases."""
     prog = program(head_dim, True, elements=True)
     n = build_constant(head_dim, "BLOCK_N")
-    # consumer 0: warps 0-3, lane % 4 = 0-3, rows 0 and 7 of a warp; consumer 1: two more
+    # consumer 0: warps 0-3, lane % 4 = 0-3, rows 0 and 7 of a warp; consumer 1: two more;
+    # a third consumer (D = 64): two more
     tids = [128 + 0, 128 + 32 + 1, 128 + 64 + 10, 128 + 96 + 31, 256 + 5, 256 + 64 + 30]
+    if build_constant(head_dim, "CONSUMERS") == 3:
+        tids += [384 + 2, 384 + 96 + 27]
     for prm in kv_cases(head_dim):
         for tid in tids:
             (events,) = run_cta(head_dim, True, prm, 0, 1, prog=prog, tids=(tid,))
