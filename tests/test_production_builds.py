@@ -185,8 +185,8 @@ def test_build_assembles_without_spills_and_with_its_instruction_counts(d, back_
     assert s.classes["USETMAXREG"] == 2
     assert s.classes["HGMMA"] == copies * (d // 16 + n // 16)
     assert s.classes["STSM"] == epilogues * d // 16
-    # SW_EXP2_DEFAULT of the row: that many of every 8 exponentials are FMA polynomials
-    sw = int(build_defines(d).get("SW_EXP2_DEFAULT", "0"))
+    # every build's exponentials are all MUFU (SW_EXP2_PER_8 0: no FMA polynomials)
+    sw = 0
     assert s.classes["MUFU.EX2"] == copies * (n // 2 * (8 - sw) // 8 + 2)   # + 2 corrections
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass     # S waited with PV in flight
     assert s.dynamic_smem == stages.PRODUCTION_VARIANTS[(d, False)].smem_bytes
