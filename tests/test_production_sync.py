@@ -1,5 +1,6 @@
 """The production kernel's synchronisation with two Q buffers, replayed from its own PTX (CPU
-only).
+only), with its build's consumer warpgroups (CONSUMERS: three at D = 64, 192-row tiles; two at
+D = 128 and 256).
 
 At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx double-buffers Q and
 loads it a tile ahead, so the Q parities, the K/V ring positions and the pingpong turns are
@@ -10,10 +11,12 @@ are replayed. test_production_schedule checks the walk, the K/V runs and the
 masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
 ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
 builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
-mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1) and D = 256
+mutants of the protocol that it must catch (three-consumer ones at D = 64: the turn ring, the
+last hand-over, EMPTY counts, the third Q box). Also: the traced build (PTXATTN_TRACE=1) and D = 256
 (one Q buffer); the default and the knob are told apart by their turn counts.
 
-The references: unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
+The references (BLOCK_M from the build's row: m_blocks = ceil(seq_q / BLOCK_M); Q one 64-row
+box a consumer): unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
 t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
 k*G + c, or k*G + G-1-c on odd rounds), m_block-major up to MBLOCK_MAJOR_MAX_BH (batch, head)
 pairs, longest rows first (m_block reversed), and the K/V tiles some row of the Q tile sees
@@ -32,7 +35,7 @@ import pytest
 from ptxattn import ptx, stages
 from ptxattn.attention import UNBOUNDED
 import sync_replay
-from sync_replay import round_robin
+from sync_replay import q_content, round_robin
 from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
 
 BACK_TO_BACK_DIMS = (64, 128)     # the build table's rows with Q_BUFFERS 2
@@ -42,7 +45,7 @@ FLOWS = {"tile": {}, "b2b": {"PTXATTN_BACK_TO_BACK": True}}
 
 def defines(head_dim: int) -> dict:
     """The replay's #defines from the build table's row of this head dim."""
-    names = sync_replay.BARRIERS + sync_replay.SIZES
+    names = sync_replay.BARRIERS + sync_replay.SIZES     # (CONSUMERS and BLOCK_M among them)
     if build_constant(head_dim, "Q_BUFFERS") == 2:
         names += ("SMEM_BAR_Q_1", "SMEM_BAR_Q_EMPTY_1")
     return {n: build_constant(head_dim, n) for n in names}
@@ -60,6 +63,7 @@ class Build:
         self.head_dim, self.masked = head_dim, masked
         self.block_m = build_constant(head_dim, "BLOCK_M")
         self.block_n = build_constant(head_dim, "BLOCK_N")
+        self.consumers = build_constant(head_dim, "CONSUMERS")
         self.model = sync_replay.Model(text if text is not None
                                        else source(head_dim, masked, **knobs),
                                        defines(head_dim))
@@ -73,7 +77,7 @@ class Build:
         """Every CTA of the launch (or those in ctas) under every interleaving."""
         for c in range(grid) if ctas is None else ctas:
             r = sync_replay.Replay(self.model, prm, c, grid, self.reference)
-            for order in sync_replay.orders(seeds):
+            for order in sync_replay.orders(seeds, self.consumers):
                 r.play(order)
 
 
@@ -102,7 +106,7 @@ def masked_walk(prm, ctaid, grid, block_m, block_n):
             bh, m = divmod(t, m_blocks)          # head-major
         head, batch = bh % prm["heads"], bh // prm["heads"]
         q_row = (m_blocks - 1 - m) * block_m     # longest rows first
-        q.append(("Q", q_row, q_row + block_m // 2, head, batch))
+        q.append(q_content(q_row, block_m, head, batch))
         seen, _ = truth(seq_q, seq_k, q_row, block_m, block_n, prm["diag_offset"],
                         prm["window_left"], prm["window_right"])
         if not seen:
@@ -160,10 +164,12 @@ def test_the_replay_sees_every_synchronising_statement(flow):
                      if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
             assert len(lines) == len(m.ops)
             assert m.q_buffers == 2
-            # the producer's TMA loads: Q (two 64-row boxes), K, V; what the K/V ones read
+            assert m.consumers == build_constant(head_dim, "CONSUMERS") == {64: 3, 128: 2}[head_dim]
+            assert m.tids == tuple(128 * w for w in range(m.consumers + 1))
+            # the producer's TMA loads: Q (a 64-row box a consumer), K, V; what they read
             loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
-            assert loads == [("%tmap_q", "%head"), ("%tmap_q", "%head"),
-                             ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
+            assert loads == [("%tmap_q", "%head")] * m.consumers + [
+                ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
@@ -186,17 +192,19 @@ def test_masked_builds_across_tiles(head_dim, flow):
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
 def test_long_walks_wrap_the_q_buffers(flow):
-    """CTAs with 10-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
+    """CTAs with 8-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
     ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
-    head) pairs is head-major."""
+    head) pairs is head-major (two m_blocks: BLOCK_M + 1 query rows). Grids stay within the
+    tile count, as the launcher's min(SMs, tiles) does (a CTA without a tile still runs one)."""
     cap = mblock_major_max_bh()
     for head_dim in BACK_TO_BACK_DIMS:
         plain = build(head_dim, False, **FLOWS[flow])
         masked = build(head_dim, True, **FLOWS[flow])
-        prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)        # 40 tiles
+        prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)   # 40 tiles (24 at D = 64)
         for grid in (1, 3):
             plain.play(prm, grid, seeds=1)
-        prm = causal(129, 300, heads=cap + 1, heads_per_kv=cap + 1)   # 66 tiles, head-major
+        prm = causal(masked.block_m + 1, 300, heads=cap + 1, heads_per_kv=cap + 1)
+        assert tile_count(masked, prm) == 2 * (cap + 1) >= 40          # 66 tiles, head-major
         masked.play(prm, 3, seeds=1)
         masked.play(prm, 40, seeds=1, ctas=(0, 39))
 
@@ -221,10 +229,10 @@ def test_the_knob_merges_turns_and_the_default_keeps_a_tile_at_a_time(head_dim):
             for b, back_to_back in ((b2b, True), (one, False)):
                 for c in range(grid):
                     r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                    for order in sync_replay.orders(1):
+                    for order in sync_replay.orders(1, b.consumers):
                         turns = r.play(order)
                         want = expected_turns(b, prm, c, grid, back_to_back)
-                        assert turns == [want, want], (back_to_back, turns, want)
+                        assert turns == [want] * b.consumers, (back_to_back, turns, want)
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
@@ -251,9 +259,9 @@ def test_head_dim_256_keeps_a_tile_at_a_time():
         for grid in (1, 2, 6):
             for c in range(grid):
                 r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                for order in sync_replay.orders(1):
+                for order in sync_replay.orders(1, b.consumers):
                     want = expected_turns(b, prm, c, grid, back_to_back=False)
-                    assert r.play(order) == [want, want]
+                    assert r.play(order) == [want] * b.consumers
 
 
 # ---- mutants: the replay must catch a broken protocol ----------------------------------
