@@ -4,8 +4,9 @@ test_production_sync.py (the production kernel's builds); no tests here.
 
 How: test_production_schedule's interpreter runs the PTX's integer/predicate code for the
 producer (thread 0) and every consumer (threads 128, 256[, 384]: thread 0 of each of the build's
-CONSUMERS warpgroups, whose control flow is uniform). Every synchronising statement (mbarrier init / try_wait.parity / arrive /
-arrive.expect_tx, bar.sync / bar.arrive) and every TMA load gets a label in front, so the
+CONSUMERS warpgroups, whose control flow is uniform). Every synchronising statement (mbarrier
+init / try_wait.parity / arrive / arrive.expect_tx, bar.sync / bar.arrive) and every TMA load
+gets a label in front, so the
 interpreter records its operands (barrier address, parity, named barrier ID, guard; a load's
 shared destination, tensor map, coordinates and barrier) as the thread reaches it. The recorded
 sequences (one a warpgroup) are then replayed together under the hardware's rules:
