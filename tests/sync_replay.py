@@ -3,38 +3,46 @@ barrier rules (CPU only). Shared by test_stage17_schedule.py (stage 17) and
 test_production_sync.py (the production kernel's builds); no tests here.
 
 How: test_production_schedule's interpreter runs the PTX's integer/predicate code for the
-producer (thread 0) and both consumers (threads 128 and 256, one warpgroup each: their control
-flow is uniform). Every synchronising statement (mbarrier init / try_wait.parity / arrive /
-arrive.expect_tx, bar.sync / bar.arrive) and every TMA load gets a label in front, so the
+producer (thread 0) and every consumer (threads 128, 256[, 384]: thread 0 of each of the build's
+CONSUMERS warpgroups, whose control flow is uniform). Every synchronising statement (mbarrier
+init / try_wait.parity / arrive / arrive.expect_tx, bar.sync / bar.arrive) and every TMA load
+gets a label in front, so the
 interpreter records its operands (barrier address, parity, named barrier ID, guard; a load's
-shared destination, tensor map, coordinates and barrier) as the thread reaches it. The three
-recorded sequences are then replayed together under the hardware's rules:
+shared destination, tensor map, coordinates and barrier) as the thread reaches it. The recorded
+sequences (one a warpgroup) are then replayed together under the hardware's rules:
   - an mbarrier completes a phase when its arrivals reach the init count (a warpgroup's arrive
     is 128 arrivals, thread 0's is 1; the TMA's bytes land at once, the producer's best case
     for running ahead); try_wait.parity(p) passes iff the completed phase count is odd for p = 0,
     even for p = 1 (the phase of parity p is the one just completed);
   - a named barrier completes when the warpgroups arriving (bar.sync or bar.arrive) reach
-    its count / 128; bar.sync blocks until then;
-under several interleavings (producer first, either consumer first, random). The replay
+    its count / 128 (no count: the CTA's, .maxntid); bar.sync blocks until then;
+under several interleavings (producer first, consumers first in either order, one consumer
+ahead of the producer and the rest, random). The replay
 asserts: no deadlock; each FULL wait sees the next fill of that barrier (not one behind, not
 one ahead: a parity off by one either blocks for ever or sees the wrong fill) and its content
 (the coordinates of the TMA loads that complete that fill) is the reference schedule's (Q of
 tile j; K/V tile i of tile j, in order across tiles), and the consumers see the K and V fills in
 the producer's order; a fill's loads write the buffer its barrier guards and bring the bytes its
-expect_tx announced; the producer never refills a buffer
-before both consumers released its previous fill; a consumer releases only what it acquired;
-the consumer's buffer index matches the barrier it waits on; each S = Q K^T (a K FULL wait)
-reads the Q of its own tile, acquired and not yet released; named barriers are never completed
-by hand-overs alone and none is left half arrived; both consumers take the same number of turns;
-%p_last_tile is true on the CTA's last tile only.
+expect_tx announced (Q: one 64-row box a consumer, in consumer order); the producer never
+refills a buffer before every consumer released its previous fill (counted per consumer, not
+from the EMPTY barrier's phases, so a wrong arrival count shows); a consumer releases only what
+it acquired; the consumer's buffer index matches the barrier it waits on; each S = Q K^T (a K
+FULL wait) reads the Q of its own tile, acquired and not yet released; named barriers are never
+completed by hand-overs alone and none is left half arrived; a named barrier ID keeps one count
+for the whole run, and one of a single warpgroup's count belongs to one warpgroup; consumer c
+waits only on turn barrier c + 1 and hands over only to the next consumer's (the last to
+consumer 0's), the turns complete in the order 1, 2, ..., N, 1, ... and every consumer takes the
+same number; %p_last_tile is true on the CTA's last tile only.
 
 What a build must give: its text, its #defines (barrier offsets SMEM_BAR_*, buffer offsets
-SMEM_Q / SMEM_K / SMEM_V and sizes Q_TILE_BYTES / KV_TILE_BYTES, BLOCK_M, BLOCK_N, KV_STAGES;
-SMEM_BAR_Q_1 / SMEM_BAR_Q_EMPTY_1 where Q is double-buffered: buffer b at SMEM_Q + 2b *
-Q_TILE_BYTES) and a reference schedule: reference(prm, ctaid, grid) -> (tiles, [Q content per
-tile], [[K/V content per K/V tile] per tile]), contents as the TMA coordinates give them:
-("Q", q_row, q_row + 64, head, batch) and (kv_row, kv_head, batch) (kv_head: the K/V head the
-query head reads, head // heads_per_kv with GQA).
+SMEM_Q / SMEM_K / SMEM_V and sizes Q_TILE_BYTES / KV_TILE_BYTES, BLOCK_M, BLOCK_N, KV_STAGES,
+CONSUMERS (BLOCK_M = 64 * CONSUMERS; .maxntid 128 * (CONSUMERS + 1)); SMEM_BAR_Q_1 /
+SMEM_BAR_Q_EMPTY_1 where Q is double-buffered: buffer b, consumer c at SMEM_Q + (CONSUMERS * b
++ c) * Q_TILE_BYTES) and a reference schedule: reference(prm, ctaid, grid) -> (tiles, [Q
+content per tile], [[K/V content per K/V tile] per tile]), contents as the TMA coordinates give
+them: q_content(q_row, BLOCK_M, head, batch) = ("Q", q_row, q_row + 64, ..., head, batch), a
+row a 64-row box, and (kv_row, kv_head, batch) (kv_head: the K/V head the query head reads,
+head // heads_per_kv with GQA).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import random
 import re
 
 from test_production_schedule import Program, Thread, _constant, _split_operands
+
+WG = 128                          # threads a consumer (or the producer's) warpgroup stands for
 
 _SYNC = re.compile(r"(@(!?)(%\w+)\s+)?(mbarrier\.init|mbarrier\.try_wait\.parity|"
                    r"mbarrier\.arrive\.expect_tx|mbarrier\.arrive|bar\.sync|bar\.arrive)"
@@ -58,7 +68,8 @@ TILE_END = ("%tile", "%p_last_tile")
 BARRIERS = ("SMEM_BAR_Q", "SMEM_BAR_Q_EMPTY", "SMEM_BAR_FULL_K", "SMEM_BAR_FULL_V",
             "SMEM_BAR_EMPTY_K", "SMEM_BAR_EMPTY_V")
 SIZES = ("SMEM_Q", "SMEM_K", "SMEM_V", "Q_TILE_BYTES", "KV_TILE_BYTES", "BLOCK_M", "BLOCK_N",
-         "KV_STAGES")
+         "KV_STAGES", "CONSUMERS")
+BOX_ROWS = 64                     # a Q box: one consumer warpgroup's query rows
 
 
 def instrument(text: str):
@@ -112,6 +123,20 @@ class Model:
         self.text = text
         self.defines = {k: int(v) for k, v in defines.items()}
         self.q_buffers = 2 if "SMEM_BAR_Q_1" in self.defines else 1
+        self.consumers = self.defines["CONSUMERS"]
+        if self.consumers < 1 or self.defines["BLOCK_M"] != BOX_ROWS * self.consumers:
+            raise ValueError(f"defines: BLOCK_M {self.defines['BLOCK_M']} is not "
+                             f"{BOX_ROWS} rows for each of CONSUMERS {self.consumers}")
+        # the CTA's threads, as the kernel declares them: what a bar.sync without a count waits
+        # for, and a warpgroup for the producer and each consumer
+        maxntid = re.search(r"^\s*\.maxntid\s+(\d+)\s*,\s*1\s*,\s*1\b", text, re.M)
+        if maxntid is None:
+            raise ValueError("text: no .maxntid N, 1, 1")
+        self.cta_threads = int(maxntid.group(1))
+        if self.cta_threads != WG * (self.consumers + 1):
+            raise ValueError(f"text: .maxntid {self.cta_threads}, not a producer and "
+                             f"CONSUMERS {self.consumers} warpgroups of {WG}")
+        self.tids = tuple(WG * w for w in range(self.consumers + 1))
         instrumented, self.ops, self.loads = instrument(text)
         self.watch = {}
         for name, (kind, guard, args) in {**self.ops, **self.loads}.items():
@@ -147,10 +172,16 @@ def address(arg: str, regs: dict) -> int:
     return value(m.group(1), regs) + int(m.group(2) or 0)
 
 
+def q_content(q_row: int, block_m: int, head: int, batch: int):
+    """A Q fill's content: its 64-row boxes' first rows (one a consumer), head and batch."""
+    return ("Q", *range(q_row, q_row + block_m, BOX_ROWS), head, batch)
+
+
 def round_robin(prm: dict, ctaid: int, grid: int, block_m: int, block_n: int):
     """The unmasked walk, as a reference: CTA c takes tiles c, c + G, ...; tile t is m_block
-    t % m_blocks of (batch, head) t // m_blocks (head-major, m_block fastest); each Q tile reads
-    every K/V tile of its K/V head, head // heads_per_kv (1 without GQA)."""
+    t % m_blocks of (batch, head) t // m_blocks (head-major, m_block fastest; m_blocks =
+    ceil(seq_q / block_m)); each Q tile reads every K/V tile of its K/V head, head //
+    heads_per_kv (1 without GQA)."""
     m_blocks = -(-prm["seq_q"] // block_m)
     kv_tiles = -(-prm["seq_k"] // block_n)
     tiles = list(range(ctaid, m_blocks * prm["heads"] * prm["batch"], grid))
@@ -158,7 +189,7 @@ def round_robin(prm: dict, ctaid: int, grid: int, block_m: int, block_n: int):
     for t in tiles:
         m_block, bh = t % m_blocks, t // m_blocks
         head, batch = bh % prm["heads"], bh // prm["heads"]
-        q.append(("Q", m_block * block_m, m_block * block_m + block_m // 2, head, batch))
+        q.append(q_content(m_block * block_m, block_m, head, batch))
         kv.append([(i * block_n, head // prm.get("heads_per_kv", 1), batch)
                    for i in range(kv_tiles)])
     return tiles, q, kv
@@ -166,12 +197,12 @@ def round_robin(prm: dict, ctaid: int, grid: int, block_m: int, block_n: int):
 
 # ---- the replay ----------------------------------------------------------------------
 
-WG = 128                          # threads a consumer (or the producer's) warpgroup stands for
 
 
 class Replay:
-    """Producer (thread 0), consumer 0, consumer 1 of one CTA, their recorded synchronising
-    statements executed together under the mbarrier and named-barrier rules."""
+    """The producer (thread 0) and every consumer (threads 128, 256, ...) of one CTA, their
+    recorded synchronising statements executed together under the mbarrier and named-barrier
+    rules. Thread t > 0 is consumer t - 1; its turn barrier is t."""
 
     def __init__(self, m: Model, prm: dict, ctaid: int, grid: int, reference):
         self.m, self.prm, self.ctaid, self.grid = m, prm, ctaid, grid
@@ -193,7 +224,9 @@ class Replay:
                             (self.v_empty, self.v_full)):
             for e, i in empty.items():
                 self.full_of[e] = next(f for f, j in full.items() if j == i)
-        self.traces = [m.run(tid, ctaid, grid, prm) for tid in (0, 128, 256)]
+        self.traces = [m.run(tid, ctaid, grid, prm) for tid in m.tids]
+        # after play(): {named barrier ID: {thread: count}}, each thread's uses
+        self.named_uses = {}
 
     def loads_after(self, pc: int):
         """The producer's TMA loads right after its statement pc (the loads of one
@@ -214,6 +247,7 @@ class Replay:
         write the buffer that barrier guards, bring the bytes announced and read whole tiles
         (coordinates 0 and 2: the first element of D and of its 64-column blocks)."""
         d = self.m.defines
+        n = self.m.consumers
         assert loads and all(bar == addr for *_, bar in loads), (
             f"producer: expect_tx on barrier {addr}, loads completing on "
             f"{[bar for *_, bar in loads]}")
@@ -221,12 +255,14 @@ class Replay:
         if addr in self.q_full:
             b = self.q_full[addr]
             assert self.q_index(regs) == b
-            # buffer b holds consumer 0's 64 rows, then consumer 1's
-            want = [("%tmap_q", d["SMEM_Q"] + (2 * b + h) * d["Q_TILE_BYTES"]) for h in (0, 1)]
+            # buffer b holds consumer 0's 64 rows, then consumer 1's, ...: a box each
+            want = [("%tmap_q", d["SMEM_Q"] + (n * b + c) * d["Q_TILE_BYTES"])
+                    for c in range(n)]
             size = d["Q_TILE_BYTES"]
-            (_, c0, _, _), (_, c1, _, _) = loads[0], loads[-1]
-            assert c0[3:] == c1[3:], loads
-            content = ("Q", c0[1], c1[1], c0[3], c0[4])
+            heads = {tuple(c[3:]) for _, c, _, _ in loads}
+            assert len(heads) == 1, f"producer: Q boxes of several heads/batches: {loads}"
+            (head_batch,) = heads
+            content = ("Q", *(c[1] for _, c, _, _ in loads), *head_batch)
         else:
             assert addr in self.k_full or addr in self.v_full, addr
             slot = self.k_full.get(addr, self.v_full.get(addr))
@@ -249,22 +285,28 @@ class Replay:
 
     def play(self, order):
         m = self.m
+        n_cons = m.consumers
+        threads = range(n_cons + 1)
+        names = ["producer"] + [f"consumer {c}" for c in range(n_cons)]
+        turn_ids = range(1, n_cons + 1)          # consumer c's turn: named barrier c + 1
         tiles, q_ref, kv_ref = self.reference(self.prm, self.ctaid, self.grid)
         kv_flat = [c for per_tile in kv_ref for c in per_tile]
         kv_owner = [j for j, per_tile in enumerate(kv_ref) for _ in per_tile]   # K/V i's tile
         count, done, pending = {}, {}, {}        # mbarrier: init count, completed phases, arrivals
         fills = {}                               # FULL barrier -> contents, in fill order
         fill_order = {"K": [], "V": []}          # K and V contents in the producer's order
-        seen = [{}, {}]                          # consumer -> FULL barrier -> fills observed
-        released = [{}, {}]                      # consumer -> EMPTY barrier -> arrivals made
+        seen = [{} for _ in range(n_cons)]       # consumer -> FULL barrier -> fills observed
+        released = [{} for _ in range(n_cons)]   # consumer -> EMPTY barrier -> arrivals made
         named = {}                               # id -> [needed units, units, syncers, generation]
         generation = {}                          # id -> generations completed
-        turns = [0, 0]
-        turn_order = []                          # turn barriers (1, 2) in completion order
-        pcs = [0, 0, 0]
-        blocked = [None, None, None]             # (named id, generation) a bar.sync waits on
-        observed = [{"Q": [], "K": [], "V": []} for _ in range(2)]
-        tile_ends = [[], []]
+        named_count = {}                         # id -> its count (in warpgroups), the whole run
+        self.named_uses = uses = {}              # id -> {thread: count}
+        turns = [0] * n_cons
+        turn_order = []                          # turn barriers (1..N) in completion order
+        pcs = [0] * len(threads)
+        blocked = [None] * len(threads)          # (named id, generation) a bar.sync waits on
+        observed = [{"Q": [], "K": [], "V": []} for _ in range(n_cons)]
+        tile_ends = [[] for _ in range(n_cons)]
         events = [[e for e in tr] for tr in self.traces]
         q_full_of = {i: a for a, i in self.q_full.items()}
         q_empty_of = {i: a for a, i in self.q_empty.items()}
@@ -275,7 +317,7 @@ class Replay:
                              f"over twice)")
             generation[bid] = generation.get(bid, 0) + 1
             del named[bid]
-            if bid in (1, 2):
+            if bid in turn_ids:
                 turn_order.append(bid)
 
         def arrive_mbar(addr, weight, who):
@@ -302,6 +344,43 @@ class Replay:
                     f"{who}: K/V tile #{i} (of tile {tiles[kv_owner[i]]}) multiplied by Q "
                     f"{fills[full][n - 1]}, not {q_ref[kv_owner[i]]}")
 
+        def named_barrier(t, kind, args, regs, who):
+            """bar.sync / bar.arrive; True when thread t blocks (a bar.sync: its pc moves on
+            once the generation completes)."""
+            bid = value(args[0], regs)
+            # no count: every thread of the CTA (BAR_CTA)
+            need = (value(args[1], regs) if len(args) > 1 else m.cta_threads) // WG
+            # an ID keeps one count: a turn reused for O staging (or two roles sharing an ID)
+            # would mix arrivals of unrelated steps
+            assert named_count.setdefault(bid, need) == need, (
+                f"{who}: named barrier {bid} with count {need * WG}, elsewhere "
+                f"{named_count[bid] * WG}")
+            uses.setdefault(bid, {})[t] = need * WG
+            if need == 1:                        # one warpgroup's: its own, nobody else's
+                assert list(uses[bid]) == [t], (
+                    f"{who}: named barrier {bid} of {WG} threads also used by "
+                    f"{[names[u] for u in uses[bid] if u != t]}")
+            if t > 0 and bid in turn_ids:
+                c = t - 1
+                if kind == "bar.sync":
+                    assert bid == c + 1, (f"{who}: syncs on consumer {bid - 1}'s turn "
+                                          f"(barrier {bid})")
+                    turns[c] += 1
+                else:                            # the hand-over: to the next consumer only
+                    nxt = (c + 1) % n_cons
+                    assert bid == nxt + 1, (
+                        f"{who}: hands over to consumer {bid - 1}'s turn (barrier {bid}), "
+                        f"not consumer {nxt}'s")
+            entry = named.setdefault(bid, [need, 0, 0, generation.get(bid, 0)])
+            assert entry[0] == need, f"{who}: named barrier {bid} with two counts"
+            entry[1] += 1
+            if kind == "bar.sync":
+                entry[2] += 1
+                blocked[t] = (bid, entry[3])
+            if entry[1] == need:
+                complete_named(bid)
+            return kind == "bar.sync"
+
         def step(t) -> bool:
             """Run thread t's next recorded statement, if it can go; False when blocked."""
             if blocked[t] is not None:
@@ -312,7 +391,7 @@ class Replay:
                 pcs[t] += 1
                 return True
             name, regs = events[t][pcs[t]]
-            who = ("producer", "consumer 0", "consumer 1")[t]
+            who = names[t]
             if name.startswith("load_"):             # (read with its expect_tx)
                 assert t == 0, f"{who}: a TMA load"
                 pcs[t] += 1
@@ -374,9 +453,13 @@ class Replay:
                     fill_order["K" if addr in self.k_full else "V"].append(content)
                 n = len(fills.setdefault(addr, []))
                 empty = next(e for e, f in self.full_of.items() if f == addr)
-                assert done[empty] >= n, (
+                # every consumer, each counted on its own (the EMPTY barrier's phases complete
+                # on its init count, which may be wrong)
+                behind = [c for c in range(n_cons) if released[c].get(empty, 0) < n]
+                assert done[empty] >= n and not behind, (
                     f"producer: fill #{n} of barrier {addr} while the consumers released "
-                    f"{done[empty]} (buffer overwritten in use)")
+                    f"{done[empty]} (consumers {behind} not all of theirs: buffer overwritten "
+                    f"in use)")
                 fills[addr].append(content)
                 arrive_mbar(addr, 1, who)        # the bytes land at once
             elif kind == "mbarrier.arrive":
@@ -390,70 +473,60 @@ class Replay:
                     f"{who}: release #{r} of barrier {addr} before acquiring that fill")
                 released[c][addr] = r + 1
                 arrive_mbar(addr, WG, who)
-            else:                                # bar.sync / bar.arrive
-                bid = value(args[0], regs)
-                # no count: every thread of the CTA (BAR_CTA), the three warpgroups
-                need = value(args[1], regs) // WG if len(args) > 1 else 3
-                entry = named.setdefault(bid, [need, 0, 0, generation.get(bid, 0)])
-                assert entry[0] == need, f"{who}: named barrier {bid} with two counts"
-                entry[1] += 1
-                if t > 0 and bid in (1, 2) and kind == "bar.sync":
-                    assert bid == t, f"{who}: syncs on the other consumer's turn"
-                    turns[t - 1] += 1
-                if kind == "bar.sync":
-                    entry[2] += 1
-                    blocked[t] = (bid, entry[3])
-                if entry[1] == need:
-                    complete_named(bid)
-                if kind == "bar.sync":
-                    return True                  # (pc moves on once the generation completes)
+            elif named_barrier(t, kind, args, regs, who):
+                return True                      # blocked on a bar.sync (or passing it)
             pcs[t] += 1
             return True
 
-        live = [0, 1, 2]
+        live = list(threads)
         while live:
             # the first thread in this interleaving's order that can go takes one step
             moved = any(step(t) for t in order(live))
             live = [t for t in live if pcs[t] < len(events[t])]
             if not moved and live:
-                where = {("producer", "consumer 0", "consumer 1")[t]:
-                         (events[t][pcs[t]][0], self.m.ops.get(events[t][pcs[t]][0]),
-                          blocked[t]) for t in live}
+                where = {names[t]: (events[t][pcs[t]][0], self.m.ops.get(events[t][pcs[t]][0]),
+                                    blocked[t]) for t in live}
                 raise AssertionError(f"deadlock: {where}")
         assert not named, f"named barriers left half arrived: {named}"
-        assert turns[0] == turns[1], f"turns taken: {turns}"
-        # pingpong: consumer 0's turn, then consumer 1's, and so on
-        assert turn_order == [1, 2] * turns[0], turn_order
+        assert len(set(turns)) == 1, f"turns taken: {turns}"
+        # pingpong: consumer 0's turn, then consumer 1's, ..., then consumer 0's again
+        assert turn_order == list(turn_ids) * turns[0], turn_order
         assert fill_order["K"] == kv_flat, ("the producer's K loads", fill_order["K"], kv_flat)
         assert fill_order["V"] == kv_flat, ("the producer's V loads", fill_order["V"], kv_flat)
-        for c in range(2):
+        for c in range(n_cons):
             assert observed[c]["Q"] == q_ref, (c, observed[c]["Q"], q_ref)
             assert observed[c]["K"] == kv_flat, (c, observed[c]["K"], kv_flat)
             assert observed[c]["V"] == kv_flat, (c, observed[c]["V"], kv_flat)
             assert [tile for tile, _ in tile_ends[c]] == tiles
             flags = [flag for _, flag in tile_ends[c]]
             assert flags == [False] * (len(tiles) - 1) + [True], flags
-        # every fill consumed by both consumers, and released by both
+        # every fill consumed by every consumer, and released by every one
         for addr, contents in fills.items():
-            assert seen[0].get(addr, 0) == seen[1].get(addr, 0) == len(contents), addr
+            got = [seen[c].get(addr, 0) for c in range(n_cons)]
+            assert got == [len(contents)] * n_cons, (
+                f"barrier {addr}: {len(contents)} fills, observed {got} times by the consumers")
         for empty, full in self.full_of.items():
-            for c in range(2):
+            for c in range(n_cons):
                 assert released[c].get(empty, 0) == seen[c].get(full, 0), (
                     f"consumer {c}: {seen[c].get(full, 0)} fills of barrier {full} acquired, "
                     f"{released[c].get(empty, 0)} released")
         return turns
 
 
-def orders(seed_count=3):
-    """Interleavings: a fixed priority (the first thread that can go takes the step: the
-    producer running as far ahead as the barriers let it, or either consumer), and random
-    ones."""
+def orders(seed_count=3, consumers=2):
+    """Interleavings of the producer (0) and consumers 1..N: a fixed priority (the first
+    thread that can go takes the step: the producer running as far ahead as the barriers let
+    it; the consumers first, in either order; consumer 0, then the producer; with more than two
+    consumers, each middle one first), and random ones."""
     def fixed(rank):
         def order(live):
             return [t for t in rank if t in live]
         return order
 
-    out = [fixed((0, 1, 2)), fixed((1, 2, 0)), fixed((2, 1, 0)), fixed((1, 0, 2))]
+    cons = tuple(range(1, consumers + 1))
+    ranks = [(0, *cons), (*cons, 0), (*cons[::-1], 0), (1, 0, *cons[1:])]
+    ranks += [(c, 0, *(x for x in cons if x != c)) for c in cons[1:-1]]
+    out = [fixed(rank) for rank in ranks]
     for seed in range(seed_count):
         rng = random.Random(seed)
 
@@ -469,5 +542,5 @@ def play_all(m: Model, prm: dict, grid: int, reference, seeds=3):
     """Every CTA of a launch of `grid` CTAs, under every interleaving of orders(seeds)."""
     for c in range(grid):
         r = Replay(m, prm, c, grid, reference)
-        for order in orders(seeds):
+        for order in orders(seeds, m.consumers):
             r.play(order)

@@ -1,5 +1,6 @@
 """The production kernel's synchronisation with two Q buffers, replayed from its own PTX (CPU
-only).
+only), with its build's consumer warpgroups (CONSUMERS: three at D = 64, 192-row tiles; two at
+D = 128 and 256).
 
 At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx double-buffers Q and
 loads it a tile ahead, so the Q parities, the K/V ring positions and the pingpong turns are
@@ -10,10 +11,12 @@ are replayed. test_production_schedule checks the walk, the K/V runs and the
 masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
 ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
 builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
-mutants of the protocol that it must catch. Also: the traced build (PTXATTN_TRACE=1) and D = 256
+mutants of the protocol that it must catch (three-consumer ones at D = 64: the turn ring, the
+last hand-over, EMPTY counts, the third Q box). Also: the traced build (PTXATTN_TRACE=1) and D = 256
 (one Q buffer); the default and the knob are told apart by their turn counts.
 
-The references: unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
+The references (BLOCK_M from the build's row: m_blocks = ceil(seq_q / BLOCK_M); Q one 64-row
+box a consumer): unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
 t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
 k*G + c, or k*G + G-1-c on odd rounds), m_block-major up to MBLOCK_MAJOR_MAX_BH (batch, head)
 pairs, longest rows first (m_block reversed), and the K/V tiles some row of the Q tile sees
@@ -32,7 +35,7 @@ import pytest
 from ptxattn import ptx, stages
 from ptxattn.attention import UNBOUNDED
 import sync_replay
-from sync_replay import round_robin
+from sync_replay import q_content, round_robin
 from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
 
 BACK_TO_BACK_DIMS = (64, 128)     # the build table's rows with Q_BUFFERS 2
@@ -42,7 +45,7 @@ FLOWS = {"tile": {}, "b2b": {"PTXATTN_BACK_TO_BACK": True}}
 
 def defines(head_dim: int) -> dict:
     """The replay's #defines from the build table's row of this head dim."""
-    names = sync_replay.BARRIERS + sync_replay.SIZES
+    names = sync_replay.BARRIERS + sync_replay.SIZES     # (CONSUMERS and BLOCK_M among them)
     if build_constant(head_dim, "Q_BUFFERS") == 2:
         names += ("SMEM_BAR_Q_1", "SMEM_BAR_Q_EMPTY_1")
     return {n: build_constant(head_dim, n) for n in names}
@@ -60,6 +63,7 @@ class Build:
         self.head_dim, self.masked = head_dim, masked
         self.block_m = build_constant(head_dim, "BLOCK_M")
         self.block_n = build_constant(head_dim, "BLOCK_N")
+        self.consumers = build_constant(head_dim, "CONSUMERS")
         self.model = sync_replay.Model(text if text is not None
                                        else source(head_dim, masked, **knobs),
                                        defines(head_dim))
@@ -73,7 +77,7 @@ class Build:
         """Every CTA of the launch (or those in ctas) under every interleaving."""
         for c in range(grid) if ctas is None else ctas:
             r = sync_replay.Replay(self.model, prm, c, grid, self.reference)
-            for order in sync_replay.orders(seeds):
+            for order in sync_replay.orders(seeds, self.consumers):
                 r.play(order)
 
 
@@ -102,7 +106,7 @@ def masked_walk(prm, ctaid, grid, block_m, block_n):
             bh, m = divmod(t, m_blocks)          # head-major
         head, batch = bh % prm["heads"], bh // prm["heads"]
         q_row = (m_blocks - 1 - m) * block_m     # longest rows first
-        q.append(("Q", q_row, q_row + block_m // 2, head, batch))
+        q.append(q_content(q_row, block_m, head, batch))
         seen, _ = truth(seq_q, seq_k, q_row, block_m, block_n, prm["diag_offset"],
                         prm["window_left"], prm["window_right"])
         if not seen:
@@ -160,10 +164,12 @@ def test_the_replay_sees_every_synchronising_statement(flow):
                      if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
             assert len(lines) == len(m.ops)
             assert m.q_buffers == 2
-            # the producer's TMA loads: Q (two 64-row boxes), K, V; what the K/V ones read
+            assert m.consumers == build_constant(head_dim, "CONSUMERS") == {64: 3, 128: 2}[head_dim]
+            assert m.tids == tuple(128 * w for w in range(m.consumers + 1))
+            # the producer's TMA loads: Q (a 64-row box a consumer), K, V; what they read
             loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
-            assert loads == [("%tmap_q", "%head"), ("%tmap_q", "%head"),
-                             ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
+            assert loads == [("%tmap_q", "%head")] * m.consumers + [
+                ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
@@ -186,17 +192,19 @@ def test_masked_builds_across_tiles(head_dim, flow):
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
 def test_long_walks_wrap_the_q_buffers(flow):
-    """CTAs with 10-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
+    """CTAs with 8-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
     ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
-    head) pairs is head-major."""
+    head) pairs is head-major (two m_blocks: BLOCK_M + 1 query rows). Grids stay within the
+    tile count, as the launcher's min(SMs, tiles) does (a CTA without a tile still runs one)."""
     cap = mblock_major_max_bh()
     for head_dim in BACK_TO_BACK_DIMS:
         plain = build(head_dim, False, **FLOWS[flow])
         masked = build(head_dim, True, **FLOWS[flow])
-        prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)        # 40 tiles
+        prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)   # 40 tiles (24 at D = 64)
         for grid in (1, 3):
             plain.play(prm, grid, seeds=1)
-        prm = causal(129, 300, heads=cap + 1, heads_per_kv=cap + 1)   # 66 tiles, head-major
+        prm = causal(masked.block_m + 1, 300, heads=cap + 1, heads_per_kv=cap + 1)
+        assert tile_count(masked, prm) == 2 * (cap + 1) >= 40          # 66 tiles, head-major
         masked.play(prm, 3, seeds=1)
         masked.play(prm, 40, seeds=1, ctas=(0, 39))
 
@@ -221,10 +229,10 @@ def test_the_knob_merges_turns_and_the_default_keeps_a_tile_at_a_time(head_dim):
             for b, back_to_back in ((b2b, True), (one, False)):
                 for c in range(grid):
                     r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                    for order in sync_replay.orders(1):
+                    for order in sync_replay.orders(1, b.consumers):
                         turns = r.play(order)
                         want = expected_turns(b, prm, c, grid, back_to_back)
-                        assert turns == [want, want], (back_to_back, turns, want)
+                        assert turns == [want] * b.consumers, (back_to_back, turns, want)
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
@@ -251,9 +259,9 @@ def test_head_dim_256_keeps_a_tile_at_a_time():
         for grid in (1, 2, 6):
             for c in range(grid):
                 r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                for order in sync_replay.orders(1):
+                for order in sync_replay.orders(1, b.consumers):
                     want = expected_turns(b, prm, c, grid, back_to_back=False)
-                    assert r.play(order) == [want, want]
+                    assert r.play(order) == [want] * b.consumers
 
 
 # ---- mutants: the replay must catch a broken protocol ----------------------------------
@@ -339,3 +347,123 @@ def test_the_replay_catches_q_released_before_the_tiles_last_s(flow):
     b.play(params(129, 128, heads=5), 2, seeds=1)
     with pytest.raises(AssertionError, match="whose fill it has released|overwritten in use"):
         b.play(params(129, 385, heads=5), 2, seeds=1)
+
+
+# ---- three consumers (D = 64): the turn ring, named barriers, the third Q box --------------
+
+def test_named_barriers_of_every_consumer():
+    """Named barrier 0 is the CTA's (every warpgroup, .maxntid threads); turn barrier c + 1 is
+    consumer c's (its bar.sync) and the previous consumer's hand-over (the last consumer's to
+    consumer 0); then one O staging barrier of 128 threads a consumer, c + CONSUMERS + 1
+    (4, 5, 6 at D = 64; 3, 4 at D = 128), within the 16 of the hardware."""
+    for head_dim in BACK_TO_BACK_DIMS:
+        for flow in sorted(FLOWS):
+            b = build(head_dim, True, **FLOWS[flow])
+            n = b.consumers
+            r = sync_replay.Replay(b.model, MASKED_CASES[0], 0, 2, b.reference)
+            r.play(sync_replay.orders(0, n)[0])
+            want = {0: {t: 128 * (n + 1) for t in range(n + 1)}}
+            for c in range(n):
+                want[c + 1] = {c + 1: 256, (c - 1) % n + 1: 256}
+                want[n + 1 + c] = {c + 1: 128}
+            assert r.named_uses == want, (head_dim, flow, r.named_uses)
+            assert max(want) < 16
+
+
+def test_the_references_take_the_rows_block_m():
+    """192-row tiles at D = 64: m_blocks = ceil(seq_q / 192), a Q content of three 64-row
+    boxes; 128 rows (two boxes) at D = 128."""
+    prm = causal(385, 385, heads=2)
+    for head_dim, rows in ((64, (0, 64, 128)), (128, (0, 64))):
+        b = build(head_dim, True)
+        m_blocks = -(-385 // (64 * len(rows)))
+        assert b.block_m == 64 * len(rows) and tile_count(b, prm) == 2 * m_blocks
+        for walk in (b.reference, lambda *a: round_robin(*a, b.block_m, b.block_n)):
+            tiles, q, _ = walk(prm, 0, 1)
+            assert len(tiles) == len(q) == 2 * m_blocks
+            assert sorted(q)[0] == ("Q", *rows, 0, 0), q
+    tiles, q, _ = round_robin(params(385, 128), 0, 1, 192, 128)
+    assert tiles == [0, 1, 2] and q[2] == ("Q", 384, 448, 512, 0, 0)
+
+
+def test_the_interleavings_cover_every_consumer():
+    """The fixed priorities put each thread first at least once, the last consumer ahead of
+    the others and, with three consumers, the middle one first."""
+    for n in (2, 3):
+        live = list(range(n + 1))
+        firsts = [order(live) for order in sync_replay.orders(0, n)]
+        assert all(sorted(f) == live for f in firsts)
+        assert {f[0] for f in firsts} == set(live), firsts
+        assert [n, *range(n - 1, 0, -1), 0] in firsts
+    live = [0, 1, 2, 3]
+    assert [2, 0, 1, 3] in [order(live) for order in sync_replay.orders(0, 3)]
+    shuffled = sync_replay.orders(2, 3)[-2:]
+    assert all(sorted(order(live)) == live for order in shuffled)
+
+
+def test_the_model_checks_its_consumers():
+    """CONSUMERS must match BLOCK_M (64 rows a consumer) and .maxntid (a warpgroup each)."""
+    text = source(64, False)
+    d = defines(64)
+    with pytest.raises(ValueError, match="BLOCK_M 192 is not 64 rows for each of CONSUMERS 2"):
+        sync_replay.Model(text, {**d, "CONSUMERS": 2})
+    with pytest.raises(ValueError, match=r"\.maxntid 384, not a producer and CONSUMERS 3"):
+        sync_replay.Model(text.replace(".maxntid 512,", ".maxntid 384,"), d)
+    with pytest.raises(ValueError, match="missing CONSUMERS"):
+        sync_replay.Model(text, {k: v for k, v in d.items() if k != "CONSUMERS"})
+
+
+THREE_CONSUMER_MUTANTS = {        # name: (old, new, what the replay must say)
+    # the last consumer hands over to consumer 1, not back to consumer 0
+    "last consumer hands over to consumer 1": (
+        "selp.u32 %other_turn, 1, %other_turn, %p_last_consumer;",
+        "selp.u32 %other_turn, 2, %other_turn, %p_last_consumer;",
+        "consumer 2: hands over to consumer 1's turn"),
+    # consumer 1 skips its very last hand-over instead of consumer 2 (the last): consumer 2
+    # waits for ever, and consumer 2's last hand-over has no taker
+    "consumer 1 skips the last hand-over": (
+        "and.pred %p_tiles, %p_last_consumer, %p_last_tile;",
+        "setp.eq.u32 %p_tiles, %consumer, 1;\n    and.pred %p_tiles, %p_tiles, %p_last_tile;",
+        "deadlock|half arrived"),
+    # consumer 1, not the last, hands consumer 0 its first turn
+    "consumer 1 starts the ring": (
+        "@%p_last_consumer bar.arrive 1, 256;",
+        "setp.eq.u32 %p_tiles, %consumer, 1;\n    @%p_tiles bar.arrive 1, 256;",
+        "consumer 1: hands over to consumer 0's turn"),
+    # a K slot's EMPTY barrier counts two consumers' threads: the producer refills it before
+    # the third consumer released it, or (the third's arrivals counted into the next phase)
+    # the parities drift apart and everyone waits
+    "k empty counts two consumers": ("[%bar_empty_k], 384;", "[%bar_empty_k], 256;",
+                                     r"consumers \[\d\] not all of theirs|deadlock"),
+    "q empty counts two consumers": ("[%bar_q_empty], 384;", "[%bar_q_empty], 256;",
+                                     r"consumers \[\d\] not all of theirs"),
+    # the third Q box loads the second one's rows
+    "third q box reads the second's rows": ("add.u32 %q_row2, %q_row, 128;",
+                                            "add.u32 %q_row2, %q_row, 64;", "multiplied by Q"),
+    # Q's expect_tx announces two boxes, three arrive
+    "q expect_tx of two boxes": ("[%q_buf_bar], 3 * 8192;", "[%q_buf_bar], 2 * 8192;",
+                                 "expect_tx of 16384 bytes, 3 loads"),
+    # O staging from barrier 3 (two consumers' BAR_O_FIRST): consumer 0's O barrier is
+    # consumer 2's turn
+    "o staging on a turn barrier": ("add.u32 %o_bar, %consumer, 4;",
+                                    "add.u32 %o_bar, %consumer, 3;",
+                                    "named barrier 3 with count (128|256), elsewhere"),
+}
+
+
+@pytest.mark.parametrize("flow", sorted(FLOWS))
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", sorted(THREE_CONSUMER_MUTANTS))
+def test_the_replay_catches_a_broken_three_consumer_protocol(name, masked, flow):
+    """Each mutant of the D = 64 build's three-consumer protocol fails the replay, for its own
+    reason (5 tiles of 192 rows; one K/V tile a Q tile, then three)."""
+    old, new, reason = THREE_CONSUMER_MUTANTS[name]
+    knobs = FLOWS[flow]
+    text = source(64, masked, **knobs)
+    b = Build(64, masked, mutate(text, old, new, text.count(old) or 1))
+    assert b.consumers == 3
+    make = causal if masked else params
+    with pytest.raises(AssertionError, match=reason):
+        for seq_k in (128, 385):
+            for grid in (1, 2):
+                b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)

@@ -43,10 +43,11 @@ def stage_file_text() -> str:
 @lru_cache(maxsize=None)
 def stage_defines() -> dict:
     """Barrier and buffer offsets (smem's base is 0 in the model: the carve-up adds them to
-    it), tile sizes and ring depth, from the stage's own #defines."""
-    return {k: int(v) for k, v in re.findall(
+    it), tile sizes and ring depth, from the stage's own #defines; and its two consumer
+    warpgroups (stage 17 has no CONSUMERS: the replay checks it against BLOCK_M and .maxntid)."""
+    return {"CONSUMERS": 2, **{k: int(v) for k, v in re.findall(
         r"^#define (SMEM_\w+|BLOCK_[MN]|KV_STAGES|Q_TILE_BYTES|KV_TILE_BYTES) (\d+)",
-        stage_file_text(), re.M)}
+        stage_file_text(), re.M)}}
 
 
 class Model(sync_replay.Model):
