@@ -1460,7 +1460,10 @@ def combine_results(results, names=None) -> dict:
                      "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
                      "peer_tflops_range": [min(peer_tf), max(peer_tf)] if peer_tf else None})
     rows.sort(key=lambda r: (shapes.index(r["shape"]), r["number"]))
-    runs = [{"name": n, "date": res.get("date"), "commit": (res.get("source") or {}).get("commit"),
+    # a declared commit (the runner's, where the machine's .git is a stale copy) before git's
+    runs = [{"name": n, "date": res.get("date"),
+             "commit": (res.get("source") or {}).get("declared_commit")
+             or (res.get("source") or {}).get("commit"),
              "tree_sha256": (res.get("source") or {}).get("tree_sha256"),
              "gpu": res.get("env", {}).get("gpu"), "cudnn": res.get("env", {}).get("cudnn")}
             for n, res in zip(names, results)]
