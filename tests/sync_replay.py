@@ -116,7 +116,7 @@ class Model:
     """One build's text (optionally mutated), instrumented and sliced once; defines: the
     build's #defines as ints (see the module's doc)."""
 
-    def __init__(self, text: str, defines: dict):
+    def __init__(self, text: str, defines: dict, tile_end: str = "tile_end"):
         missing = [k for k in BARRIERS + SIZES if k not in defines]
         if missing:
             raise ValueError(f"defines: missing {', '.join(missing)}")
@@ -149,7 +149,12 @@ class Model:
             if guard:
                 regs.add(guard[1])
             self.watch[name] = tuple(sorted(regs))
-        self.watch["tile_end"] = TILE_END
+        # the label every tile's end passes (stages 14 and 18 call it last_pv), recorded as
+        # "tile_end"
+        if not re.search(rf"^\s*{tile_end}:", instrumented, re.M):
+            raise ValueError(f"text: no label {tile_end}:")
+        self.watch[tile_end] = TILE_END
+        self.tile_end = tile_end
         self.program = Program(instrumented, {r for v in self.watch.values() for r in v},
                                watched_labels=set(self.watch))
 
@@ -396,7 +401,7 @@ class Replay:
                 assert t == 0, f"{who}: a TMA load"
                 pcs[t] += 1
                 return True
-            if name == "tile_end":
+            if name == m.tile_end:
                 assert t > 0
                 tile_ends[t - 1].append((regs["%tile"], regs["%p_last_tile"]))
                 pcs[t] += 1
