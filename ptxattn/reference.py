@@ -238,7 +238,8 @@ def sample_rows(seq_q: int, count: int = 256, seed: int = 0,
 
     for c in rng.permutation(min(largest, seq_q)):
         options = [int(r) for r in range(c, min(period, seq_q), largest)]
-        fresh = [r for r in options if any(r % t not in covered[t] for t in tiles if t != largest)]
+        fresh = [r for r in options
+                 if any(r % t not in covered[t] for t in tiles if t != largest)]
         take(fresh[rng.integers(len(fresh))] if fresh else options[rng.integers(len(options))])
     for t in sorted(tiles):
         for c in rng.permutation(min(t, seq_q)):
