@@ -7,7 +7,9 @@
 # Each sanitizer invocation runs ONE stage ONCE at a small shape through bench/sanitize_case.py
 # (random inputs, NaN-poisoned output, one launch, a check against the float64 reference, every
 # buffer freed and the context released). The cases come from the stage registry
-# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256 in BHLD and BSHD;
+# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256 in BHLD and BSHD
+# (the production kernel once per head dim, STAGE production:64/128/256, also in the persistent
+# cases below);
 # stages with BLOCK_M 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent
 # stages also at B=2 H=2 L=512 with PTXATTN_PERSISTENT_CTAS=2 in both layouts, so each of the 2
 # CTAs walks 8 tiles (at these shapes a grid of 132 CTAs would give each CTA one tile at most).
@@ -30,7 +32,7 @@
 #              so whether or not the tool tracks TMA (bulk tensor) stores as writes, the host's
 #              copy of O back cannot be flagged; an unwritten tile shows as NaN in the check.
 #
-# Switches (environment): TOOLS="memcheck racecheck synccheck initcheck"  STAGES=1,5,14
+# Switches (environment): TOOLS="memcheck racecheck synccheck initcheck"  STAGES=1,5,14,production
 #   CONTROL_TOOLS="racecheck synccheck" (the negative controls; "" skips them)
 #   JOBS=8 (sanitizer processes at once; they share the GPU)  CASE_TIMEOUT=300 (seconds per
 #   invocation)  DRY_RUN=1 (print the commands, run nothing)  COMPUTE_SANITIZER=/path/to/it
@@ -111,8 +113,10 @@ case_env() {   # CTAS -> the environment a case needs, as VAR=value words for en
 }
 case_args() { echo "--stage $1 -b $2 -H $3 -L $4 --layout $6${7:+ -D $7}"; }
 case_name() {
-    local name
-    name=$(printf 'stage%02d %sx%sx%s %s' "$1" "$2" "$3" "$4" "$6")
+    local name stage=$1
+    # a lineage stage by number; the production kernel's builds are production:D
+    if [[ $stage =~ ^[0-9]+$ ]]; then stage=$(printf 'stage%02d' "$stage"); fi
+    name=$(printf '%s %sx%sx%s %s' "$stage" "$2" "$3" "$4" "$6")
     if (( $5 )); then name+=" ctas=$5"; fi
     if [[ -n ${7:-} ]]; then name+=" $7"; fi
     echo "$name"
@@ -292,12 +296,12 @@ done
 
 # ---- 4. the table, last ------------------------------------------------------------------
 table() {
-    printf '\n%-32s %-8s' "case" "plain"
+    printf '\n%-36s %-8s' "case" "plain"
     for tool in $TOOLS; do printf ' %-14s' "$tool"; done
     printf '\n'
     for i in "${!CASES[@]}"; do
         read -r stage b h l ctas layout <<< "${CASES[$i]}"
-        printf '%-32s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout")" "${PLAIN[$i]}"
+        printf '%-36s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout")" "${PLAIN[$i]}"
         for tool in $TOOLS; do printf ' %-14s' "${CELL[$i,$tool]}"; done
         printf '\n'
     done

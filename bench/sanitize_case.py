@@ -17,6 +17,8 @@
         Exit status 0: PASS, 1: FAIL, 2: bad arguments.
 
 Cases: every stage at B=1 H=2 L=256 in BHLD and in BSHD (other strides in the tensor maps);
+the production kernel's build for each head dim (STAGE production:64, :128, :256) at the same
+shape and at the persistent one below;
 a stage with BLOCK_M 128 also at L=512 (4 or 8 K/V tiles: the 2-slot K/V ring wraps); a
 persistent stage also at B=2 H=2 L=512 with its grid capped at 2 CTAs (16 tiles: 8 per CTA, so
 the multi-tile path with its carried barrier phases runs), in both layouts. At those shapes a
@@ -46,6 +48,8 @@ CONTROLS = ((1, *SMALL, 0, "bhld", f"{HAZARD}=1"),
 
 
 def cases(stage_filter=None):
+    """The lineage's stages, then the production kernel, one build per head dim (its STAGE
+    column is production:D; --stages takes "production" or 0 for it)."""
     from ptxattn import stages
     for s in stages.all_stages():
         if stage_filter and s.number not in stage_filter:
@@ -57,6 +61,40 @@ def cases(stage_filter=None):
         if s.persistent:
             for layout in ("bhld", "bshd"):
                 yield (s.number, *PERSISTENT, PERSISTENT_CTAS, layout)
+    if stage_filter and PRODUCTION_NUMBER not in stage_filter:
+        return
+    # The kernel attention() runs: each head dim is its own CTA (D = 64: three consumers, 512
+    # threads, 192-row tiles) and carve-up. L=256 leaves a ragged last Q tile at D = 64 (one
+    # 192-row tile and 64 rows); B=2 H=2 L=512 under 2 CTAs walks 6 (D = 64) or 8 tiles a CTA.
+    for d in stages.PRODUCTION.head_dims:
+        key = f"{PRODUCTION_KEY}:{d}"
+        for layout in ("bhld", "bshd"):
+            yield (key, *SMALL, 0, layout)
+        for layout in ("bhld", "bshd"):
+            yield (key, *PERSISTENT, PERSISTENT_CTAS, layout)
+
+
+PRODUCTION_KEY = "production"
+PRODUCTION_NUMBER = 0          # what --stages calls it besides its name
+
+
+def stage_and_head_dim(key: str) -> tuple[str, int]:
+    """--stage KEY: a lineage stage (number or name) runs at D = 128; production:D the
+    production kernel's build for head dim D (plain "production": D = 128)."""
+    name, sep, d = str(key).partition(":")
+    if not sep:
+        return name, 128
+    if not d.isdigit():
+        raise argparse.ArgumentTypeError(f"--stage: expected STAGE or production:D, got {key!r}")
+    return name, int(d)
+
+
+def parse_stages(text: str) -> set[int] | None:
+    """--stages "1,14,production" -> {1, 14, 0}; empty -> None (every stage)."""
+    wanted = set()
+    for word in text.replace(",", " ").split():
+        wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else int(word))
+    return wanted or None
 
 
 def parse_define(text: str) -> tuple[str, str]:
@@ -70,8 +108,9 @@ def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
     from ptxattn import attention as attn
     from ptxattn import driver, reference, stages, tensors
 
-    stage = stages.get_stage(stage_key)
-    q, k, v = reference.random_qkv(b, h, length, length, 128, layout, seed=seed)
+    key, head_dim = stage_and_head_dim(stage_key)
+    stage = stages.get_stage(key)
+    q, k, v = reference.random_qkv(b, h, length, length, head_dim, layout, seed=seed)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                        # bf16 NaN on the legacy stream, like the launch
@@ -83,7 +122,7 @@ def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
     m = reference.error_metrics(got, reference.attention_reference(q, k, v, layout=layout))
     ok = reference.passes(m)
     cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
-    print(f"case {stage.label} B={b} H={h} L={length} {layout} grid={prepared.grid} "
+    print(f"case {stage.label} B={b} H={h} L={length} D={head_dim} {layout} grid={prepared.grid} "
           f"block={prepared.block} smem={prepared.smem_bytes}"
           f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
           f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
@@ -118,8 +157,10 @@ def main(argv=None) -> int:
     sys.unraisablehook = _report_unraisable
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
-    ap.add_argument("--stages", default="", help="with --list: only these stage numbers (1,14)")
-    ap.add_argument("--stage", help="the stage to run (number or name)")
+    ap.add_argument("--stages", default="", help="with --list: only these stage numbers "
+                    "(1,14; production or 0: the production kernel's builds)")
+    ap.add_argument("--stage", help="the stage to run (number or name; production:D, the "
+                    "production kernel at head dim D)")
     ap.add_argument("-b", "--batch", type=int, default=SMALL[0])
     ap.add_argument("-H", "--heads", type=int, default=SMALL[1])
     ap.add_argument("-L", "--seq-len", type=int, default=SMALL[2])
@@ -130,7 +171,7 @@ def main(argv=None) -> int:
                     help="a build variant's preprocessor define, NAME=VALUE")
     args = ap.parse_args(argv)
     if args.list:
-        wanted = {int(x) for x in args.stages.replace(",", " ").split()} or None
+        wanted = parse_stages(args.stages)
         for case in cases(wanted):
             print(*case)
         return 0

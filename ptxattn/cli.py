@@ -203,6 +203,19 @@ def _constraints(stage: _stages.Stage) -> str:
     return ", ".join(parts)
 
 
+def _geometry(stage: _stages.Stage) -> tuple[str, str]:
+    """(threads, tile MxN) as `list` shows them. The production kernel's differ per head dim
+    (stages.PRODUCTION_VARIANTS: D = 64 runs three consumers, 512 threads and 192-row tiles):
+    one figure per build, in the order of its D= constraint, "/" between them, a figure shared
+    by every build once."""
+    builds = [stage.specialize(d) for d in stage.head_dims] if stage.production else [stage]
+
+    def joined(values):
+        return values[0] if len(set(values)) == 1 else "/".join(values)
+    return (joined([str(b.threads) for b in builds]),
+            joined([f"{b.block_m}x{b.block_n}" for b in builds]))
+
+
 def _table(rows: list[tuple], right: set[int] = frozenset()) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(f"{str(c):>{w}}" if i in right else f"{str(c):<{w}}"
@@ -271,8 +284,8 @@ def list_stages(arch):
     blackwell = _stages.all_kernels(_stages.BLACKWELL) if wanted != _stages.HOPPER else ()
     for s in hopper + blackwell:
         missing = "" if (_stages.ptx_root() / s.file).is_file() else " [no PTX file yet]"
-        rows.append(("-" if s.production else s.number, s.name, s.arch, s.threads,
-                     f"{s.block_m}x{s.block_n}",
+        threads, tile = _geometry(s)
+        rows.append(("-" if s.production else s.number, s.name, s.arch, threads, tile,
                      _constraints(s), s.idea + missing))
     # One table, so both lineages' columns line up; the Blackwell rows under their own heading.
     lines = _table(rows, right={0, 3}).splitlines()

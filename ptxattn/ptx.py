@@ -155,8 +155,11 @@ _CACHE: dict[tuple, Expanded] = {}
 
 
 def expand(stage: Stage | str | int, defines: dict | None = None) -> Expanded:
-    """The expanded stage with its line map, cached per (stage, defines)."""
+    """The expanded stage with its line map, cached per (stage, defines). A build of the
+    production kernel (Stage.specialize: HEAD_DIM, PTXATTN_MASKED) brings its own defines;
+    `defines` are added to them, as attention.kernel() does."""
     stage = get_stage(stage)
+    defines = {**dict(stage.defines), **(defines or {})} or None
     key = (stage.file, tuple(sorted((defines or {}).items())))
     if key not in _CACHE:
         path = ptx_root() / stage.file

@@ -24,7 +24,11 @@ PASS_MAX_ABS_FRACTION = 1e-2          # max |error| <= 1e-2 * max |reference|
 # Against the peer on the same inputs (GPU runs with PyTorch): ours <= 1.25 x cuDNN's + 5e-4.
 PEER_FACTOR = 1.25
 PEER_SLACK = 5e-4
-ROW_PERIOD = 128                      # the largest query tile (two consumer warpgroups of 64)
+# The query tiles' row counts: 128 (two consumer warpgroups of 64; the lineage's 64-row tiles
+# divide it) and 192 (the production kernel's three consumers at D = 64). Their least common
+# multiple, 384, is the period after which a row sits at the same place in every tile.
+TILE_ROWS = (128, 192)
+ROW_PERIOD = 384
 _CHUNK_ELEMENTS = 1 << 24     # float64 scores per chunk: 128 MiB
 
 
@@ -202,25 +206,49 @@ def passes_against_peer(ours: dict, peer: dict) -> bool:
 
 
 def sample_rows(seq_q: int, count: int = 256, seed: int = 0,
-                period: int = ROW_PERIOD) -> np.ndarray:
+                period: int = ROW_PERIOD, tiles: tuple[int, ...] = TILE_ROWS) -> np.ndarray:
     """Sorted query rows to compare, at seeded random positions (never a fixed stride).
 
-    Every residue modulo `period` (every row position inside a 128-row tile: both consumer
-    warpgroups, each warp, both halves of each accumulator fragment) appears at least once
-    when count >= period, each in a randomly chosen tile; the first and last rows (the tail)
-    are always in. The rest are drawn at random. All rows when seq_q <= count.
+    Every row position inside a tile of each size in `tiles` (128 rows: both consumer
+    warpgroups; 192 rows: all three of the D = 64 build; in each, every warp and both halves of
+    each accumulator fragment) appears at least once when count leaves room for it (194 rows
+    at the defaults: one residue modulo `period` per position of the largest tile, chosen so
+    that the smaller tile's positions are all hit too), each in a randomly chosen stretch of
+    `period` rows; the first and last rows (the tail) are always in. The rest are drawn at
+    random. All rows when seq_q <= count. `period` must be a multiple of every tile size.
     """
-    if seq_q < 0 or count < 1 or period < 1:
-        raise ValueError(f"sample_rows: expected seq_q >= 0, count >= 1, period >= 1; got "
-                         f"{seq_q}, {count}, {period}")
+    if seq_q < 0 or count < 1 or period < 1 or any(t < 1 or period % t for t in tiles):
+        raise ValueError(f"sample_rows: expected seq_q >= 0, count >= 1, period >= 1 and a "
+                         f"multiple of every tile size; got {seq_q}, {count}, {period}, {tiles}")
     if seq_q <= count:
         return np.arange(seq_q)
     rng = np.random.default_rng(seed)
     picked = {0, seq_q - 1}
-    residues = rng.permutation(min(period, seq_q))[:max(0, count - 2)]
-    for r in residues:
-        tiles = (seq_q - 1 - r) // period + 1          # tiles t with t * period + r < seq_q
-        picked.add(int(r + period * rng.integers(tiles)))
+    # Residues modulo `period`: for each position of the largest tile (in random order) one of
+    # the residues that put a row there, preferring one that also hits a position of a smaller
+    # tile not hit yet; then whatever positions of the smaller tiles are still missing.
+    largest = max(tiles)
+    covered = {t: set() for t in tiles}
+    residues = []
+
+    def take(r):
+        residues.append(int(r))
+        for t in tiles:
+            covered[t].add(int(r) % t)
+
+    for c in rng.permutation(min(largest, seq_q)):
+        options = [int(r) for r in range(c, min(period, seq_q), largest)]
+        fresh = [r for r in options
+                 if any(r % t not in covered[t] for t in tiles if t != largest)]
+        take(fresh[rng.integers(len(fresh))] if fresh else options[rng.integers(len(options))])
+    for t in sorted(tiles):
+        for c in rng.permutation(min(t, seq_q)):
+            if int(c) not in covered[t]:
+                options = list(range(int(c), min(period, seq_q), t))
+                take(options[rng.integers(len(options))])
+    for r in residues[:max(0, count - 2)]:
+        stretches = (seq_q - 1 - r) // period + 1      # stretches k with k * period + r < seq_q
+        picked.add(int(r + period * rng.integers(stretches)))
     if len(picked) < count:
         rest = np.setdiff1d(np.arange(seq_q), np.fromiter(picked, np.int64))
         picked.update(int(x) for x in rng.choice(rest, count - len(picked), replace=False))

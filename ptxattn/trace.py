@@ -420,7 +420,8 @@ def record(stage, *, batch: int = 1, heads: int = 16, seq_len: int = 2048,
             metrics = bench.check_output(q, k, v, out, layout)
     finally:
         buf.close()
-    return Trace(stage=st.number, name=st.name, threads=st.threads,
+    # the build that ran: the production kernel's CTA differs per head dim (D = 64: 512 threads)
+    return Trace(stage=st.number, name=st.name, threads=st.specialize(head_dim).threads,
                  shape=(batch, heads, seq_q, seq_k, head_dim), layout=layout, events=parse(raw),
                  gpu=info.get("name"), clock_khz=info.get("clock_khz"), kernel_ms=kernel_ms,
                  truncated=full_slots(raw), check=metrics)

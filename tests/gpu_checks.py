@@ -2,7 +2,7 @@
 turns into failures.
 
 Rows are compared at seeded random positions (reference.sample_rows: every row position of
-a 128-row tile at least once, never a fixed stride), and the non-finite scan (NaN and Inf)
+a 128-row and of a 192-row tile at least once, never a fixed stride), and the non-finite scan (NaN and Inf)
 covers the whole output, which the tests poison with NaN before the launch.
 """
 

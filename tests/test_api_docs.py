@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from readme_blocks import imported_packages, python_blocks
 
 from ptxattn import stages
@@ -62,8 +63,10 @@ def test_sanitizer_cases_cover_every_stage():
     # each line: STAGE B H L CTAS LAYOUT  (CTAS 0 = the stage's own grid)
     by_stage, layouts = {}, {}
     for number, b, h, l, ctas, layout in cases:
-        by_stage.setdefault(int(number), []).append((int(b), int(h), int(l), int(ctas)))
-        layouts.setdefault(int(number), set()).add(layout)
+        # the production kernel's builds: production:D
+        key = number if number.startswith("production:") else int(number)
+        by_stage.setdefault(key, []).append((int(b), int(h), int(l), int(ctas)))
+        layouts.setdefault(key, set()).add(layout)
     for stage in stages.all_stages():
         shapes = by_stage[stage.number]
         assert (1, 2, 256, 0) in shapes, stage.label
@@ -74,6 +77,49 @@ def test_sanitizer_cases_cover_every_stage():
             b, h, l, ctas = next(s for s in shapes if s[3])
             tiles = (l // stage.block_m) * h * b
             assert ctas == 2 and tiles >= 4 * ctas, (stage.label, tiles)   # tiles per CTA > 1
+    # the kernel attention() runs: every head dim's build (D = 64: 512 threads, 192-row
+    # tiles), both layouts, and a persistent walk of several tiles a CTA
+    for d in stages.PRODUCTION.head_dims:
+        build = stages.PRODUCTION.specialize(d)
+        shapes = by_stage[f"production:{d}"]
+        assert (1, 2, 256, 0) in shapes and layouts[f"production:{d}"] == {"bhld", "bshd"}, d
+        b, h, l, ctas = next(s for s in shapes if s[3])
+        tiles = -(-l // build.block_m) * h * b
+        assert ctas == 2 and tiles >= 3 * ctas, (d, tiles)
+    assert set(by_stage) == {s.number for s in stages.all_stages()} | {
+        f"production:{d}" for d in stages.PRODUCTION.head_dims}
+
+
+def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
+    """--stage production:64 prepares the production kernel on D = 64 inputs (its three-consumer
+    build), a lineage stage on D = 128; --stages takes "production" (or 0) for its cases."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sanitize_case", CASE)
+    case = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(case)
+    assert case.stage_and_head_dim("production:64") == ("production", 64)
+    assert case.stage_and_head_dim("14") == ("14", 128)
+    with pytest.raises(Exception, match="production:D"):
+        case.stage_and_head_dim("production:x")
+    assert case.parse_stages("1, production") == {1, 0} and case.parse_stages("") is None
+    assert {c[0] for c in case.cases({0})} == {f"production:{d}" for d in (64, 128, 256)}
+
+    from ptxattn import attention
+    seen = {}
+
+    def prepare(q, k, v, *, stage, **kw):
+        seen["stage"], seen["d"] = stage, q.shape[-1]
+        raise RuntimeError("stop here")          # the launch needs a GPU
+
+    monkeypatch.setattr(attention, "prepare", prepare)
+    from ptxattn import tensors
+    monkeypatch.setattr(tensors, "from_numpy", lambda x, **kw: x)
+    monkeypatch.setattr(tensors, "empty", lambda shape, **kw: type(
+        "Out", (), {"fill_u16": lambda self, v: None})())
+    with pytest.raises(RuntimeError, match="stop here"):
+        case.run("production:64", 1, 2, 256, "bhld", seed=0)
+    assert seen["stage"].production and seen["d"] == 64
+    assert stages.get_stage(seen["stage"]).specialize(seen["d"]).threads == 512
 
 
 def test_sanitize_dry_run_names_every_command(tmp_path):
@@ -90,7 +136,8 @@ def test_sanitize_dry_run_names_every_command(tmp_path):
         mine = [l for l in lines if f"--tool {tool}" in l]
         assert len(mine) == n_cases, (tool, len(mine), n_cases)
     assert any("PTXATTN_PERSISTENT_CTAS=2" in l for l in lines)
-    assert all(re.search(r"--stage \d+ ", l) for l in lines)
+    assert all(re.search(r"--stage (\d+|production:\d+) ", l) for l in lines)
+    assert any("--stage production:64 " in l for l in lines)
     assert not list(tmp_path.iterdir())            # a dry run writes no report
 
 

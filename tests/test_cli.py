@@ -44,6 +44,21 @@ def test_list_shows_every_stage():
     assert f"Lq%{FIRST.block_m}" in result.output
 
 
+def test_list_shows_each_production_build_geometry():
+    """The production row's threads and tile are per build (PRODUCTION_VARIANTS): D = 64 runs
+    three consumers (512 threads, 192-row tiles), D = 256 64-row K/V tiles. The row showed the
+    unspecialized Stage's 384 threads and 128x128 only."""
+    result = cli("list", "--arch", "sm_90a")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines()
+               if line.split()[:2] == ["-", "production"])
+    builds = [stages.PRODUCTION.specialize(d) for d in stages.PRODUCTION.head_dims]
+    assert row.split()[3] == "/".join(str(b.threads) for b in builds)
+    assert row.split()[4] == "/".join(f"{b.block_m}x{b.block_n}" for b in builds)
+    assert "512" in row.split()[3] and "192x128" in row.split()[4]
+    assert f"D={'/'.join(map(str, stages.PRODUCTION.head_dims))}" in row
+
+
 def test_info_without_gpu_says_so(no_gpu):
     result = cli("info")
     assert result.exit_code == 0, result.output

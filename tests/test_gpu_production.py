@@ -14,13 +14,13 @@ import pytest
 
 import ptxattn
 from ptxattn import driver, stages, tensors
-from ptxattn.reference import BF16, attention_reference, error_metrics, passes
+from ptxattn.reference import BF16, attention_reference, error_metrics, passes, sample_rows
 
 pytestmark = pytest.mark.gpu
 
 D = 128
 PROD = stages.PRODUCTION
-MAX_CHECKED_ROWS = 192
+MAX_CHECKED_ROWS = 256
 LSE_TOL = 2e-3          # absolute, in natural-log units (lse is O(1..10) here)
 
 
@@ -35,12 +35,10 @@ def qkv(B, H, Hkv, Lq, Lk, layout, seed, d=D):
 
 
 def checked_rows(Lq, seed):
-    """Random query rows (seeded), plus the first and the last: every position in a tile over
-    the test set, and the ragged edge of the last Q tile."""
-    rng = np.random.default_rng(seed + 7919)
-    n = min(Lq, MAX_CHECKED_ROWS)
-    rows = rng.choice(Lq, size=n, replace=False)
-    return np.unique(np.concatenate([rows, [0, Lq - 1]]))
+    """Random query rows (seeded; reference.sample_rows), the first and the last among them:
+    every row position of a 128-row and of a 192-row tile (D = 64's three consumers) in every
+    test, and the ragged edge of the last Q tile. All rows up to MAX_CHECKED_ROWS."""
+    return sample_rows(Lq, MAX_CHECKED_ROWS, seed=seed + 7919)
 
 
 def launch(q, k, v, layout, *, lse=True, **mask):
@@ -52,7 +50,10 @@ def launch(q, k, v, layout, *, lse=True, **mask):
     d = q.shape[-1]
     masked = bool(mask.get("causal")) or mask.get("window") not in (None, (-1, -1))
     assert p.stage.production and p.stage.head_dims == (d,)      # this head dim's build
-    assert p.stage.block_n == stages.PRODUCTION_VARIANTS[(d, masked)].block_n
+    build = stages.PRODUCTION_VARIANTS[(d, masked)]
+    assert (p.stage.block_m, p.stage.block_n) == (build.block_m, build.block_n)
+    assert p.block == (build.threads, 1, 1)      # D = 64: 512 threads, three consumers
+    assert p.smem_bytes == build.smem_bytes
     assert (("PTXATTN_MASKED", "1") in p.stage.defines) == masked
     if lse:
         driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
@@ -84,6 +85,8 @@ def check(q, k, v, layout, seed, lse=True, **mask):
     if lse:
         assert l.dtype == np.float32 and l.shape == (q.shape[0], q.shape[1 if layout == "bhld"
                                                                         else 2], q.shape[seq_axis])
+        # every row's lse is written (rows with no key: -inf), not only the sampled ones
+        assert not np.isnan(l).any(), f"{int(np.isnan(l).sum())} lse values left unwritten (NaN)"
         got = l[:, :, rows].astype(np.float64)
         empty = np.isneginf(ref_lse)
         assert (np.isneginf(got) == empty).all(), "rows with no key: lse must be -inf, others finite"
@@ -325,6 +328,21 @@ def test_head_dim_numpy_path_returns_out_and_lse(d):
     ref, ref_lse = attention_reference(q, k, v, return_lse=True)
     assert passes(error_metrics(out, ref))
     assert np.abs(lse - ref_lse).max() <= LSE_TOL
+
+
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"causal": True, "diagonal": "top_left"},
+                                  {"window": (100, 20)}], ids=["dense", "causal", "top_left",
+                                                               "window"])
+@pytest.mark.parametrize("Lq,Lk", [(1110, 1301), (342, 1110)])
+def test_d64_third_consumer_rows_of_ragged_tiles(mask, Lq, Lk, monkeypatch):
+    """D = 64 runs 192-row tiles, the third consumer's rows 128-191 of each. Lq = 1110 is five
+    tiles and 150 rows: the last tile's third consumer holds 22 rows and 42 past seq_q (342:
+    one tile and 150 rows). With masks and a 3-CTA grid the per-row key ranges, the
+    log-sum-exp rows (consumer * 64) and the O store of that consumer in a ragged tile are
+    checked across a persistent walk, with GQA."""
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "3")
+    q, k, v = qkv(2, 4, 2, Lq, Lk, "bshd", seed=Lq + Lk + len(mask), d=64)
+    check(q, k, v, "bshd", seed=Lq, **mask)
 
 
 @pytest.mark.slow

@@ -190,3 +190,24 @@ def test_build_assembles_without_spills_and_with_its_instruction_counts(d, back_
     assert s.classes["MUFU.EX2"] == copies * (n // 2 * (8 - sw) // 8 + 2)   # + 2 corrections
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in result.sass     # S waited with PV in flight
     assert s.dynamic_smem == stages.PRODUCTION_VARIANTS[(d, False)].smem_bytes
+
+
+@pytest.mark.parametrize("d,masked", sorted(stages.PRODUCTION_VARIANTS))
+def test_the_launch_grid_never_exceeds_the_kernels_tile_count(d, masked):
+    """The kernel starts every CTA on tile %ctaid.x without checking it against its tile count
+    (production.ptx, the consumer and producer tile loops): a CTA past the last tile would load,
+    compute and store a (batch, head) that does not exist (its lse rows are checked against
+    seq_q only). So the launcher's grid must stay within the PTX's own count,
+    ceil(seq_q / BLOCK_M) * heads * batch, BLOCK_M from this build's row (192 at D = 64), for
+    any SM count and any PTXATTN_PERSISTENT_CTAS cap."""
+    block_m = num(build_defines(d), "BLOCK_M")
+    build = stages.PRODUCTION.specialize(d, masked)
+    assert build.persistent and build.block_m == block_m
+    for seq_q in (1, 63, 64, 127, 128, 129, 191, 192, 193, 255, 256, 383, 384, 385, 1000, 8191):
+        for batch, heads in ((1, 1), (1, 2), (2, 3), (4, 32)):
+            tiles = -(-seq_q // block_m) * heads * batch
+            for sms in (1, 2, 7, 132, 10**6):
+                grid = build.grid(batch, heads, seq_q, sms)
+                assert grid[1:] == (1, 1) and 1 <= grid[0] <= min(sms, tiles), (
+                    d, masked, seq_q, batch, heads, sms, grid, tiles)
+                assert grid[0] == min(sms, tiles)

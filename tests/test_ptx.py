@@ -218,3 +218,18 @@ def test_every_stage_lists_one_statement_per_line():
         if (stages.ptx_root() / stage.file).is_file():
             lines = ptx.source(stage).splitlines()
             assert not [l for l in lines if l.count(";") > 1], stage.label
+
+
+@pytest.mark.parametrize("head_dim,masked", [(64, False), (256, True)])
+def test_a_production_build_expands_as_itself(head_dim, masked):
+    """A specialized Stage (the build a call runs: D = 64 is three consumers, 512 threads)
+    expands with its own defines: ptx.source(build) was the default D = 128 build's text while
+    build.threads and build.smem_bytes described the other one."""
+    build = stages.PRODUCTION.specialize(head_dim, masked)
+    text = ptx.source(build)
+    assert text == ptx.source(stages.PRODUCTION, dict(build.defines))
+    assert text != ptx.source(stages.PRODUCTION)
+    assert f".maxntid {build.threads}, 1, 1" in text
+    # tool defines add to the build's (what attention.kernel() hands the JIT)
+    traced = ptx.source(build, {"PTXATTN_TRACE": "1"})
+    assert traced == ptx.source(stages.PRODUCTION, {**dict(build.defines), "PTXATTN_TRACE": "1"})

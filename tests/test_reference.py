@@ -292,3 +292,18 @@ def test_sample_rows_cover_every_tile_position_at_random_places():
     assert tail.max() == 4094 and set((tail % 128).tolist()) == set(range(128))
     with pytest.raises(ValueError, match="sample_rows"):
         sample_rows(10, count=0)
+
+
+@pytest.mark.parametrize("seq_q,count,seed", [(16384, 256, 3), (8192, 256, 0), (4095, 200, 1),
+                                              (1000, 194, 2), (300, 256, 5)])
+def test_sample_rows_cover_every_position_of_a_192_row_tile_too(seq_q, count, seed):
+    """The D = 64 build's Q tiles are 192 rows (three consumers): the GPU checks must see every
+    row of all three consumers, not only every position modulo 128 (sampled modulo 128, a
+    third of the 192-row positions went unchecked at every length)."""
+    rows = sample_rows(seq_q, count=count, seed=seed)
+    assert len(rows) == min(seq_q, count) == len(set(rows.tolist()))
+    for tile in (128, 192):
+        assert set((rows % tile).tolist()) == set(range(tile)), tile
+    assert rows[0] == 0 and rows[-1] == seq_q - 1
+    with pytest.raises(ValueError, match="multiple of every tile size"):
+        sample_rows(seq_q, count=count, period=256)

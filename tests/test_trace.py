@@ -427,6 +427,66 @@ def test_record_builds_the_traced_variant_and_zeroes_the_buffer(monkeypatch):
     assert t.events == T.parse(buffer(events))
 
 
+def test_record_of_the_production_kernel_at_d64_says_its_512_threads(monkeypatch):
+    """The D = 64 production build runs three consumers (512 threads, warps 0, 4, 8 and 12
+    record): the Trace says the CTA of the build that ran, not the unspecialized Stage's 384."""
+    from ptxattn import attention, bench, stages
+
+    events = {0: producer_records(), 4: consumer_records(100), 8: consumer_records(400),
+              12: consumer_records(700)}
+    seen = {}
+
+    class Buf:
+        ptr = 0xBEEF00
+
+        def __init__(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    class Prepared:
+        stream = 7
+
+        def __init__(self, stage):
+            self.stage = stage
+
+        def launch(self):
+            pass
+
+    def prepare(q, k, v, **kw):
+        seen["head_dim"] = q.shape[-1]
+        return Prepared(kw["stage"].specialize(q.shape[-1]))
+
+    def dtoh(dst, src, stream=None):
+        dst[...] = np.frombuffer(buffer(events), np.uint8)
+
+    class Timer:
+        def start(self, stream=None):
+            pass
+
+        stop = start
+
+        def elapsed_ms(self):
+            return 0.5
+
+    monkeypatch.setattr(driver, "device_info",
+                        lambda: {"name": "Fake H200", "clock_khz": 1_980_000})
+    monkeypatch.setattr(driver, "DeviceBuffer", Buf)
+    monkeypatch.setattr(driver, "memset_u8", lambda *a, **kw: None)
+    monkeypatch.setattr(driver, "memcpy_dtoh", dtoh)
+    monkeypatch.setattr(driver, "EventPair", Timer)
+    monkeypatch.setattr(attention, "prepare", prepare)
+    monkeypatch.setattr(bench, "check_output", lambda *a: {"pass": True})
+
+    t = T.record("production", batch=1, heads=2, seq_len=384, head_dim=64, check=False)
+    assert seen["head_dim"] == 64 and t.shape[-1] == 64
+    assert t.threads == stages.PRODUCTION.specialize(64).threads == 512
+    assert t.warps() == list(T.traced_warps(t.threads)) == [0, 4, 8, 12]
+    t128 = T.record("production", batch=1, heads=2, seq_len=256, head_dim=128, check=False)
+    assert t128.threads == 384
+
+
 def test_record_refuses_untraced_stages_and_bad_shapes_before_the_driver(no_driver, untraced):
     with pytest.raises(ValueError, match="no trace points"):
         T.record(untraced)
