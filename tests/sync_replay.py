@@ -177,6 +177,25 @@ def address(arg: str, regs: dict) -> int:
     return value(m.group(1), regs) + int(m.group(2) or 0)
 
 
+def lineage_stage(file_name: str):
+    """The lineage stage whose PTX file is ptx/sm90/<file_name>."""
+    from ptxattn import stages
+    (st,) = [s for s in stages.STAGES if s.file.endswith(file_name)]
+    return st
+
+
+def lineage_defines(stage) -> dict:
+    """A lineage stage's barrier and buffer offsets (smem's base is 0 in the model: the carve-up
+    adds them to it), tile sizes and ring depth, from its own #defines; and its two consumer
+    warpgroups (the lineage has no CONSUMERS define: the replay checks it against BLOCK_M and
+    .maxntid)."""
+    from ptxattn import stages
+    text = (stages.ptx_root() / stage.file).read_text()
+    return {"CONSUMERS": 2, **{k: int(v) for k, v in re.findall(
+        r"^#define (SMEM_\w+|BLOCK_[MN]|KV_STAGES|Q_TILE_BYTES|KV_TILE_BYTES) (\d+)",
+        text, re.M)}}
+
+
 def q_content(q_row: int, block_m: int, head: int, batch: int):
     """A Q fill's content: its 64-row boxes' first rows (one a consumer), head and batch."""
     return ("Q", *range(q_row, q_row + block_m, BOX_ROWS), head, batch)

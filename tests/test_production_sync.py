@@ -172,20 +172,12 @@ def test_the_replay_sees_every_synchronising_statement(flow):
                 ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 @pytest.mark.parametrize("flow", sorted(FLOWS))
 @pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_unmasked_builds_across_tiles(head_dim, flow):
-    b = build(head_dim, False, **FLOWS[flow])
-    for prm in UNMASKED_CASES:
-        for grid in grids(tile_count(b, prm)):
-            b.play(prm, grid)
-
-
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_masked_builds_across_tiles(head_dim, flow):
-    b = build(head_dim, True, **FLOWS[flow])
-    for prm in MASKED_CASES:
+def test_builds_across_tiles(head_dim, flow, masked):
+    b = build(head_dim, masked, **FLOWS[flow])
+    for prm in MASKED_CASES if masked else UNMASKED_CASES:
         for grid in grids(tile_count(b, prm)):
             b.play(prm, grid)
 

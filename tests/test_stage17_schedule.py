@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import pytest
 
-from ptxattn import ptx, stages
+from ptxattn import ptx
 import sync_replay
 from sync_replay import round_robin
 
@@ -31,23 +31,12 @@ STAGE_FILE = "17_tiles_back_to_back.ptx"
 
 
 def stage17():
-    (st,) = [s for s in stages.STAGES if s.file.endswith(STAGE_FILE)]
-    return st
-
-
-@lru_cache(maxsize=None)
-def stage_file_text() -> str:
-    return (stages.ptx_root() / stage17().file).read_text()
+    return sync_replay.lineage_stage(STAGE_FILE)
 
 
 @lru_cache(maxsize=None)
 def stage_defines() -> dict:
-    """Barrier and buffer offsets (smem's base is 0 in the model: the carve-up adds them to
-    it), tile sizes and ring depth, from the stage's own #defines; and its two consumer
-    warpgroups (stage 17 has no CONSUMERS: the replay checks it against BLOCK_M and .maxntid)."""
-    return {"CONSUMERS": 2, **{k: int(v) for k, v in re.findall(
-        r"^#define (SMEM_\w+|BLOCK_[MN]|KV_STAGES|Q_TILE_BYTES|KV_TILE_BYTES) (\d+)",
-        stage_file_text(), re.M)}}
+    return sync_replay.lineage_defines(stage17())
 
 
 class Model(sync_replay.Model):

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import pytest
 
-from ptxattn import ptx, stages
+from ptxattn import ptx
 import sync_replay
 from sync_replay import round_robin
 
@@ -22,18 +22,12 @@ STAGE_FILE = "18_q_tile_ahead.ptx"
 
 
 def stage18():
-    (st,) = [s for s in stages.STAGES if s.file.endswith(STAGE_FILE)]
-    return st
+    return sync_replay.lineage_stage(STAGE_FILE)
 
 
 @lru_cache(maxsize=None)
 def stage_defines() -> dict:
-    """Barrier and buffer offsets, tile sizes and ring depth from the stage's own #defines; its
-    two consumer warpgroups (no CONSUMERS define in the lineage)."""
-    text = (stages.ptx_root() / stage18().file).read_text()
-    return {"CONSUMERS": 2, **{k: int(v) for k, v in re.findall(
-        r"^#define (SMEM_\w+|BLOCK_[MN]|KV_STAGES|Q_TILE_BYTES|KV_TILE_BYTES) (\d+)",
-        text, re.M)}}
+    return sync_replay.lineage_defines(stage18())
 
 
 @lru_cache(maxsize=None)
