@@ -131,7 +131,9 @@ def _defines(pairs) -> dict | None:
 
 
 _define_option = click.option("--define", "-d", "defines", multiple=True, metavar="NAME[=VALUE]",
-                              help="Preprocessor define for the stage's PTX (repeatable).")
+                              help="Preprocessor define for the stage's PTX (repeatable). "
+                                   "The production kernel is the HEAD_DIM=128 unmasked build "
+                                   "unless -d HEAD_DIM=64|256 or -d PTXATTN_MASKED names another.")
 
 
 def _layout_option():

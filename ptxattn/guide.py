@@ -348,10 +348,19 @@ def stale(out: Path = DOCS, results: Path = RESULTS) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ptxattn.guide", description=__doc__.split("\n")[0])
-    ap.add_argument("--sass", action="store_true", help=f"refresh {SASS_CACHE} first (ptxas)")
-    ap.add_argument("--check", action="store_true", help="only compare; exit 1 when stale")
+    # the docstring's first paragraph (what it writes, what each mode needs) is the help text
+    ap = argparse.ArgumentParser(prog="python -m ptxattn.guide",
+                                 description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sass", action="store_true",
+                    help=f"first refresh docs/lineage/{SASS_CACHE} (the SASS deltas) with ptxas, then write")
+    ap.add_argument("--check", action="store_true",
+                    help=f"write nothing: list the files under docs/lineage/ that regenerating would "
+                         "change, exit 1 when there are any")
     args = ap.parse_args(argv)
+    if args.check and args.sass:
+        # --check compares against the committed sass.json; refreshing it first would be a write
+        ap.error("--check and --sass contradict each other (--check writes nothing)")
     if args.check:
         bad = stale()
         print("\n".join(bad) if bad else "the guide is current")

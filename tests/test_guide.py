@@ -102,3 +102,17 @@ def test_busy_fractions_count_overlapping_gemms_once():
     busy = guide._busy(tr)
     assert busy["mma"] == pytest.approx(50.0) and busy["wait"] == pytest.approx(50.0)
     assert busy["softmax"] == 0.0
+
+
+def test_help_says_what_it_writes_and_check_refuses_sass(capsys):
+    # a newcomer reads --help first: it must name the folder it writes and what each mode needs
+    with pytest.raises(SystemExit) as e:
+        guide.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "docs/lineage/" in text and "needs ptxas" in text
+    # --check writes nothing, so a --sass beside it would be silently ignored: refused instead
+    with pytest.raises(SystemExit) as e:
+        guide.main(["--check", "--sass"])
+    assert e.value.code == 2
+    assert "--check and --sass" in capsys.readouterr().err
