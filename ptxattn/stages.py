@@ -253,7 +253,8 @@ PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
 # attention() uses it by default; stage= picks a lineage stage instead.
 PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production.ptx",
                    idea="stage 14 + any lengths (ragged tiles masked), Lq != Lk, GQA/MQA, "
-                        "log-sum-exp out",
+                        "log-sum-exp out, causal and sliding-window masks, Q loaded a tile "
+                        "ahead; three consumer warpgroups at D = 64",
                    block_n=128, persistent=True, production=True, head_dims=(64, 128, 256),
                    smem_bytes=14 * _KV16 + 128 + 1024, **_TWO_CONSUMERS)
 
