@@ -385,6 +385,16 @@ def ptx(stage, arch, defines):
     click.echo(_ptx.source(_lookup(stage, arch), defines=_defines(defines)), nl=False)
 
 
+def _build_title(stage, defines: dict | None) -> str:
+    """A summary's title: the stage's label and name, or for the production kernel the build
+    the defines select (its head dim, masked or not)."""
+    if not stage.production:
+        return f"{stage.label} {stage.name}"
+    d = defines or {}
+    masked = ", masked" if "PTXATTN_MASKED" in d else ""
+    return f"production (HEAD_DIM={d.get('HEAD_DIM') or 128}{masked})"
+
+
 @main.command()
 @click.argument("stage")
 @click.option("--summary", is_flag=True, help="Registers, spills, smem and instruction mix.")
@@ -407,15 +417,15 @@ def sass(stage, summary, opcode, as_json, arch, defines):
         raise click.UsageError("--grep and --json: give one (--json holds every class count; "
                                "--grep lists the instructions of one opcode)")
     st, target = _resolve(stage, arch)
-    result = _sass.inspect_stage(st, arch=target, defines=_defines(defines))
+    chosen = _defines(defines)
+    result = _sass.inspect_stage(st, arch=target, defines=chosen)
     matches = _sass.grep(result.sass, opcode) if opcode else None
     if as_json:
         data = {"stage": result.stage.label, "name": result.stage.name, **result.summary.to_dict()}
         click.echo(json.dumps(data, indent=2))
         return
     if summary:
-        click.echo(_sass.format_summary(result.summary,
-                                        f"{result.stage.label} {result.stage.name}"))
+        click.echo(_sass.format_summary(result.summary, _build_title(result.stage, chosen)))
     if matches is not None:
         for line in matches:
             click.echo(line)

@@ -116,6 +116,18 @@ def test_sass_summary():
 
 
 @needs_sass
+def test_sass_summary_of_the_production_kernel_names_its_build():
+    """The production kernel's summary says which build the defines chose (head dim, masked),
+    and its figures are that build's (D = 64: three consumers, 128 registers at 512 threads)."""
+    result = cli("sass", "production", "-d", "HEAD_DIM=64", "-d", "PTXATTN_MASKED", "--summary")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == "production (HEAD_DIM=64, masked)"
+    assert "registers     128" in result.output
+    plain = cli("sass", "production", "--summary")
+    assert plain.output.splitlines()[0] == "production (HEAD_DIM=128)"
+
+
+@needs_sass
 def test_sass_json():
     result = cli("sass", "1", "--json")
     assert result.exit_code == 0, result.output
