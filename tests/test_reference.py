@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ptxattn import reference
 from ptxattn.reference import (BF16, PASS_MAX_ABS_FRACTION, PASS_REL_L2, attention_reference,
                                error_metrics, key_mask, passes, passes_against_peer, peer_bound,
                                random_qkv, sample_rows)
@@ -307,3 +308,15 @@ def test_sample_rows_cover_every_position_of_a_192_row_tile_too(seq_q, count, se
     assert rows[0] == 0 and rows[-1] == seq_q - 1
     with pytest.raises(ValueError, match="multiple of every tile size"):
         sample_rows(seq_q, count=count, period=256)
+
+
+def test_tile_rows_cover_every_registered_kernels_query_tile():
+    """sample_rows covers every row position of the tiles in TILE_ROWS: each Hopper stage's
+    block_m and each production build's must divide one of them, or some rows of its tiles
+    would go unchecked on the GPU."""
+    from ptxattn import stages
+    sizes = {s.block_m for s in stages.STAGES} | {v.block_m for v in
+                                                  stages.PRODUCTION_VARIANTS.values()}
+    for m in sizes:
+        assert any(t % m == 0 for t in reference.TILE_ROWS), m
+    assert all(reference.ROW_PERIOD % t == 0 for t in reference.TILE_ROWS)
