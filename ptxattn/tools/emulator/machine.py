@@ -477,20 +477,23 @@ class Launch:
             self.warp_instructions += wi
 
     def _block(self, g: Group, res) -> bool:
-        """An instruction parked lanes: all of g (a Wait), or some ((Wait, lanes)); True when
-        g goes on running (with its other lanes, past the instruction)."""
+        """An instruction parked lanes: all of g (a Wait), or some ((Wait, lanes), or a list of
+        them); True when g goes on running (with its other lanes, past the instruction)."""
         if isinstance(res, Wait):
             g.wait = res
             if res.converge:
                 self.park(g)
             return False
-        wait, lanes = res
-        rest = np.setdiff1d(g.idx, lanes, assume_unique=True)
-        blocked = Group(g.cta, g.pc, lanes)
-        blocked.wait = wait
-        wait_register = getattr(wait, "register", None)
-        if wait_register is not None:
-            wait_register(blocked)
+        parts = [res] if isinstance(res, tuple) else res
+        rest = g.idx
+        for wait, lanes in parts:
+            rest = np.setdiff1d(rest, lanes, assume_unique=True)
+            blocked = Group(g.cta, g.pc, lanes)
+            blocked.wait = wait
+            if wait.register is not None:
+                wait.register(blocked)
+            if wait.converge:
+                self.park(blocked)
         if rest.size == 0:
             g.dead = True
             g.cta.groups.discard(g)

@@ -17,7 +17,8 @@ from .errors import MemoryFault, Unsupported
 from .memory import (PARAM_GENERIC_BASE, SHARED_GENERIC_BASE, SHARED_GENERIC_SPAN,
                      check_alignment)
 from .ops import register
-from .parse import SINK, Mem, Reg, Sym, Vec
+from .parse import Mem, Reg, Sym, Vec
+from .program import WAIT
 
 SPACES = ("global", "shared", "shared::cta", "shared::cluster", "param", "param::entry",
           "param::func", "local", "const")

@@ -122,38 +122,57 @@ def _bar(prog, ins, blocking: bool):
         if warps is None:
             return converge_wait(g, ins.opcode)
         cta = g.cta
-        # a group may hold several warps: each arrives (they share the id and count)
-        ident = _uniform(rid(g, idx), f"{ins.op} barrier id")
-        if ident > 15:
-            raise SyncError(f"barrier id {ident} (0 to 15)")
-        b = cta.bars[ident]
-        if rcount is not None:
-            count = _uniform(rcount(g, idx), f"{ins.op} thread count")
-            if count % WARP or count == 0:
-                raise SyncError(f"barrier {ident}: thread count {count} is not a positive "
-                                f"multiple of {WARP}")
-            explicit = True
-        else:
-            count = cta.live_threads()
-            explicit = False
-        if b.arrived and b.explicit and explicit and b.expected != count:
-            raise SyncError(f"barrier {ident} is used with thread counts {b.expected} and "
-                            f"{count} in the same phase")
-        if b.arrived == 0:
-            b.expected, b.explicit = count, explicit
-        elif explicit and not b.explicit:
-            b.expected, b.explicit = count, True
-        b.arrived += WARP * len(warps)
-        if b.arrived > b.expected:
-            raise SyncError(f"barrier {ident}: {b.arrived} threads arrived, more than its count "
-                            f"{b.expected}")
-        if b.arrived == b.expected:
-            _release(g.launch, b)
+        ids = rid(g, idx)
+        counts = rcount(g, idx) if rcount is not None else None
+        # each warp arrives at its own barrier (the id and count are per warp: a group may hold
+        # warps of several warpgroups taking turns on different barriers)
+        by_bar: dict[tuple, list] = {}
+        for k, w in enumerate(warps):
+            sel = slice(32 * k, 32 * k + w.lanes)
+            ident = _uniform(ids[sel], f"{ins.op} barrier id (warp {w.index})")
+            count = _uniform(counts[sel], f"{ins.op} thread count (warp {w.index})") \
+                if counts is not None else None
+            by_bar.setdefault((ident, count), []).append(w)
+        blocked = []
+        for (ident, count), ws in by_bar.items():
+            if ident > 15:
+                raise SyncError(f"barrier id {ident} (0 to 15)")
+            b = cta.bars[ident]
+            if count is not None:
+                if count % WARP or count == 0:
+                    raise SyncError(f"barrier {ident}: thread count {count} is not a positive "
+                                    f"multiple of {WARP}")
+                explicit = True
+            else:
+                count = cta.live_threads()
+                explicit = False
+            if b.arrived and b.explicit and explicit and b.expected != count:
+                raise SyncError(f"barrier {ident} is used with thread counts {b.expected} and "
+                                f"{count} in the same phase")
+            if b.arrived == 0:
+                b.expected, b.explicit = count, explicit
+            elif explicit and not b.explicit:
+                b.expected, b.explicit = count, True
+            b.arrived += WARP * len(ws)
+            if b.arrived > b.expected:
+                raise SyncError(f"barrier {ident}: {b.arrived} threads arrived, more than its "
+                                f"count {b.expected}")
+            if b.arrived == b.expected:
+                _release(g.launch, b)
+            elif blocking:
+                blocked.append((b, ws))
+        if not blocked:
             return None
-        if not blocking:
-            return None
-        b.waiters.append(g)
-        return Wait(b.describe, b, resume_next=True)
+        if len(blocked) == 1 and sum(len(ws) for _, ws in blocked) == len(warps):
+            b = blocked[0][0]
+            b.waiters.append(g)
+            return Wait(b.describe, b, resume_next=True)
+        parts = []
+        for b, ws in blocked:
+            lanes = np.concatenate([np.arange(w.first, w.first + w.lanes) for w in ws])
+            parts.append((Wait(b.describe, b, resume_next=True, register=b.waiters.append),
+                          lanes))
+        return parts
     return prog.wrap(ins, bar, prog.regs_of(*ops), kind=WAIT)
 
 
