@@ -323,6 +323,9 @@ def _tma_store_fn(ins, rmap, rcoords, rsrc, red):
 
 def _async_read_checks(g, ins, lane, addr, words, what) -> None:
     smem = g.cta.smem
+    lo, hi = int(words[0]), int(words[-1]) + 1        # words are sorted: a quick look first
+    if not smem.unfenced[lo:hi].any() and not smem.tma_pending[lo:hi].any():
+        return
     unf = smem.unfenced[words]
     if unf.any():
         j = int(np.argmax(unf != 0))
@@ -483,7 +486,7 @@ class WgmmaOp:
     __slots__ = ("cta", "warps", "ins", "m", "n", "k", "dtype", "atype", "btype", "a_desc",
                  "a_regs", "b_desc", "d_regs", "scale_d", "neg_a", "neg_b", "trans_a",
                  "trans_b", "a_words", "b_words", "a_addrs", "b_addrs", "shape", "lanes",
-                 "retired", "wbits")
+                 "retired", "wbits", "seq")
 
 
 def _decode_desc(d: int) -> tuple:
@@ -701,10 +704,17 @@ def _wgmma(prog, ins):
         bdesc = rb(g, idx)
         adesc = ra(g, idx) if ra is not None else None
         sdv = rsd(g, idx) if rsd is not None else None
-        # one op per warpgroup among the group's warps
+        # one op per warpgroup among the group's warps. A wgmma is the warpgroup's: its four
+        # warps issue it together, so a warp that gets here first waits for the others (which
+        # keeps warps of a warpgroup from drifting an iteration apart)
         by_wg: dict[int, list] = {}
         for k, w in enumerate(warps):
             by_wg.setdefault(w.wg, []).append(k)
+        for wg, ks in by_wg.items():
+            live = sum(1 for x in cta.warps[4 * wg: 4 * wg + 4] if not x.done)
+            if len(ks) < live:
+                return converge_wait(g, f"wgmma.mma_async (issued by warpgroup {wg}'s four "
+                                        f"warps together)")
         for wg, ks in by_wg.items():
             sel = np.concatenate([np.arange(32 * k, 32 * k + 32) for k in ks])
             op = WgmmaOp()
@@ -752,8 +762,11 @@ def _wgmma(prog, ins):
                 per = cta.inflight.setdefault(r, {})
                 for w in op.warps:
                     per.setdefault(w.index, []).append(op)
+            _order[0] += 1
+            op.seq = _order[0]
             for w in op.warps:
                 w.wg_open.append(op)
+                w.wg_pending.append(op)
                 w.wgmma_seq += 1
             launch.wgmma_count += len(op.warps)
         return None
@@ -810,26 +823,28 @@ def _issue_checks(launch, g, op) -> None:
         launch.hazard("missing-wgmma-fence",
                       f"wgmma uses registers {_reg_names(launch, touched)} that other "
                       f"instructions accessed since the last wgmma.fence", g, op.ins)
-    for r in op.d_regs:
-        for w in op.warps:
-            for other in cta.inflight.get(r, {}).get(w.index, ()):
-                if r in other.a_regs:
-                    launch.hazard("wgmma-register-conflict",
-                                  f"wgmma writes {_reg_names(launch, [r])}, an A operand of an "
-                                  f"in-flight wgmma (line {other.ins.line})", g, op.ins)
-                elif other.shape != op.shape:
-                    launch.hazard("wgmma-register-conflict",
-                                  f"wgmma accumulates into {_reg_names(launch, [r])}, in flight "
-                                  f"in a wgmma of another shape (line {other.ins.line}): only "
-                                  f"same-shape chains are ordered", g, op.ins)
-    for r in op.a_regs:
-        for w in op.warps:
-            for other in cta.inflight.get(r, {}).get(w.index, ()):
-                if r in other.d_regs:
-                    launch.hazard("wgmma-register-conflict",
-                                  f"wgmma reads A register {_reg_names(launch, [r])}, an "
-                                  f"accumulator of an in-flight wgmma (line {other.ins.line})",
-                                  g, op.ins)
+    dset, aset = set(op.d_regs), set(op.a_regs)
+    seen = set()
+    for w in op.warps:
+        for other in w.wg_pending:
+            if other.retired or id(other) in seen:
+                continue
+            seen.add(id(other))
+            o_d, o_a = set(other.d_regs), set(other.a_regs)
+            if dset & o_a:
+                launch.hazard("wgmma-register-conflict",
+                              f"wgmma writes {_reg_names(launch, sorted(dset & o_a))}, an A "
+                              f"operand of an in-flight wgmma (line {other.ins.line})", g, op.ins)
+            if dset & o_d and other.shape != op.shape:
+                launch.hazard("wgmma-register-conflict",
+                              f"wgmma accumulates into {_reg_names(launch, sorted(dset & o_d))}, "
+                              f"in flight in a wgmma of another shape (line {other.ins.line}): "
+                              f"only same-shape chains are ordered", g, op.ins)
+            if aset & o_d:
+                launch.hazard("wgmma-register-conflict",
+                              f"wgmma reads A register {_reg_names(launch, sorted(aset & o_d))}, "
+                              f"an accumulator of an in-flight wgmma (line {other.ins.line})",
+                              g, op.ins)
     for words, what in ((op.a_words, "A operand"), (op.b_words, "B operand")):
         if words is not None:
             _async_read_checks(g, op.ins, None, None, words, f"wgmma {what}")
@@ -855,8 +870,20 @@ def check_registers(launch, g, c) -> None:
 
 
 def retire(launch, op: WgmmaOp) -> None:
-    """Read the operands, multiply-accumulate, write the accumulators."""
+    """Read the operands, multiply-accumulate, write the accumulators. A warpgroup's wgmmas
+    retire in issue order: earlier ones of any of op's warps (issued apart, when the warps ran
+    apart) go first, or a chain that starts with scale-d = 0 would overwrite later work."""
+    for w in op.warps:
+        while w.wg_pending and w.wg_pending[0] is not op:
+            earlier = w.wg_pending[0]
+            if earlier.retired:
+                w.wg_pending.popleft()
+            else:
+                retire(launch, earlier)
     op.retired = True
+    for w in op.warps:
+        if w.wg_pending and w.wg_pending[0] is op:
+            w.wg_pending.popleft()
     cta = op.cta
     smem = cta.smem
     if op.a_words is not None:

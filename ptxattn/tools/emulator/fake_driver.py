@@ -104,7 +104,8 @@ class FakeDriver:
         self._next_handle = 0x1000
         self._events: dict[int, float] = {}
         self.maps: list[TensorMap] = []
-        self.source_maps: dict[str, object] = {}
+        # text -> text, applied to every module loaded (negative controls plant bugs here)
+        self.rewrite_ptx = None
 
     # -- plumbing
     def __getattr__(self, name):
@@ -201,6 +202,8 @@ class FakeDriver:
     # -- modules and functions
     def cuModuleLoadDataEx(self, image, nopts=0, options=(), values=()):
         text = bytes(image).split(b"\0", 1)[0].decode()
+        if self.rewrite_ptx is not None:
+            text = self.rewrite_ptx(text)
         logs = {}
         O = self._real.CUjit_option
         for opt, val in zip(options or (), values or ()):

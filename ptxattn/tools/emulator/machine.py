@@ -69,6 +69,7 @@ class Warp:
         # wgmma (asyncops): open ops and committed groups
         self.wg_open: list = []
         self.wg_groups: list[list] = []
+        self.wg_pending: deque = deque()   # issued, not retired, in issue order
         self.wgmma_seq = 0
         self.setmaxnreg_seq = 0
         # bulk async-groups of TMA stores (asyncops)

@@ -14,6 +14,8 @@ that parks the warp until what it waits for happens).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from . import numeric as N
@@ -53,6 +55,48 @@ class Code:
         self.regs = tuple(regs)      # every register id it reads or writes
         self.wregs = ()              # those that are also wgmma operands (set by the Program)
         self.uni = uni
+
+
+_REG_REF = re.compile(r"\br\[(\d+)\]")
+_CONST_REF = re.compile(r"\bK\[(\d+)\]")
+_TEMPLATES: dict[tuple, object] = {}
+
+
+def _instantiate(body: str, consts: dict, extra: dict | None, name: str):
+    """The function `def _f(g): <body>`, compiled once per shape of body: register indices and
+    constants become closure variables, so that the thousands of instructions that differ
+    only in their registers share one code object."""
+    regs: list[int] = []
+    kvals: list[int] = []
+
+    def reg(m):
+        i = int(m.group(1))
+        if i not in regs:
+            regs.append(i)
+        return f"r[_a{regs.index(i)}]"
+
+    def const(m):
+        i = int(m.group(1))
+        if i not in kvals:
+            kvals.append(i)
+        return f"_k{kvals.index(i)}"
+    template = _CONST_REF.sub(const, _REG_REF.sub(reg, body))
+    key = (template, tuple(sorted(extra)) if extra else ())
+    make = _TEMPLATES.get(key)
+    if make is None:
+        params = [f"_a{i}" for i in range(len(regs))] + [f"_k{i}" for i in range(len(kvals))]
+        src = f"def _make({', '.join(params)}):\n  def _f(g):\n" + \
+            "\n".join("  " + line for line in template.splitlines()) + "\n  return _f\n"
+        ns = {"np": np, "N": N}
+        if extra:
+            ns.update(extra)
+        try:
+            exec(compile(src, name, "exec"), ns)
+        except SyntaxError as e:                 # a bug in a generator: show what it made
+            raise RuntimeError(f"generated code does not compile: {e}\n{src}") from None
+        make = ns["_make"]
+        _TEMPLATES[key] = make
+    return make(*regs, *(consts[i] for i in kvals))
 
 
 class Program:
@@ -246,16 +290,10 @@ class Program:
             guard = (f"p_ = {p}\n    if not p_.all():\n        if not p_.any(): return None\n"
                      f"        L = g.idx[p_]\n    ")
             gregs = (gi,)
-        src = (f"def _f(g):\n    r = g.r\n    L = g.L\n    S = g.cta.sp\n    {guard}{body}\n"
+        src = (f"    r = g.r\n    L = g.L\n    S = g.cta.sp\n    {guard}{body}\n"
                f"    return None\n")
-        ns = {"np": np, "N": N, "K": self.consts}
-        if extra:
-            ns.update(extra)
-        try:
-            exec(compile(src, f"<ptx line {ins.line}: {ins.opcode}>", "exec"), ns)
-        except SyntaxError as e:                 # a bug in a generator: show what it made
-            raise RuntimeError(f"generated code does not compile: {e}\n{src}") from None
-        return Code(kind, ns["_f"], ins, regs=tuple(dict.fromkeys(tuple(regs) + gregs)))
+        fn = _instantiate(src, self.consts, extra, f"<ptx {ins.opcode}>")
+        return Code(kind, fn, ins, regs=tuple(dict.fromkeys(tuple(regs) + gregs)))
 
     def wrap(self, ins: Instr, fn, regs=(), kind=OP):
         """Code for a closure fn(g, idx) (idx: the executing lanes, an int64 index array into

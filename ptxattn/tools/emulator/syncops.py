@@ -233,9 +233,14 @@ def arrive(launch, b: MBarrier, count: int, what: str) -> int:
     phase it arrived in). More than the pending count in one operation is an error."""
     state = b.phase
     if count > b.pending:
+        why = ""
+        if b.pending == 0 and b.tx > 0:
+            why = (f"; the phase's arrivals are all in and it still waits for {b.tx} tx bytes: "
+                   f"a new round on a buffer whose last load has not landed (refilled before "
+                   f"its consumers released it?)")
         raise SyncError(f"{what}: an arrive of count {count} on an mbarrier with {b.pending} of "
                         f"{b.count} arrivals pending (phase {b.phase}): more arrivals than the "
-                        f"count")
+                        f"count{why}")
     b.pending -= count
     complete_phase_if_done(launch, b)
     return state
