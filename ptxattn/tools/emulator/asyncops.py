@@ -716,7 +716,7 @@ def _wgmma(prog, ins):
                 return converge_wait(g, f"wgmma.mma_async (issued by warpgroup {wg}'s four "
                                         f"warps together)")
         for wg, ks in by_wg.items():
-            sel = np.concatenate([np.arange(32 * k, 32 * k + 32) for k in ks])
+            sel = _lanes_of(tuple(ks))
             op = WgmmaOp()
             op.cta, op.ins, op.m, op.n, op.k = cta, ins, M, Nn, K
             op.warps = [warps[k] for k in ks]
@@ -744,8 +744,7 @@ def _wgmma(prog, ins):
             op.lanes = (slice(first[0], first[-1] + 32)
                         if first == list(range(first[0], first[-1] + 1, 32))
                         else np.concatenate([np.arange(f, f + 32) for f in first]))
-            rows = tuple(r for w in op.warps for r in range(16 * (w.index % 4),
-                                                             16 * (w.index % 4) + 16))
+            rows = _rows_of(tuple(w.index % 4 for w in op.warps))
             if op.a_desc is not None:
                 op.a_addrs, op.a_words = _operand_checked(g, op.a_desc, op.trans_a, rows, K,
                                                           esize, "A operand")
@@ -758,10 +757,13 @@ def _wgmma(prog, ins):
             if op.a_words is not None:
                 smem.async_readers[op.a_words] += 1
             smem.async_readers[op.b_words] += 1
+            inflight = cta.inflight
             for r in d_regs + a_regs:
-                per = cta.inflight.setdefault(r, {})
-                for w in op.warps:
-                    per.setdefault(w.index, []).append(op)
+                lst = inflight.get(r)
+                if lst is None:
+                    inflight[r] = [op]
+                else:
+                    lst.append(op)
             _order[0] += 1
             op.seq = _order[0]
             for w in op.warps:
@@ -771,6 +773,18 @@ def _wgmma(prog, ins):
             launch.wgmma_count += len(op.warps)
         return None
     return Code(WAIT, issue_all(issue), ins, regs=regs)
+
+
+@functools.lru_cache(maxsize=64)
+def _lanes_of(ks: tuple) -> np.ndarray:
+    """Positions, in a group's lanes, of the group's warps number ks (32 lanes each)."""
+    return np.concatenate([np.arange(32 * k, 32 * k + 32) for k in ks])
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_of(ranks: tuple) -> tuple:
+    """The A rows (of the warpgroup's 64) that warps of these ranks in it own."""
+    return tuple(r for q in ranks for r in range(16 * q, 16 * q + 16))
 
 
 def issue_all(fn):
@@ -855,15 +869,17 @@ def check_registers(launch, g, c) -> None:
     flight."""
     inflight = g.cta.inflight
     for r in c.wregs:
-        per = inflight.get(r)
-        if not per:
+        ops = inflight.get(r)
+        if not ops:
             continue
-        for wid, ops in per.items():
-            if ops and g.wbits >> wid & 1:
-                role = "accumulator" if r in ops[0].d_regs else "A operand"
+        for op in ops:
+            common = op.wbits & g.wbits
+            if common:
+                wid = (common & -common).bit_length() - 1
+                role = "accumulator" if r in op.d_regs else "A operand"
                 launch.hazard("wgmma-register-in-flight",
                               f"{_reg_names(launch, [r])} is the {role} of a wgmma issued at "
-                              f"line {ops[0].ins.line} and not yet retired by wgmma.wait_group "
+                              f"line {op.ins.line} and not yet retired by wgmma.wait_group "
                               f"(warp {wid}): this access races with the tensor core",
                               g, c.ins)
                 break
@@ -932,46 +948,50 @@ def retire(launch, op: WgmmaOp) -> None:
         st = launch.prog.reg_dtype
         for i, x in enumerate(op.d_regs):
             r[x][L] = N.pack2_16(vals[2 * i + 1], vals[2 * i]).view(st[x])
+    inflight = cta.inflight
     for x in op.d_regs + op.a_regs:
-        per = cta.inflight.get(x)
-        if per is None:
-            continue
-        for w in op.warps:
-            lst = per.get(w.index)
-            if lst is not None:
-                if op in lst:
-                    lst.remove(op)
-                if not lst:
-                    del per[w.index]
-        if not per:
-            del cta.inflight[x]
+        lst = inflight.get(x)
+        if lst is not None:
+            lst.remove(op)
+            if not lst:
+                del inflight[x]
+
+
+@functools.lru_cache(maxsize=32)
+def _a_index(nw: int, per_reg: int):
+    """(rows, cols) in the op's (16 nw) x K block of A of element e (of per_reg) of register
+    q in the op's lane j: arrays of shape (4, per_reg, 32 nw). PTX ISA A fragments (m64nNk16
+    for 16-bit types, m64nNk32 for 8-bit): register q holds row l/4 + 8*(q%2) of its warp's
+    16, columns (per_reg * (l%4) + 8*per_reg/2*(q/2)) + e."""
+    q = np.arange(4)[:, None, None]
+    e = np.arange(per_reg)[None, :, None]
+    j = np.arange(32 * nw)[None, None, :]
+    lane = j % 32
+    rows = 16 * (j // 32) + lane // 4 + 8 * (q & 1)
+    cols = per_reg * (lane % 4) + 4 * per_reg * (q >> 1) + e
+    return np.broadcast_to(rows, (4, per_reg, 32 * nw)), np.broadcast_to(cols, (4, per_reg,
+                                                                           32 * nw))
 
 
 def _a_from_registers(cta, op) -> np.ndarray:
     """The op's (16 nw) x K rows of A from each warp's four fragment registers."""
     nw = len(op.warps)
-    K = op.k
-    A = np.zeros((16 * nw, K))
-    j = np.arange(32 * nw)
-    lane = j % 32
-    base = 16 * (j // 32)
-    g, t = lane // 4, lane % 4
-    for q, reg in enumerate(op.a_regs):
-        bits = cta.r[reg][op.lanes].view(np.uint32)
-        row = base + g + 8 * (q & 1)
-        if op.atype in ("bf16", "f16"):
-            for h in range(2):
-                half = ((bits >> np.uint32(16 * h)) & np.uint32(0xFFFF)).astype(np.uint16)
-                val = N.bf16_bits_to_f32(half) if op.atype == "bf16" else \
-                    half.view(np.float16).astype(np.float32)
-                A[row, 2 * t + 8 * (q >> 1) + h] = val
-        elif op.atype in ("e4m3", "e5m2"):
-            fmt = N.E4M3 if op.atype == "e4m3" else N.E5M2
-            for b in range(4):
-                byte = ((bits >> np.uint32(8 * b)) & np.uint32(0xFF)).astype(np.uint8)
-                A[row, 4 * t + 16 * (q >> 1) + b] = byte.view(fmt).astype(np.float32)
-        else:
-            raise Unsupported(f"wgmma with A in registers of .{op.atype}")
+    A = np.zeros((16 * nw, op.k))
+    bits = np.stack([cta.r[reg][op.lanes].view(np.uint32) for reg in op.a_regs])  # (4, 32nw)
+    if op.atype in ("bf16", "f16"):
+        halves = np.stack([bits & np.uint32(0xFFFF), bits >> np.uint32(16)], axis=1) \
+            .astype(np.uint16)                                                   # (4, 2, 32nw)
+        vals = N.bf16_bits_to_f32(halves) if op.atype == "bf16" else \
+            halves.view(np.float16).astype(np.float32)
+        rows, cols = _a_index(nw, 2)
+    elif op.atype in ("e4m3", "e5m2"):
+        fmt = N.E4M3 if op.atype == "e4m3" else N.E5M2
+        by = np.stack([(bits >> np.uint32(8 * b)) & np.uint32(0xFF) for b in range(4)], axis=1)
+        vals = by.astype(np.uint8).view(fmt).astype(np.float32)                  # (4, 4, 32nw)
+        rows, cols = _a_index(nw, 4)
+    else:
+        raise Unsupported(f"wgmma with A in registers of .{op.atype}")
+    A[rows, cols] = vals
     return A
 
 
