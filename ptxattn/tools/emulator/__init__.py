@@ -29,8 +29,11 @@ group, the lower pc runs first and groups merge when they meet; collectives wait
 instruction for the rest of their warp and fail if those lanes exited. All CTAs of a grid are
 resident and interleaved, so CTAs that meet through global memory behave. The scheduler
 switches at blocking points (bar.sync, mbarrier waits that would fail, setmaxnreg.inc without
-registers, collectives) and after a quantum; with a seed it also switches, splits lockstep
-warps, lands TMA loads, retires wgmma groups and reads TMA store sources at random points.
+registers, collectives waiting for their lanes), before a wgmma or bulk wait_group retires
+work (so the rest of the CTA runs while it is in flight), and after a quantum; with a seed it
+also switches, splits lockstep warps, lands TMA loads, retires wgmma groups and reads TMA store
+sources at random points. wgmma is issued by a warpgroup's four warps together (a warp that
+arrives first waits) and retires in issue order.
 
 What it checks, with the instruction, pc, CTA, warp, lane and address in every message:
   - memory: any access outside a live allocation, outside the CTA's shared memory (past the

@@ -36,6 +36,7 @@ import numpy as np
 
 from . import numeric as N
 from .errors import MemoryFault, SyncError, Unsupported
+from .machine import YIELD, yield_once
 from .memops import address_reader, converge_wait, whole_warps
 from .memory import PARAM_GENERIC_BASE
 from .ops import register
@@ -447,7 +448,7 @@ def _cp(prog, ins):
             n = ins.operands[0]
             if not isinstance(n, Imm):
                 raise Unsupported("cp.async.bulk.wait_group needs an immediate")
-            return prog.wrap(ins, _bulk_wait(int(n.value)))
+            return prog.wrap(ins, _bulk_wait(int(n.value)), kind=WAIT)
         if len(parts) > 3 and parts[3] == "prefetch":
             return prog.wrap(ins, lambda g, idx: None)
         return _bulk_copy(prog, ins)
@@ -472,7 +473,10 @@ def _bulk_commit(g, idx):
 
 def _bulk_wait(n: int):
     def wait(g, idx):
-        for w in _warps_of(g, idx):
+        warps = _warps_of(g, idx)
+        if any(len(w.bulk_groups) > n for w in warps) and yield_once(g):
+            return YIELD
+        for w in warps:
             while len(w.bulk_groups) > n:
                 for st in w.bulk_groups.pop(0):
                     perform_store(g.launch, st)
@@ -619,6 +623,8 @@ def _wgmma(prog, ins):
             warps = whole_warps(g, idx, "wgmma.wait_group")
             if warps is None:
                 return converge_wait(g, "wgmma.wait_group")
+            if any(len(w.wg_groups) > n for w in warps) and yield_once(g):
+                return YIELD
             for w in warps:
                 while len(w.wg_groups) > n:
                     for op in w.wg_groups.pop(0):

@@ -55,6 +55,21 @@ class Wait:
         self.register = register          # (group) -> None: enrol a group split off to wait
 
 
+YIELD = object()   # an instruction's answer "let others run first, then execute me again"
+
+
+def yield_once(g) -> bool:
+    """True the first time a group reaches this instruction (it should yield), False when it
+    comes back to it: the instructions where a warp waits for asynchronous work (wgmma and bulk
+    wait_group) let the rest of the CTA run first, widening the window in which a race with the
+    work in flight shows up as a hazard."""
+    if g.yielded == g.pc:
+        g.yielded = -1
+        return False
+    g.yielded = g.pc
+    return True
+
+
 class Warp:
     """What a warp owns beyond its lanes' registers."""
 
@@ -85,7 +100,7 @@ class Warp:
 class Group:
     """Lanes of one CTA at the same pc."""
     __slots__ = ("cta", "launch", "r", "pc", "idx", "L", "warps", "wbits", "whole", "nwarps",
-                 "wait", "dead", "ident")
+                 "wait", "dead", "ident", "yielded")
 
     def __init__(self, cta: "CTA", pc: int, idx: np.ndarray):
         self.cta = cta
@@ -94,6 +109,7 @@ class Group:
         self.pc = pc
         self.wait: Wait | None = None
         self.dead = False
+        self.yielded = -1                  # pc of the instruction that last yielded (YIELD)
         self.ident = cta.next_group_id()
         self.set_lanes(idx)
         cta.groups.add(self)
@@ -462,6 +478,8 @@ class Launch:
                     res = c.fn(g)
                     if res is None:
                         g.pc += 1
+                    elif res is YIELD:
+                        return
                     elif not self._block(g, res):
                         return
                 else:

@@ -431,11 +431,16 @@ def _red(prog, ins):
 
 # ----------------------------------------------------------------------------- matrices
 
-def _matrix_count(parts) -> int:
-    for p in parts:
-        if p in ("x1", "x2", "x4"):
-            return int(p[1])
-    raise Unsupported("ldmatrix/stmatrix without .x1/.x2/.x4")
+def _matrix_shape(ins, vec) -> tuple[int, bool]:
+    """(matrices, transposed) of an ldmatrix/stmatrix .m8n8 .b16, with one register each."""
+    if "m8n8" not in ins.parts or ins.parts[-1] != "b16":
+        raise Unsupported(f"{ins.opcode}")
+    num = next((int(p[1]) for p in ins.parts if p in ("x1", "x2", "x4")), None)
+    if num is None:
+        raise Unsupported("ldmatrix/stmatrix without .x1/.x2/.x4")
+    if not isinstance(vec, Vec) or len(vec.items) != num:
+        raise Unsupported(f"{ins.opcode} needs {num} registers")
+    return num, "trans" in ins.parts
 
 
 def whole_warps(g, idx, what):
@@ -468,14 +473,8 @@ def whole_warps(g, idx, what):
 @register("stmatrix")
 def _stmatrix(prog, ins):
     a, v = ins.operands
-    if "m8n8" not in ins.parts or ins.parts[-1] != "b16":
-        raise Unsupported(f"{ins.opcode}")
-    num = _matrix_count(ins.parts)
-    trans = "trans" in ins.parts
-    srcs = v.items
-    if len(srcs) != num:
-        raise Unsupported(f"{ins.opcode} with {len(srcs)} registers")
-    readers = [prog.reader(x, "b32") for x in srcs]
+    num, trans = _matrix_shape(ins, v)
+    readers = [prog.reader(x, "b32") for x in v.items]
     addr = address_reader(prog, a, "shared")
 
     def stmatrix(g, idx):
@@ -506,14 +505,8 @@ def _stmatrix(prog, ins):
 @register("ldmatrix")
 def _ldmatrix(prog, ins):
     d, a = ins.operands
-    if "m8n8" not in ins.parts or ins.parts[-1] != "b16":
-        raise Unsupported(f"{ins.opcode}")
-    num = _matrix_count(ins.parts)
-    trans = "trans" in ins.parts
-    dsts = d.items
-    if len(dsts) != num:
-        raise Unsupported(f"{ins.opcode} with {len(dsts)} registers")
-    writers = [prog.writer(x, "b32") for x in dsts]
+    num, trans = _matrix_shape(ins, d)
+    writers = [prog.writer(x, "b32") for x in d.items]
     addr = address_reader(prog, a, "shared")
 
     def ldmatrix(g, idx):
