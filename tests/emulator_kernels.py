@@ -90,6 +90,22 @@ class Gpu:
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         return ("tmap", tm)
 
+    def tmap_full(self, address, dims, strides, box, swizzle="NONE", dtype="UINT8",
+                  element_strides=None, oob_nan=False):
+        d = self.driver.cu()
+        fill = d.CUtensorMapFloatOOBfill
+        tm = self.driver.check(d.cuTensorMapEncodeTiled(
+            getattr(d.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype}"), len(dims),
+            address, [d.cuuint64_t(x) for x in dims], [d.cuuint64_t(x) for x in strides],
+            [d.cuuint32_t(x) for x in box],
+            [d.cuuint32_t(x) for x in (element_strides or (1,) * len(dims))],
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            getattr(d.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
+            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            fill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA if oob_nan
+            else fill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+        return ("tmap", tm)
+
     def launch(self, ptx, grid, block, params, smem=0, **options):
         drv = self.driver
         fn = drv.load_module(ptx, "emulator-parity").function("k")
@@ -392,7 +408,97 @@ def spin_lock(backend, ctas=5, **options):
     return got, np.array([ctas, 0], np.uint32)
 
 
+TMA_BOX = f"""{HEAD}.extern .shared .align 1024 .b8 smem[];
+.visible .entry k(.param .align 64 .b8 tmap[128], .param .u64 out, .param .u32 bytes,
+                  .param .u32 c0, .param .u32 c1, .param .u32 c2)
+.maxntid 128, 1, 1
+{{
+    .reg .pred %p, %leader;
+    .reg .b32 %t, %s, %bar, %a, %v, %nbytes, %x, %y, %z;
+    .reg .b64 %tm, %st, %ro, %off;
+    mov.u32 %t, %tid.x;
+    setp.eq.u32 %leader, %t, 0;
+    mov.u32 %s, smem;
+    add.u32 %s, %s, 1023;
+    and.b32 %s, %s, -1024;
+    add.u32 %bar, %s, 4096;
+    ld.param.u32 %nbytes, [bytes];
+    ld.param.u32 %x, [c0];
+    ld.param.u32 %y, [c1];
+    ld.param.u32 %z, [c2];
+    mov.b64 %tm, tmap;
+    cvta.param.u64 %tm, %tm;
+    @%leader mbarrier.init.shared::cta.b64 [%bar], 1;
+    @%leader fence.mbarrier_init.release.cluster;
+    bar.sync 0;
+    @%leader mbarrier.arrive.expect_tx.shared::cta.b64 %st, [%bar], %nbytes;
+    @%leader cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes
+        [%s], [%tm, {{%x, %y, %z}}], [%bar];
+wait_box:
+    mbarrier.try_wait.parity.shared::cta.b64 %p, [%bar], 0;
+    @!%p bra.uni wait_box;
+    shl.b32 %a, %t, 2;                    // each thread copies one word of the image out
+    setp.lt.u32 %p, %a, %nbytes;
+    @!%p bra.uni done;
+    add.u32 %a, %a, %s;
+    ld.shared.u32 %v, [%a];
+    ld.param.u64 %ro, [out];
+    mul.wide.u32 %off, %t, 4;
+    add.s64 %ro, %ro, %off;
+    st.global.u32 [%ro], %v;
+done:
+    ret;
+}}
+"""
+
+
+def tma_box_geometry(backend, swizzle="64B"):
+    """The shared-memory image of one TMA box with element strides, a swizzle and a NaN fill
+    for its out-of-bounds part: what the emulator's box walk and swizzle say (CUDA driver API:
+    ceil(box / element stride) elements a dimension, the 16-byte-chunk XOR of the address bits)."""
+    rng = np.random.default_rng(6)
+    dims, box, est = (64, 10, 3), (32, 8, 2), (1, 2, 1)
+    pitch = 80                                          # elements a row (padded)
+    g = rng.integers(0, 0x7F00, size=(3, 10, pitch), dtype=np.uint16)   # finite bf16 bits
+    p = backend.put(g)
+    from ptxattn.tools.emulator.tensormap import TensorMap
+    tm_args = dict(dims=dims, strides=(2 * pitch, 2 * pitch * 10), box=box, swizzle=swizzle,
+                   dtype="BFLOAT16")
+    coords = (16, 5, 2)
+    counts = tuple(-(-b // e) for b, e in zip(box, est))          # (32, 4, 2)
+    nbytes = 2 * counts[0] * counts[1] * counts[2]
+    if isinstance(backend, Emulator):
+        tm = TensorMap("BFLOAT16", 3, p, dims, tm_args["strides"], box, est, "NONE", swizzle,
+                       "NONE", "NAN_REQUEST_ZERO_FMA")
+        tmap = ("tmap", np.array(tm.encode(), np.uint64).tobytes())
+    else:
+        tmap = backend.tmap_full(p, element_strides=est, oob_nan=True, **tm_args)
+    pout = backend.alloc(nbytes)
+    backend.launch(TMA_BOX, 1, 128, [tmap, ("ptr", pout), ("u32", nbytes), ("u32", coords[0]),
+                                     ("u32", coords[1]), ("u32", coords[2])], smem=8192)
+    got = backend.read(pout, np.uint16, nbytes // 2)
+    # the box, densely, innermost fastest; out-of-bounds elements are the bf16 NaN 0x7FFF
+    img = np.full((counts[2], counts[1], counts[0]), 0x7FFF, np.uint16)
+    for zi in range(counts[2]):
+        for yi in range(counts[1]):
+            z, y = coords[2] + zi * est[2], coords[1] + yi * est[1]
+            for xi in range(counts[0]):
+                x = coords[0] + xi * est[0]
+                if z < dims[2] and y < dims[1] and x < dims[0]:
+                    img[zi, yi, xi] = g[z, y, x]
+    raw = img.reshape(-1).view(np.uint8).reshape(-1, 16)
+    span = {"NONE": 0, "32B": 32, "64B": 64, "128B": 128}[swizzle]
+    want = np.empty_like(raw)
+    for c in range(raw.shape[0]):
+        a = 16 * c                                        # the shared base is 1024-aligned
+        dst = a ^ (((a >> 7) & (span // 16 - 1)) << 4) if span else a
+        want[dst // 16] = raw[c]
+    return got, want.reshape(-1).view(np.uint16)
+
+
 CASES = {
+    "tma-box-64B": tma_box_geometry,
+    "tma-box-none": lambda b: tma_box_geometry(b, "NONE"),
     "fp8-ss": lambda b: fp8_gemm(b, "NONE", False),
     "fp8-ss-128B": lambda b: fp8_gemm(b, "128B", False),
     "fp8-rs": lambda b: fp8_gemm(b, "NONE", True),
@@ -401,4 +507,4 @@ CASES = {
     "tma-reduce-add": tma_reduce_add,
     "spin-lock": spin_lock,
 }
-EXACT = {"e4m3-convert", "spin-lock"}           # bit-exact; the rest are float sums
+EXACT = {"e4m3-convert", "spin-lock", "tma-box-64B", "tma-box-none"}           # bit-exact; the rest are float sums
