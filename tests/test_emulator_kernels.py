@@ -17,7 +17,9 @@ The default set is one representative per mechanism the emulator models, each at
   production at D = 64 (three consumers), 128 and 256: ragged Lq/Lk, LSE, causal with both
   diagonals, a sliding window, GQA, both layouts, persistent grids of 1 to 3 CTAs, and a seeded
   run (random interleaving and random completion of the asynchronous units).
-PTXATTN_EMULATOR_FULL=1 adds every lineage stage and more shapes and seeds (slow)."""
+Every other lineage stage runs once too (test_the_rest_of_the_lineage).
+PTXATTN_EMULATOR_FULL=1 adds every stage at two more shapes and seeded production runs (~1 min
+on an idle 2-core machine)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ def test_stage1_baseline(emulated_gpu, shape, layout):
 def test_lineage_stage(emulated_gpu, stage, shape, layout):
     b, h, l, d = shape
     check(emulated_gpu, stage, b, h, l, l, d, layout=layout)
+
+
+@pytest.mark.parametrize("stage", [5, 6, 8, 9, 11, 13, 16, 17, 18])
+def test_the_rest_of_the_lineage(emulated_gpu, stage):
+    """Every other stage once, at the smallest shape it takes (seconds each)."""
+    check(emulated_gpu, stage, 1, 1, 128, 128, 128)
 
 
 @pytest.mark.parametrize("stage,ctas,shape", [(14, 1, (1, 2, 128, 128)),

@@ -1,6 +1,6 @@
 """The emulator's reading of the PTX ISA where no known-good kernel proves it (FP8 wgmma k32
-operand layouts and the k32 A fragment, e4m3 conversions, red.global, TMA reduce-add,
-acquire/release semaphores), proven on the H200: the hand-written kernels of
+operand layouts and the k32 A fragment, e4m3 conversions, red.global, TMA reduce-add, TMA box
+element strides / 64B swizzle / NaN fill, acquire/release semaphores), proven on the H200: the hand-written kernels of
 tests/emulator_kernels.py run on the GPU must give what NumPy expects, and what the emulator
 gives. A failure names the case and how far the device is from each."""
 
