@@ -402,3 +402,35 @@ def test_one_arrive_past_the_pending_count_is_an_error():
     (p_out,) = buffers(gmem, np.zeros(64, np.uint32))
     with pytest.raises(SyncError, match="more arrivals than the count"):
         run_kernel(over, 1, 64, [p_out], gmem=gmem, smem=64)
+
+
+HALF = kernel(".param .u64 inp, .param .u64 out", """
+    mov.u32 %t, %tid.x;
+    ld.param.u64 %ri, [inp];
+    mul.wide.u32 %off, %t, 16;
+    add.s64 %ri, %ri, %off;
+    ld.global.v2.b32 {%a, %b}, [%ri];
+    ld.global.b32 %c, [%ri+8];
+    max.bf16x2 %m, %a, %b;
+    fma.rn.bf16x2 %f, %a, %b, %c;
+    ld.param.u64 %ro, [out];
+    mul.wide.u32 %off, %t, 8;
+    add.s64 %ro, %ro, %off;
+    st.global.v2.b32 [%ro], {%m, %f};
+    ret;""", """
+    .reg .b32 %t, %a, %b, %c, %m, %f;
+    .reg .b64 %ri, %ro, %off;""")
+
+
+def test_packed_bf16_max_and_fma():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((32, 4, 2)).astype(ml_dtypes.bfloat16)   # (lane, a/b/c/-, lo/hi)
+    gmem = GlobalMemory()
+    (p_in,) = buffers(gmem, x.view(np.uint16))
+    (p_out,) = buffers(gmem, np.zeros(64, np.uint32))
+    run_kernel(HALF, 1, 32, [p_in, p_out], gmem=gmem)
+    o = read(gmem, p_out, np.uint16, 128).view(ml_dtypes.bfloat16).reshape(32, 2, 2)
+    a, b, c = (x[:, i].astype(np.float64) for i in range(3))
+    np.testing.assert_array_equal(o[:, 0].astype(np.float64), np.maximum(a, b))
+    want = (a * b + c).astype(np.float32).astype(ml_dtypes.bfloat16)  # one rounding, as fma
+    np.testing.assert_array_equal(o[:, 1], want)

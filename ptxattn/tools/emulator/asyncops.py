@@ -125,11 +125,11 @@ def _cp_async_bulk_tensor(prog, ins):
         raise Unsupported(f"{ins.opcode}: .{mode} mode")
     if any(p.startswith("multicast") for p in parts) or "cta_group::1" in parts:
         raise Unsupported(f"{ins.opcode}: multicast")
-    if any(p.startswith("L2::cache_hint") for p in parts):
-        raise Unsupported(f"{ins.opcode}: cache hints")
     is_reduce = ins.op == "cp" and parts[1] == "reduce"
     load = "mbarrier::complete_tx::bytes" in parts
     ops = ins.operands
+    if "L2::cache_hint" in parts:
+        ops = ops[:-1]                      # the cache policy: a hint, no effect here
     if load:
         if len(ops) != 3:
             raise Unsupported(f"{ins.opcode} with {len(ops)} operands")

@@ -237,6 +237,13 @@ def _split_generic(addrs, lanes):
 
 # ----------------------------------------------------------------------------- ld / st
 
+def _without_cache_policy(ins) -> tuple:
+    """The operands less a trailing cache-policy operand (.L2::cache_hint): a hint only."""
+    if "L2::cache_hint" in ins.parts:
+        return ins.operands[:-1]
+    return ins.operands
+
+
 def _value_type(t: str) -> tuple[int, np.dtype]:
     dt = N.DTYPE[t]
     return dt.itemsize, dt
@@ -256,7 +263,7 @@ def resolve_space(space, addrs, lanes):
 
 @register("ld", "ldu")
 def _ld(prog, ins):
-    d, a = ins.operands
+    d, a = _without_cache_policy(ins)
     space = space_of(ins.parts)
     t = ins.parts[-1]
     if t not in N.DTYPE or t == "pred":
@@ -287,7 +294,7 @@ def _ld(prog, ins):
 
 @register("st")
 def _st(prog, ins):
-    a, v = ins.operands
+    a, v = _without_cache_policy(ins)
     space = space_of(ins.parts)
     t = ins.parts[-1]
     if t not in N.DTYPE or t == "pred":
@@ -345,7 +352,7 @@ def _atom_apply(op: str, old, b, c, t: str):
 
 
 def _atomic(prog, ins, returns: bool):
-    ops = ins.operands
+    ops = _without_cache_policy(ins)
     if returns:
         d, a, rest = ops[0], ops[1], ops[2:]
     else:

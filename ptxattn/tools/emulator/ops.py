@@ -211,8 +211,14 @@ def _mad(prog, ins):
         dec = "N.bf16_bits_to_f32" if fmt == "bf16" else "_f16_to_f32"
         enc = "N.f32_to_bf16_bits" if fmt == "bf16" else "N.f32_to_f16_bits"
         if packed:
-            raise Unsupported(f"{ins.opcode}")
-        expr = (f"{enc}(N.fma_f32({dec}({ea}), {dec}({eb}), {dec}({ec})))")
+            halves = []
+            for sh in ("(({x} & np.uint32(0xFFFF)).astype(np.uint16))",
+                       "(({x} >> np.uint32(16)).astype(np.uint16))"):
+                parts = [f"{dec}({sh.format(x=e)})" for e in (ea, eb, ec)]
+                halves.append(f"{enc}(N.fma_f32({parts[0]}, {parts[1]}, {parts[2]}))")
+            expr = f"N.pack2_16({halves[1]}, {halves[0]})"
+        else:
+            expr = f"{enc}(N.fma_f32({dec}({ea}), {dec}({eb}), {dec}({ec})))"
         return _gen(prog, ins, d, t, expr, ra + rb + rc)
     if ins.op == "fma":
         raise Unsupported(f"fma on .{t}")
@@ -295,6 +301,16 @@ def _minmax(prog, ins):
             e = f"np.abs({e})"
         es.append(e)
         rs += r
+    if t in _HALF:
+        if len(srcs) != 2 or "abs" in q or "ftz" in q:
+            raise Unsupported(f"{ins.opcode}")
+        fmt, packed = _HALF[t]
+        fn = ("np.fmin" if ins.op == "min" else "np.fmax") if "NaN" not in q else \
+            ("np.minimum" if ins.op == "min" else "np.maximum")
+        expr = _half_binary(fmt, fn + "({}, {})", es[0], es[1], packed)
+        if "relu" in q:
+            raise Unsupported(f"{ins.opcode}")
+        return _gen(prog, ins, d, t, expr, rs)
     if t in ("f32", "f64"):
         fn = ("np.fmin" if ins.op == "min" else "np.fmax") if "NaN" not in q else \
             ("np.minimum" if ins.op == "min" else "np.maximum")
@@ -750,8 +766,29 @@ def _trap(prog, ins):
     return prog.wrap(ins, trap)
 
 
+@register("mapa", "getctarank")
+def _cluster_of_one(prog, ins):
+    """Clusters of one CTA (the only ones the emulator runs): mapa maps an address to itself
+    in CTA rank 0, getctarank gives 0."""
+    d = ins.operands[0]
+    t = ins.parts[-1]
+    if ins.op == "mapa":
+        a, rank = ins.operands[1], ins.operands[2]
+        ea, ra = _read(prog, a, t)
+        er, rr = _read(prog, rank, "u32")
+        return _gen(prog, ins, d, t, f"_rank0({ea}, {er})", ra + rr,
+                    extra={"_rank0": _rank0})
+    return _gen(prog, ins, d, "u32", prog.const(N.const_array(0, "u32")), ())
+
+
+def _rank0(addr, rank):
+    if (np.asarray(rank) != 0).any():
+        raise Unsupported("mapa to another CTA of a cluster (clusters of one CTA only)")
+    return addr
+
+
 @register("nanosleep", "pmevent", "prefetch", "prefetchu", "discard", "applypriority",
-          "createpolicy")
+          "createpolicy", "griddepcontrol")
 def _noop(prog, ins):
     if ins.op == "createpolicy":
         d = ins.operands[0]
