@@ -434,3 +434,10 @@ def test_packed_bf16_max_and_fma():
     np.testing.assert_array_equal(o[:, 0].astype(np.float64), np.maximum(a, b))
     want = (a * b + c).astype(np.float32).astype(ml_dtypes.bfloat16)  # one rounding, as fma
     np.testing.assert_array_equal(o[:, 1], want)
+
+
+def test_a_qualifier_the_emulator_does_not_model_is_refused_not_ignored():
+    from ptxattn.tools.emulator import Unsupported
+    odd = kernel("", "    mov.u32 %a, 1;\n    add.cc.u32 %a, %a, 1;\n    ret;", ".reg .b32 %a;")
+    with pytest.raises(Unsupported, match=r"add.cc.u32: qualifier\(s\) .cc"):
+        run_kernel(odd, 1, 32, [])

@@ -25,7 +25,41 @@ def register(*names):
     return deco
 
 
+# The qualifiers each arithmetic opcode's compiler reads; any other (besides type names) is
+# refused rather than ignored, so an instruction never runs with a modifier left out.
+_TYPES = set(N.DTYPE) | {"e4m3", "e5m2"}
+_CMP = {"eq", "ne", "lt", "le", "gt", "ge", "lo", "ls", "hi", "hs", "equ", "neu", "ltu", "leu",
+        "gtu", "geu", "num", "nan"}
+QUALIFIERS = {
+    "add": {"rn", "rz", "rm", "rp", "ftz", "sat"}, "sub": {"rn", "rz", "rm", "rp", "ftz", "sat"},
+    "mul": {"rn", "rz", "rm", "rp", "ftz", "sat", "lo", "hi", "wide"},
+    "mad": {"rn", "rz", "rm", "rp", "ftz", "sat", "lo", "hi", "wide"},
+    "fma": {"rn", "rz", "rm", "rp", "ftz", "sat"},
+    "div": {"rn", "approx", "full", "ftz"}, "rem": set(), "abs": {"ftz"}, "neg": {"ftz"},
+    "min": {"ftz", "NaN", "abs", "relu"}, "max": {"ftz", "NaN", "abs", "relu"},
+    "and": set(), "or": set(), "xor": set(), "not": set(), "cnot": set(), "shl": set(),
+    "shr": set(), "selp": set(), "setp": _CMP | {"and", "or", "xor", "ftz"}, "mov": set(),
+    "cvt": {"rn", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi", "ftz", "sat", "relu",
+            "satfinite"},
+    "cvta": {"to", "param", "shared", "global", "shared::cta", "local", "const"},
+    "rcp": {"rn", "approx", "ftz"}, "sqrt": {"rn", "approx", "ftz"},
+    "rsqrt": {"approx", "ftz"}, "ex2": {"approx", "ftz"}, "lg2": {"approx", "ftz"},
+    "sin": {"approx", "ftz"}, "cos": {"approx", "ftz"}, "tanh": {"approx"},
+    "copysign": set(), "popc": set(), "clz": set(), "brev": set(), "bfe": set(), "bfi": set(),
+}
+
+
+def _check_qualifiers(ins: Instr) -> None:
+    allowed = QUALIFIERS.get(ins.op)
+    if allowed is None:
+        return
+    extra = [p for p in ins.parts[1:] if p not in allowed and p not in _TYPES]
+    if extra:
+        raise Unsupported(f"{ins.opcode}: qualifier(s) {', '.join('.' + x for x in extra)}")
+
+
 def compile_instruction(prog: Program, ins: Instr) -> Code:
+    _check_qualifiers(ins)
     handler = TABLE.get(ins.op)
     if handler is None:
         _load_units()
@@ -121,6 +155,8 @@ def _add(prog, ins):
     ea, ra = _read(prog, a, t)
     eb, rb = _read(prog, b, t)
     if t in _HALF:
+        if q - {"rn"}:
+            raise Unsupported(f"{ins.opcode}")
         fmt, packed = _HALF[t]
         expr = _half_binary(fmt, "({} " + sign + " {})", ea, eb, packed)
     elif t == "f32":
@@ -159,6 +195,8 @@ def _mul(prog, ins):
     eb, rb = _read(prog, b, t)
     dt = t
     if t in _HALF:
+        if q - {"rn"}:
+            raise Unsupported(f"{ins.opcode}")
         fmt, packed = _HALF[t]
         expr = _half_binary(fmt, "({} * {})", ea, eb, packed)
     elif t == "f32":
@@ -206,6 +244,8 @@ def _mad(prog, ins):
         ec, rc = _read(prog, c, t)
         return _gen(prog, ins, d, t, f"({ea} * {eb} + {ec})", ra + rb + rc)
     if t in _HALF:
+        if "sat" in q or "ftz" in q or _rounding(q) != "rn":
+            raise Unsupported(f"{ins.opcode}")
         fmt, packed = _HALF[t]
         ec, rc = _read(prog, c, t)
         dec = "N.bf16_bits_to_f32" if fmt == "bf16" else "_f16_to_f32"
