@@ -113,6 +113,21 @@ def test_production_under_a_random_schedule(monkeypatch):
         fake_driver.clear_runtime_caches()
 
 
+@pytest.mark.parametrize("stage,shape", [(3, (1, 1, 128, 128)), (None, (1, 1, 130, 200, 128))])
+def test_kernels_align_a_misaligned_dynamic_shared_base(monkeypatch, stage, shape):
+    """The dynamic shared array 512 bytes past its declared 1024-byte alignment: the kernels'
+    own align-up and the 1 KiB of slack in their budgets keep them right (a kernel without the
+    slack would leave its window: a MemoryFault)."""
+    from ptxattn.tools.emulator import fake_driver
+    fake = fake_driver.install(monkeypatch, extern_offset=512)
+    try:
+        b, h, lq, *rest = shape
+        lk = rest[0] if len(rest) == 2 else lq
+        check(fake, stage, b, h, lq, lk, rest[-1], return_lse=stage is None)
+    finally:
+        fake_driver.clear_runtime_caches()
+
+
 # ----------------------------------------------------------------------------- extended
 
 @full_only

@@ -86,8 +86,8 @@ class FakeDriver:
     quantum (instructions per scheduling slice)."""
 
     def __init__(self, *, seed: int | None = None, strict: bool = False,
-                 raise_hazards: bool = True, quantum: int = 64, sm_count: int | None = None,
-                 max_instructions: int = 200_000_000):
+                 raise_hazards: bool = True, quantum: int = 256, sm_count: int | None = None,
+                 max_instructions: int = 200_000_000, extern_offset: int = 0):
         from cuda.bindings import driver as real
         self._real = real
         self.seed = seed
@@ -95,6 +95,7 @@ class FakeDriver:
         self.raise_hazards = raise_hazards
         self.quantum = quantum
         self.max_instructions = max_instructions
+        self.extern_offset = extern_offset     # see Program: a misaligned dynamic shared base
         self.sm_count = sm_count or H200["sm_count"]
         self.gmem = GlobalMemory()
         self.launches: list = []        # (function name, grid, block, smem, Report)
@@ -245,10 +246,10 @@ class FakeDriver:
         fn = module.parsed.functions.get(name)
         if fn is None or not fn.entry:
             return self._err("CUDA_ERROR_NOT_FOUND")
-        key = (module.label, name)
+        key = (module.label, name, self.extern_offset)
         prog = _PROGRAMS.get(key)
         if prog is None:
-            prog = Program(module.parsed, name)
+            prog = Program(module.parsed, name, self.extern_offset)
             _PROGRAMS[key] = prog
         return self._ok(FakeFunction(module, name, prog))
 

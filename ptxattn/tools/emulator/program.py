@@ -102,7 +102,13 @@ def _instantiate(body: str, consts: dict, extra: dict | None, name: str):
 class Program:
     """The compiled form of one entry function of a module."""
 
-    def __init__(self, module: Module, name: str | None = None):
+    def __init__(self, module: Module, name: str | None = None, extern_offset: int = 0):
+        """extern_offset: place the .extern (dynamic) shared array that many bytes past its
+        declared alignment (a multiple of 16), to prove a kernel's own align-up code and its
+        slack in the shared-memory budget; 0 (the default) honours the declaration."""
+        if extern_offset % 16:
+            raise ValueError(f"extern_offset {extern_offset}: a multiple of 16 bytes")
+        self.extern_offset = extern_offset
         if name is None:
             entries = [f for f in module.functions.values() if f.entry]
             if len(entries) != 1:
@@ -167,7 +173,7 @@ class Program:
         self.static_smem = offset - RESERVED_SHARED
         align = max([v.align for v in extern_names] + [16])
         self.extern_align = align
-        self.dyn_base = -(-offset // align) * align
+        self.dyn_base = -(-offset // align) * align + self.extern_offset
         for var in extern_names:
             self.shared_addr[var.name] = self.dyn_base
 
