@@ -55,10 +55,20 @@ Numerics: see numeric.py (IEEE rounding modes, bf16/f16/e4m3 via ml_dtypes; ex2/
 .approx computed exactly and rounded, which the hardware approximates within 2 ulp) and
 asyncops.py (wgmma accumulates in float64 and rounds once per instruction).
 
-Not supported yet (each raises Unsupported naming it): clusters > 1 and multicast, im2col and
-gather4 TMA, interleaved tensor maps, wgmma .sp and tf32 A-in-registers, descriptor base offsets,
-bar.red, mbarrier.arrive_drop/noComplete/pending_count, Ampere cp.async, .local/.const/.global
-variables, calls (.func), textures/surfaces, carry arithmetic (.cc), half-precision atomics.
+Not supported yet (each raises Unsupported naming it, never a silent skip): clusters of more
+than one CTA and multicast (mapa/getctarank only for a cluster of one), im2col and gather4 TMA,
+interleaved tensor maps, wgmma .sp and tf32 A-in-registers, descriptor base offsets, bar.red,
+mbarrier.arrive_drop/noComplete/pending_count, Ampere cp.async, .local/.const/.global variables,
+calls (.func), textures/surfaces, carry arithmetic (.cc), half-precision atomics and vector
+reductions other than .f32, arithmetic qualifiers it does not model.
+Not detected: races between generic-proxy accesses of different threads without a barrier
+(memory is sequentially consistent here; a seeded run may still show them as wrong answers),
+and the GPU's weaker memory ordering in general.
+
+Options (Launch, FakeDriver, run_kernel): seed (random schedule and asynchronous completion),
+strict (raise at the first hazard), quantum, max_instructions; extern_offset (FakeDriver,
+Program) places the dynamic shared array past its declared alignment, to prove a kernel's
+align-up code and the slack in its shared-memory budget.
 
 Running a kernel: `python -m ptxattn.tools.emulate STAGE --shape BxHxLxD` (the CLI) or, from a
 test, the `emulated_gpu` fixture and the public API; run_kernel() below for hand-made launches.
