@@ -441,3 +441,20 @@ def test_a_qualifier_the_emulator_does_not_model_is_refused_not_ignored():
     odd = kernel("", "    mov.u32 %a, 1;\n    add.cc.u32 %a, %a, 1;\n    ret;", ".reg .b32 %a;")
     with pytest.raises(Unsupported, match=r"add.cc.u32: qualifier\(s\) .cc"):
         run_kernel(odd, 1, 32, [])
+
+
+SPIN = kernel(".param .u64 flag", """
+    ld.param.u64 %rf, [flag];
+spin:                                  // waits for a flag no thread ever sets
+    ld.volatile.global.u32 %v, [%rf];
+    setp.eq.u32 %p, %v, 0;
+    @%p bra.uni spin;
+    ret;""", ".reg .pred %p;\n.reg .b32 %v;\n.reg .b64 %rf;")
+
+
+def test_a_spin_nobody_ends_is_reported_as_a_livelock():
+    from ptxattn.tools.emulator import Livelock
+    gmem = GlobalMemory()
+    (p_flag,) = buffers(gmem, np.zeros(1, np.uint32))
+    with pytest.raises(Livelock, match=r"spin on a flag nobody sets[\s\S]*waits on nothing"):
+        run_kernel(SPIN, 2, 32, [p_flag], gmem=gmem, max_instructions=20_000)

@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, help="random scheduling and asynchronous completion")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the random inputs")
     ap.add_argument("--strict", action="store_true", help="stop at the first hazard")
+    ap.add_argument("--max-steps", type=int, default=5_000_000,
+                    help="instruction steps before a run counts as a livelock")
     ap.add_argument("--ptx", help="a PTX file to load instead of the stage's own")
     ap.add_argument("-D", dest="defines", action="append", default=[],
                     help="a preprocessor define for the stage (NAME or NAME=VALUE)")
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
         defines[name] = value or 1
 
     fake = fake_driver.install(_Patch(), seed=args.seed, strict=args.strict,
-                               raise_hazards=False)
+                               raise_hazards=False, max_instructions=args.max_steps)
     if args.ptx:
         fake.rewrite_ptx = _file_text(args.ptx, stage)
 

@@ -44,7 +44,9 @@ What it checks, with the instruction, pc, CTA, warp, lane and address in every m
     beyond expect_tx, setmaxnreg past the SM's 64K registers, warps of a warpgroup issuing
     different wgmmas;
   - deadlock (Deadlock): no group can run; each group's pc and what it waits on is listed, with
-    every mbarrier's phase, pending arrivals and tx-count, and pending TMA loads;
+    every mbarrier's phase, pending arrivals and tx-count, and pending TMA loads; a run past its
+    instruction budget (5M steps by default: a spin nobody ends) is a Livelock, with the same
+    report;
   - hazards (HazardError at the end of a launch, or at once with strict=True): a write to a
     wgmma's operands or registers between issue and retire; a wgmma or TMA store reading generic
     stores not followed by fence.proxy.async; a TMA load into bytes an issued wgmma or TMA store
@@ -78,16 +80,16 @@ from __future__ import annotations
 
 import ctypes
 
-from .errors import (Deadlock, EmulatorError, Hazard, HazardError, MemoryFault, ParseError,
-                     SyncError, Unsupported)
+from .errors import (Deadlock, EmulatorError, Hazard, HazardError, Livelock, MemoryFault,
+                     ParseError, SyncError, Unsupported)
 from .machine import Launch, Report
 from .memory import GlobalMemory
 from .parse import parse
 from .program import Program
 
 __all__ = ["run_kernel", "GlobalMemory", "Program", "Launch", "Report", "parse", "EmulatorError",
-           "ParseError", "Unsupported", "MemoryFault", "SyncError", "Deadlock", "Hazard",
-           "HazardError"]
+           "ParseError", "Unsupported", "MemoryFault", "SyncError", "Deadlock", "Livelock",
+           "Hazard", "HazardError"]
 
 _PROGRAMS: dict = {}
 

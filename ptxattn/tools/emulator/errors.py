@@ -40,6 +40,10 @@ class Deadlock(EmulatorError):
     """No warp can make progress; the message lists each live warp's pc and what it waits on."""
 
 
+class Livelock(Deadlock):
+    """The run went on past its instruction budget: warps spin without finishing."""
+
+
 class HazardError(EmulatorError):
     """Raised at the end of a run (or at the first hazard with strict=True) when hazards were
     recorded; `.hazards` holds them all."""

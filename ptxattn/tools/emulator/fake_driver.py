@@ -87,7 +87,7 @@ class FakeDriver:
 
     def __init__(self, *, seed: int | None = None, strict: bool = False,
                  raise_hazards: bool = True, quantum: int = 256, sm_count: int | None = None,
-                 max_instructions: int = 200_000_000, extern_offset: int = 0):
+                 max_instructions: int = 5_000_000, extern_offset: int = 0):
         from cuda.bindings import driver as real
         self._real = real
         self.seed = seed

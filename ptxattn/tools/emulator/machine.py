@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 
 from . import numeric as N
-from .errors import Deadlock, EmulatorError, Hazard, HazardError, SyncError
+from .errors import Deadlock, EmulatorError, Hazard, HazardError, Livelock, SyncError
 from .memory import SharedMemory
 from .program import BRANCH, EXIT, OP, WAIT, Program
 
@@ -292,7 +292,7 @@ class Launch:
 
     def __init__(self, prog: Program, grid, block, dyn_smem: int, params: bytes, gmem,
                  *, seed: int | None = None, strict: bool = False, quantum: int = 256,
-                 max_instructions: int = 200_000_000, sm_count: int = 132, source_map=None,
+                 max_instructions: int = 5_000_000, sm_count: int = 132, source_map=None,
                  smem_limit: int = MAX_SMEM_OPTIN):
         self.prog = prog
         self.grid = tuple(grid)
@@ -431,8 +431,10 @@ class Launch:
             if not g.dead and g.wait is None:
                 self.park(g)
             if self.total_instructions > self.max_instructions:
-                raise EmulatorError(f"more than {self.max_instructions} instructions: a "
-                                    f"livelock or an endless loop?\n{self.deadlock_report()}")
+                raise Livelock(f"more than {self.max_instructions} instruction steps (groups "
+                               f"of lanes) without finishing: an endless loop or a spin on a "
+                               f"flag nobody sets? (raise max_instructions for a big shape)\n"
+                               f"{self.deadlock_report().replace('no warp can make progress', 'where the warps are')}")
 
     def _split_warps(self, g: Group, rng) -> None:
         """Seeded runs: move some of a lockstep group's warps into a group of their own."""
