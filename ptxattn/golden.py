@@ -31,8 +31,9 @@ from pathlib import Path
 from . import ptx, stages
 
 # The build variants in use, in ONE place: each knob names the values the lineage is built
-# with and how to tell whether a stage reads it (a regex over the stage's own .ptx file).
-# A new define that changes what a stage assembles to gets one row here.
+# with and how to tell whether a stage reads it (a regex over the stage's sources: its file and
+# every file it includes, ptx.source_files). A new define that changes what a stage assembles
+# to gets one row here.
 KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/trace.py)
     ("SW_EXP2_PER_8", tuple(str(k) for k in range(9)), r"\bSW_EXP2_PER_8\b"),  # stages 9 on
@@ -75,9 +76,10 @@ def fingerprint(text: str) -> dict:
 
 def variants(stage) -> list[tuple[str, dict[str, str]]]:
     """(name, defines) of every build variant of a stage: the default build, then each value
-    of each knob the stage's file reads."""
+    of each knob the stage's sources read (a kernel composed of includes reads a knob wherever
+    one of them does)."""
     stage = stages.get_stage(stage)
-    text = (stages.ptx_root() / stage.file).read_text()
+    text = ptx.source_text(stage)
     out = [("default", {})]
     for name, values, reads in KNOBS:
         if re.search(reads, text, re.M):

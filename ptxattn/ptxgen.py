@@ -23,9 +23,12 @@ import argparse
 import sys
 from pathlib import Path
 
-# The shapes generated: one entry each. A new tile width or head dim is one more number here.
-BLOCK_NS = (64, 128)          # key/value rows per tile: the N of S = Q K^T
-HEAD_DIMS = (64, 128, 256)    # D: the K of Q K^T and the N of O = P V
+from . import builds
+
+# The shapes generated: the lineage's (N 64 and 128, D 128) and every row of the production
+# kernel's build table (ptxattn/builds.py), so that a new head dim there is one row.
+BLOCK_NS = tuple(sorted({64, 128} | {b.block_n for b in builds.BUILDS}))   # the N of S = Q K^T
+HEAD_DIMS = tuple(sorted({128} | set(builds.HEAD_DIMS)))   # D: the K of Q K^T, the N of O = P V
 
 ROWS = 64                     # query rows per consumer warpgroup (the wgmma M)
 K_STEP = 16                   # bf16 wgmma K

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import builds
+
 ENTRY = "ptxattn_fwd"
 
 # The lineages, by the arch their PTX is written for. Hopper's is the measured one and every
@@ -219,44 +221,39 @@ STAGES: tuple[Stage, ...] = (
 
 @dataclass(frozen=True)
 class Variant:
-    """One build of the production kernel: what the preprocessor defines select in the PTX
-    (ptx/sm90/production.ptx reads HEAD_DIM and PTXATTN_MASKED) and what the launcher needs."""
+    """One build of the production kernel as the launcher needs it: what the preprocessor
+    defines select in the PTX (ptx/sm90/production/forward.ptx reads HEAD_DIM and
+    PTXATTN_MASKED), its figures taken from the build table (ptxattn/builds.py)."""
     block_n: int               # key/value rows per tile
     kv_stages: int             # K/V ring depth
     smem_bytes: int            # dynamic shared memory per CTA
     block_m: int = 128         # query rows per tile: 64 per consumer warpgroup
     threads: int = 384         # a producer warpgroup and block_m / 64 consumers
 
+    @classmethod
+    def of(cls, build: builds.Build) -> "Variant":
+        return cls(block_n=build.block_n, kv_stages=build.kv_stages, smem_bytes=build.smem_bytes,
+                   block_m=build.block_m, threads=build.threads)
+
 
 # (head dim, masked) -> the build. masked: causal or sliding-window (the mask code is compiled
-# in only where it is used). One table, so the tile shape per design point is in one place.
-# The figures are those of the build table in production.ptx's header (smem: Q, the K/V ring,
-# O staging, then 10 or 12 mbarriers in 128 bytes, plus 1 KiB of slack to align the base to 1024);
-# tests/test_production_builds.py checks them against the PTX's own defines.
-# D = 64: three consumers (192 query rows a tile, 512 threads): Q 2 x 24 KiB, K/V 2 x 2 x 16 KiB,
-# O 3 x 8 KiB = 136 KiB
-_D64 = Variant(block_n=128, kv_stages=2, smem_bytes=136 * 1024 + 128 + 1024, block_m=192,
-               threads=512)
-_D128 = Variant(block_n=128, kv_stages=2, smem_bytes=14 * _KV16 + 128 + 1024)
-_D256 = Variant(block_n=64, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024)
+# in only where it is used; the tiles and shared memory are the head dim's either way). Derived
+# from the build table, the one place each build's figures are written.
 PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
-    # D = 64: three consumers, Q 2 x 24 KiB (loaded a tile ahead), K/V 2 x 2 x 16 KiB, O 24 KiB
-    (64, False): _D64, (64, True): _D64,
-    # D = 128: Q 2 x 32 KiB (loaded a tile ahead), K/V 2 x 2 x 32 KiB, O 32 KiB
-    (128, False): _D128, (128, True): _D128,
-    # D = 256: Q 64 KiB (O staged there), K/V 2 x 2 x 32 KiB of 64 rows: O's 128 registers
-    # per thread leave room for a 64 x 64 S tile only
-    (256, False): _D256, (256, True): _D256,
-}
+    (b.head_dim, masked): Variant.of(b) for b in builds.BUILDS for masked in (False, True)}
 
-# The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).
-# attention() uses it by default; stage= picks a lineage stage instead.
-PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production.ptx",
+# The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production/,
+# composed by forward.ptx). attention() uses it by default; stage= picks a lineage stage instead.
+# Its geometry here is the default build's; specialize() gives each call's.
+_DEFAULT_BUILD = builds.get(builds.DEFAULT_HEAD_DIM)
+PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production/forward.ptx",
                    idea="stage 14 + any lengths (ragged tiles masked), Lq != Lk, GQA/MQA, "
                         "log-sum-exp out, causal and sliding-window masks, Q loaded a tile "
                         "ahead; three consumer warpgroups at D = 64",
-                   block_n=128, persistent=True, production=True, head_dims=(64, 128, 256),
-                   smem_bytes=14 * _KV16 + 128 + 1024, **_TWO_CONSUMERS)
+                   threads=_DEFAULT_BUILD.threads, block_m=_DEFAULT_BUILD.block_m,
+                   block_n=_DEFAULT_BUILD.block_n, smem_bytes=_DEFAULT_BUILD.smem_bytes,
+                   swizzle=SWIZZLE_128B, persistent=True, production=True,
+                   head_dims=builds.HEAD_DIMS)
 
 
 # Fastest first, as measured on the H200 (bench/README.md, the latest results file): the order

@@ -360,10 +360,11 @@ _TRACE_POINT = re.compile(r"^\s*TRACE\(", re.M)
 
 
 def has_trace_points(stage) -> bool:
-    """True when the stage's .ptx file has TRACE(...) lines."""
+    """True when the stage's sources (its .ptx file and what it includes) have TRACE(...) lines."""
+    from . import ptx
     stage = _stages.get_stage(stage)
     path = _stages.ptx_root() / stage.file
-    return path.is_file() and bool(_TRACE_POINT.search(path.read_text()))
+    return path.is_file() and bool(_TRACE_POINT.search(ptx.source_text(stage)))
 
 
 def traced_stages() -> list[_stages.Stage]:
@@ -376,7 +377,7 @@ def check_traced(stage) -> _stages.Stage:
     if not has_trace_points(stage):
         names = ", ".join(f"{s.label} ({s.name})" for s in traced_stages()) or "none"
         raise ValueError(f"stage: {stage.label} ({stage.name}) has no trace points (no TRACE(...) "
-                         f"lines in ptx/{stage.file}); stages with trace points: {names}")
+                         f"lines in ptx/{stage.file} or its includes); stages with trace points: {names}")
     return stage
 
 

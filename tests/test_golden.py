@@ -5,6 +5,7 @@ A refactor of the sources (macros, generated headers) must keep these green. A c
 alter a stage rewrites the file with `python -m ptxattn.golden --update` in a commit of its own.
 """
 
+import re
 import shutil
 
 import pytest
@@ -36,6 +37,17 @@ def test_variant_table():
         assert [v for v in names[n] if v.startswith("SW_EXP2")] == \
             [f"SW_EXP2_PER_8={k}" for k in range(9)], n
     assert not any(v.startswith("SW_EXP2") for n in range(1, 9) for v in names[n])
+
+
+def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
+    """The production kernel's trace points and head-dim rows live in its includes, not in
+    forward.ptx: its variants are found through ptx.source_files all the same."""
+    own = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    assert not re.search(r"^\s*TRACE\(", own, re.M) and not re.search(r"^#if HEAD_DIM\b", own, re.M)
+    names = [v for v, _ in golden.variants(stages.PRODUCTION)]
+    assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
+                     "PTXATTN_MASKED=1", "HEAD_DIM=64", "HEAD_DIM=256"]
+    assert sorted(names) == sorted(GOLDEN["production"])
 
 
 # ---- the normalizer: blind to layout, sensitive to any instruction ----------------------------
