@@ -102,7 +102,8 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     often as wanted: it always reads the same inputs and writes `.out`).
     For build variants (tools, not users): `defines` go to the preprocessor
     (e.g. {"PTXATTN_TRACE": 1}) and `extra_params`, (value, ctypes type)
-    pairs, follow the ABI's parameters (e.g. ((trace_ptr, ctypes.c_void_p),)).
+    pairs, follow the table's parameters (launch.params_of), e.g. the trace
+    buffer: ((trace_ptr, launch.TRACE_BUF.ctype),).
     """
     plan = validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                     return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)

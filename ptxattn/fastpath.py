@@ -85,7 +85,7 @@ class _Steady:
         self.config, self.attrs = spec.config, spec._attrs
         values, self.types = spec.params
         self.values = list(values)
-        # the parameters replaced per call, found by name in the launch's table (launch.PARAMS)
+        # the parameters replaced per call, by name in the launch's table (launch.params_of)
         self.o_map = o_map
         self.o_map_slot = slot(prepared.abi, "tmap_o")
         self.o_ptr_slot = slot(prepared.abi, "o_ptr")

@@ -1,8 +1,8 @@
 """Launch and ABI: from a validated Plan to a queued cuLaunchKernelEx.
 
 The kernel (JIT-compiled once per device and build), the caller's arrays made ready on the
-launch stream, the tensor maps, the parameters packed after one table (PARAMS below, the
-kernel's `.param` list: tests/test_launch_params.py checks every kernel's PTX against it), and
+launch stream, the tensor maps, the parameters packed after one table (params_of below: the
+kernel's `.param` list, which tests/test_launch_params.py checks in every kernel's PTX), and
 the launch geometry. target() is the device's side of the kernel choice; build() does the rest.
 """
 
