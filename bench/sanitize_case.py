@@ -105,8 +105,8 @@ def parse_define(text: str) -> tuple[str, str]:
 
 
 def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
-    from ptxattn import attention as attn
-    from ptxattn import driver, reference, stages, tensors
+    from ptxattn import api as attn
+    from ptxattn import driver, launch, reference, stages, tensors
 
     key, head_dim = stage_and_head_dim(stage_key)
     stage = stages.get_stage(key)
@@ -121,10 +121,10 @@ def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
     got = out.to_numpy()
     m = reference.error_metrics(got, reference.attention_reference(q, k, v, layout=layout))
     ok = reference.passes(m)
-    cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
+    cap = os.environ.get(launch.PERSISTENT_CTAS_ENV, "")
     print(f"case {stage.label} B={b} H={h} L={length} D={head_dim} {layout} grid={prepared.grid} "
           f"block={prepared.block} smem={prepared.smem_bytes}"
-          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
+          f"{f' {launch.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
           f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
           f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} {'PASS' if ok else 'FAIL'}",
           flush=True)

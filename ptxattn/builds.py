@@ -6,7 +6,7 @@ tile bytes, every shared-memory offset (Q, K, V, O, each mbarrier), TMA transact
 descriptor steps, shift amounts, named barrier IDs, register budgets and the dynamic
 shared-memory size. Three readers take the figures from here:
 
-  - the PTX, through ptx/sm90/production/layout.ptxh, which ptxattn/ptxgen_layout.py writes
+  - the PTX, through ptx/sm90/production/layout.ptxh, which ptxattn/tools/ptxgen_layout.py writes
     from this table (literal numbers: the preprocessor does no arithmetic outside #if, and
     the golden fingerprints compare the operands' text);
   - the launcher, through stages.PRODUCTION_VARIANTS (block_n, ring depth, smem, threads);

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import builds
+from . import builds, stages_sm100
 
 ENTRY = "ptxattn_fwd"
 
@@ -299,16 +299,15 @@ def lineage_for(cc: tuple[int, int]) -> str | None:
     return {(9, 0): HOPPER, (10, 0): BLACKWELL}.get(tuple(cc))
 
 
-def _sm100_module():
-    # Imported on first use, not at import: stages_sm100 imports Stage from this module.
-    from . import stages_sm100
-    return stages_sm100
+# The Blackwell lineage (assembled and SASS-checked, never run here): stages_sm100's rows as
+# records. That module holds plain data and imports nothing of ours, so no import runs back.
+SM100_STAGES: tuple[Stage, ...] = tuple(Stage(**row) for row in stages_sm100.SM100_ROWS)
 
 
 def all_stages(arch: str | None = HOPPER) -> tuple[Stage, ...]:
     """A lineage (the textbook), in order: Hopper's by default, arch="sm_100a" Blackwell's."""
     arch = check_arch(arch)
-    return STAGES if arch == HOPPER else tuple(_sm100_module().SM100_STAGES)
+    return STAGES if arch == HOPPER else tuple(SM100_STAGES)
 
 
 def all_kernels(arch: str | None = HOPPER) -> tuple[Stage, ...]:
@@ -324,7 +323,7 @@ def by_speed(arch: str | None = HOPPER) -> tuple[Stage, ...]:
     defines one (a prediction), else by falling number, as the published lineage got faster
     step by step."""
     arch = check_arch(arch)
-    order = FASTEST_FIRST if arch == HOPPER else getattr(_sm100_module(), "FASTEST_FIRST", ())
+    order = FASTEST_FIRST if arch == HOPPER else getattr(stages_sm100, "FASTEST_FIRST", ())
     rank = {n: i for i, n in enumerate(order)}
     return tuple(sorted(all_stages(arch), key=lambda s: (rank.get(s.number, len(rank)),
                                                           -s.number)))
@@ -376,5 +375,9 @@ def get_stage(key: str | int | Stage, arch: str | None = None) -> Stage:
 
 
 def ptx_root() -> Path:
-    """The ptx/ folder: beside the package in a source tree or editable install."""
-    return Path(__file__).resolve().parent.parent / "ptx"
+    """The kernels' folder: the package's own copy where ptxattn was installed from a wheel
+    (`pip install .`, `pip install git+...`: ptx/ is package data, ptxattn/_ptx), else the
+    checkout's ptx/ beside the package (a source tree, `pip install -e .`)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "_ptx"
+    return installed if installed.is_dir() else package.parent / "ptx"

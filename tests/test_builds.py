@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from ptxattn import builds, ptx, ptxgen, ptxgen_layout, sass, stages
+from ptxattn import builds, ptx, stages
+from ptxattn.tools import ptxgen, ptxgen_layout, sass
 
 PRODUCTION_DIR = stages.ptx_root() / "sm90" / "production"
 SHARED_INCLUDE = stages.ptx_root() / "sm90" / "include"
@@ -21,7 +22,7 @@ SHARED_INCLUDE = stages.ptx_root() / "sm90" / "include"
 # ---- the generated header ---------------------------------------------------------------------
 
 def test_committed_layout_header_equals_the_generator_output():
-    assert ptxgen_layout.stale() == [], "run `python -m ptxattn.ptxgen_layout` and commit the header"
+    assert ptxgen_layout.stale() == [], "run `python -m ptxattn.tools.ptxgen_layout` and commit the header"
 
 
 def test_a_hand_edit_of_the_layout_header_is_caught(tmp_path):

@@ -2,7 +2,7 @@
 instruction stream as when tests/golden/fingerprints.json was written (CPU only, no ptxas).
 
 A refactor of the sources (macros, generated headers) must keep these green. A change meant to
-alter a stage rewrites the file with `python -m ptxattn.golden --update` in a commit of its own.
+alter a stage rewrites the file with `python -m ptxattn.tools.golden --update` in a commit of its own.
 """
 
 import re
@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from ptxattn import golden, ptx, stages
+from ptxattn import ptx, stages
+from ptxattn.tools import golden
 
 GOLDEN = golden.load()
 WRITTEN = [s for s in stages.all_kernels() if (stages.ptx_root() / s.file).is_file()]
@@ -24,7 +25,7 @@ def test_the_golden_file_covers_every_stage_with_a_file():
 def test_stage_matches_its_golden_fingerprints(stage):
     actual = golden.compute([stage], workers=1)
     diff = golden.differences({stage.label: GOLDEN[stage.label]}, actual)
-    assert not diff, ("the expanded instruction stream changed (see `python -m ptxattn.golden "
+    assert not diff, ("the expanded instruction stream changed (see `python -m ptxattn.tools.golden "
                       "--dump N`):\n  " + "\n  ".join(diff))
 
 

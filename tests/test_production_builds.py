@@ -14,8 +14,9 @@ import re
 
 import pytest
 
-from ptxattn import attention as attn
-from ptxattn import ptx, sass, stages, tma
+from ptxattn import api as attn
+from ptxattn import choice, ptx, stages, tma
+from ptxattn.tools import sass
 
 LAYOUT = (stages.ptx_root() / "sm90" / "production" / "layout.ptxh").read_text()
 SOURCE = ptx.source_text(stages.PRODUCTION)     # the kernel's file and every include
@@ -157,9 +158,9 @@ def test_a_head_dim_without_a_build_is_refused():
 @pytest.mark.parametrize("d", [64, 256])
 def test_the_default_kernel_takes_head_dims_64_and_256(d):
     for lq, lk in ((1, 1), (1000, 63), (129, 8191)):
-        assert attn._pick_stage(None, d, lq, lk, gqa=True, lse=True) is stages.PRODUCTION
+        assert choice.pick_stage(None, d, lq, lk, gqa=True, lse=True) is stages.PRODUCTION
     with pytest.raises(ValueError, match=f"head dim {d} \\(takes 128\\)"):
-        attn._pick_stage(14, d, 128, 128)
+        choice.pick_stage(14, d, 128, 128)
 
 
 requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,

@@ -30,9 +30,10 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from ptxattn import attention as attn
-from ptxattn import builds, ptx, ptxgen_layout, stages
-from ptxattn.attention import UNBOUNDED   # an unbounded window side, as the kernel reads it
+from ptxattn import api as attn
+from ptxattn import builds, ptx, stages
+from ptxattn.tools import ptxgen_layout
+from ptxattn.launch import UNBOUNDED   # an unbounded window side, as the kernel reads it
 from test_prepare import dev, gpu         # noqa: F401 - gpu is a fixture (a pretend driver)
 
 MASK32 = 0xFFFFFFFF

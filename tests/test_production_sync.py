@@ -31,7 +31,7 @@ from functools import lru_cache
 import pytest
 
 from ptxattn import builds, ptx, stages
-from ptxattn.attention import UNBOUNDED
+from ptxattn.launch import UNBOUNDED
 import sync_replay
 from sync_replay import q_content, round_robin
 from test_production_schedule import build_constant, mblock_major_max_bh, params, truth

@@ -230,7 +230,7 @@ def test_a_production_build_expands_as_itself(head_dim, masked):
     assert text == ptx.source(stages.PRODUCTION, dict(build.defines))
     assert text != ptx.source(stages.PRODUCTION)
     assert f".maxntid {build.threads}, 1, 1" in text
-    # tool defines add to the build's (what attention.kernel() hands the JIT)
+    # tool defines add to the build's (what launch.kernel() hands the JIT)
     traced = ptx.source(build, {"PTXATTN_TRACE": "1"})
     assert traced == ptx.source(stages.PRODUCTION, {**dict(build.defines), "PTXATTN_TRACE": "1"})
 

@@ -20,8 +20,9 @@ import time
 
 import numpy as np
 
-from ptxattn import bench, driver, reference, tensors
-from ptxattn.attention import prepare
+from ptxattn import driver, reference, tensors
+from ptxattn.tools import bench
+from ptxattn.api import prepare
 
 
 def parse_variant(text: str):

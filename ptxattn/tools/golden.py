@@ -13,8 +13,8 @@ every build variant that exists. This module computes, per (stage, variant), the
 So line breaks, indentation, comments and macro layout do not count; any changed, added,
 removed or reordered instruction or directive does. No ptxas and no GPU are needed.
 
-    python -m ptxattn.golden            # compare with tests/golden/fingerprints.json
-    python -m ptxattn.golden --update   # rewrite it (only for a change meant to alter a stage)
+    python -m ptxattn.tools.golden            # compare with tests/golden/fingerprints.json
+    python -m ptxattn.tools.golden --update   # rewrite it (only for a change meant to alter a stage)
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ import re
 import sys
 from pathlib import Path
 
-from . import ptx, stages
+from .. import ptx, stages
 
 # The build variants in use, in ONE place: each knob names the values the lineage is built
 # with and how to tell whether a stage reads it (a regex over the stage's sources: its file and
 # every file it includes, ptx.source_files). A new define that changes what a stage assembles
 # to gets one row here.
 KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/trace.py)
+    ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/tools/trace.py)
     ("SW_EXP2_PER_8", tuple(str(k) for k in range(9)), r"\bSW_EXP2_PER_8\b"),  # stages 9 on
     ("PTXATTN_MASKED", ("1",), r"^#ifdef PTXATTN_MASKED"),     # the production kernel's masks
     ("HEAD_DIM", ("64", "256"), r"^#if HEAD_DIM\b"),   # production builds (128: the default)
 )
 
-FINGERPRINTS = Path(__file__).resolve().parent.parent / "tests" / "golden" / "fingerprints.json"
+FINGERPRINTS = Path(__file__).resolve().parents[2] / "tests" / "golden" / "fingerprints.json"
 
 _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _LINE_COMMENT = re.compile(r"//[^\n]*")
@@ -119,8 +119,9 @@ def load(path: Path = FINGERPRINTS) -> dict:
 def write(data: dict, path: Path = FINGERPRINTS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"about": "sha256 of each stage's normalized PTX statement stream per build variant; "
-                    "see ptxattn/golden.py. Rewrite only with `python -m ptxattn.golden --update` "
-                    "in a commit that says why the stage changed.",
+                    "see ptxattn/tools/golden.py. Rewrite only with "
+                    "`python -m ptxattn.tools.golden --update` in a commit that says why the "
+                    "stage changed.",
            "stages": data}
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
@@ -145,7 +146,8 @@ def differences(expected: dict, actual: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ptxattn.golden", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ptxattn.tools.golden",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--update", action="store_true", help=f"rewrite {FINGERPRINTS.name}")
     ap.add_argument("--dump", metavar="STAGE", help="print a stage's normalized stream")
     ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",

@@ -1,8 +1,8 @@
 """The lineage as a guide: one Markdown page per stage, written from the repository's own files.
 
-    python -m ptxattn.guide            # rewrite docs/lineage/ from committed files (no GPU, no ptxas)
-    python -m ptxattn.guide --sass     # first refresh docs/lineage/sass.json (needs ptxas)
-    python -m ptxattn.guide --check    # exit 1 when a page is not what regenerating gives
+    python -m ptxattn.tools.guide            # rewrite docs/lineage/ from committed files (no GPU, no ptxas)
+    python -m ptxattn.tools.guide --sass     # first refresh docs/lineage/sass.json (needs ptxas)
+    python -m ptxattn.tools.guide --check    # exit 1 when a page is not what regenerating gives
 
 Every page is built from committed inputs only, so that regenerating gives the same bytes
 anywhere (tests/test_guide.py checks it):
@@ -25,9 +25,10 @@ import re
 import sys
 from pathlib import Path
 
-from . import bench, stages, trace
+from .. import stages
+from . import bench, trace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "lineage"
 RESULTS = ROOT / "bench" / "results"
 SASS_CACHE = "sass.json"
@@ -97,7 +98,7 @@ def refresh_sass(out: Path = DOCS) -> Path:
         s = sass.inspect_stage(st).summary.to_dict()
         data[st.label] = {k: s[k] for k in _SASS_FIELDS}
     tool = sass.find_tool("ptxas")
-    doc = {"about": "SASS summaries of each stage (python -m ptxattn.guide --sass)",
+    doc = {"about": "SASS summaries of each stage (python -m ptxattn.tools.guide --sass)",
            "ptxas": sass.tool_version(tool), "stages": data}
     out.mkdir(parents=True, exist_ok=True)
     path = out / SASS_CACHE
@@ -108,7 +109,7 @@ def refresh_sass(out: Path = DOCS) -> Path:
 def _sass_table(cache: dict | None, prev, stage) -> list[str]:
     from . import sass
     if not cache or prev.label not in cache["stages"] or stage.label not in cache["stages"]:
-        return ["SASS summaries pending (`python -m ptxattn.guide --sass` needs ptxas)."]
+        return ["SASS summaries pending (`python -m ptxattn.tools.guide --sass` needs ptxas)."]
     a, b = (sass.SassSummary(**cache["stages"][s.label]) for s in (prev, stage))
     rows = [r for r in sass.diff_summaries(a, b) if r.a != r.b]
     if not rows:
@@ -238,7 +239,7 @@ def _timeline(col, prev, stage, img: Path, written: dict) -> list[str]:
         why = "" if col is None else f" ({col.errors.get(stage.number, 'not in the traces file')})"
         return [f"Timeline pending{why}: `bash bench/trace_all.sh` on the GPU records every "
                 f"stage; commit its JSON as bench/results/traces-<date>-h200.json and rerun "
-                f"`python -m ptxattn.guide`."]
+                f"`python -m ptxattn.tools.guide`."]
     tr = col.traces[stage.number]
     prev_tr = col.traces.get(prev.number) if prev else None
     if prev_tr is not None and (prev_tr.shape, prev_tr.layout) == (tr.shape, tr.layout):
@@ -265,7 +266,7 @@ def _page(stage, prev, nxt, speed, runs, cache, col, img, written) -> str:
         nav.insert(0, f"[← {prev.number:02d} {prev.name}]({page_name(prev)})")
     if nxt:
         nav.append(f"[{nxt.number:02d} {nxt.name} →]({page_name(nxt)})")
-    out = [f"<!-- written by `python -m ptxattn.guide` from committed files: do not edit -->",
+    out = [f"<!-- written by `python -m ptxattn.tools.guide` from committed files: do not edit -->",
            f"# {title}", "", " · ".join(nav), "", f"**The idea:** {stage.idea}.", ""]
     change = one_change(stage)
     if change:
@@ -286,11 +287,11 @@ def _page(stage, prev, nxt, speed, runs, cache, col, img, written) -> str:
 
 
 def _index(all_st, speed, runs) -> str:
-    out = ["<!-- written by `python -m ptxattn.guide` from committed files: do not edit -->",
+    out = ["<!-- written by `python -m ptxattn.tools.guide` from committed files: do not edit -->",
            "# The Hopper lineage, stage by stage", "",
            "One page per stage: the idea, the heart of its diff against the previous stage, what "
            "it did to the SASS, its measured speed, and one CTA's measured timeline beside its "
-           "predecessor's. Regenerate with `python -m ptxattn.guide`.", "",
+           "predecessor's. Regenerate with `python -m ptxattn.tools.guide`.", "",
            "| # | stage | idea |", "|---|---|---|"]
     for st in all_st:
         out.append(f"| {st.number} | [{st.name}]({page_name(st)}) | {st.idea} |")
@@ -349,7 +350,7 @@ def stale(out: Path = DOCS, results: Path = RESULTS) -> list[str]:
 
 def main(argv=None) -> int:
     # the docstring's first paragraph (what it writes, what each mode needs) is the help text
-    ap = argparse.ArgumentParser(prog="python -m ptxattn.guide",
+    ap = argparse.ArgumentParser(prog="python -m ptxattn.tools.guide",
                                  description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sass", action="store_true",

@@ -28,8 +28,8 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from . import stages as _stages
-from .errors import PtxattnError
+from .. import stages as _stages
+from ..errors import PtxattnError
 
 # name -> (batch, heads, seq_len, head_dim); seq_q = seq_k = seq_len.
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -121,7 +121,7 @@ class Case:
             raise ValueError(f"layout: expected 'bhld' or 'bshd' in case {self.name!r}, "
                              f"got {self.layout!r}")
         if self.window is not None:
-            from . import reference
+            from .. import reference
             object.__setattr__(self, "window", tuple(reference._window(False, self.window)))
         labels = set(self.kernels)
         for a, b in self.ratios:
@@ -175,7 +175,7 @@ def unmasked_pairs(seq_q: int, seq_k: int, causal: bool = False, window=None) ->
     brute-force count of reference.key_mask on small shapes.
     """
     import numpy as np
-    from . import reference
+    from .. import reference
     bounds = reference._window(causal, window)
     if bounds is None:
         return seq_q * seq_k
@@ -347,7 +347,7 @@ class EventTimer:
     stream, which is also PyTorch's default stream, so timed work and events are ordered."""
 
     def __init__(self, stream=None):
-        from . import driver
+        from .. import driver
         self._driver = driver
         self._stream = driver.stream_handle(stream)
         self._events: list = []
@@ -482,7 +482,7 @@ def check_subset(shape: tuple[int, int, int, int], max_rows: int = 4096, seed: i
     """What is checked on a shape: first/last batch, first/last head, and up to max_rows query
     rows at seeded random positions that cover every row position of a tile
     (reference.sample_rows), never a fixed stride that would always land on the same lanes."""
-    from . import reference
+    from .. import reference
     batch, heads, seq, _ = shape
     return {"batches": sorted({0, batch - 1}), "heads": sorted({0, heads - 1}),
             "rows": reference.sample_rows(seq, max_rows, seed=seed), "seed": seed}
@@ -508,7 +508,7 @@ class ReferenceSubset:
     def __init__(self, q, k, v, layout: str, *, scale: float | None = None,
                  max_rows: int = 4096, seed: int = 0, causal: bool = False, window=None):
         import numpy as np
-        from . import reference
+        from .. import reference
 
         if layout == "bhld":
             batch, heads, seq_q, dim = q.shape
@@ -554,7 +554,7 @@ class ReferenceSubset:
         """rel_l2, max_abs, nan_count on the subset; nan_total (NaN or Inf) over all of `out`;
         pass (reference.passes, and no non-finite value anywhere)."""
         import numpy as np
-        from . import reference
+        from .. import reference
 
         got = np.concatenate([_host_f32(_pick(out, self.layout, b, h, self.subset["rows"]))
                               .reshape(-1) for b, h in self.pairs])
@@ -589,7 +589,7 @@ class ReferenceSubset:
 def apply_peer_bar(metrics: dict, peer_metrics: dict | None) -> dict:
     """Add the GPU-side relative bar (ours <= 1.25 x the peer's rel L2 + 5e-4) to `metrics`
     when the peer was checked on the same inputs and passed; `pass` then needs both."""
-    from . import reference
+    from .. import reference
     if not peer_metrics or not peer_metrics.get("pass") or "rel_l2" not in metrics:
         return metrics
     bound = reference.peer_bound(peer_metrics["rel_l2"])
@@ -601,7 +601,7 @@ def apply_peer_bar(metrics: dict, peer_metrics: dict | None) -> dict:
 
 def failure_reason(metrics: dict) -> str:
     """One line: why a checked output failed (for the table and the JSON)."""
-    from . import reference
+    from .. import reference
     why = []
     if metrics.get("nan_total", metrics.get("nan_count", 0)):
         why.append(f"{metrics.get('nan_total', metrics.get('nan_count'))} NaN/Inf")
@@ -661,7 +661,7 @@ def source_id(root=None) -> dict:
     tell, and always a SHA-256 over the files of ptx/ and ptxattn/ (paths and bytes, sorted),
     which identifies the code on a machine that got a copy of the tree without .git."""
     import hashlib
-    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for folder in ("ptx", "ptxattn"):
         for path in sorted((root / folder).rglob("*")):
@@ -742,7 +742,7 @@ def _inputs(torch, case: Case, seed: int):
         return tuple(torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16)
                      for s in shapes)
     import numpy as np
-    from . import reference
+    from .. import reference
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal(s, dtype=np.float32).astype(reference.BF16)
                  for s in shapes)
@@ -750,7 +750,7 @@ def _inputs(torch, case: Case, seed: int):
 
 def _poisoned_out(torch, q):
     """(what check_output reads, the device array the kernel writes), filled with NaN."""
-    from . import tensors
+    from .. import tensors
     if torch is not None:
         out = torch.full_like(q, float("nan"))
         return out, tensors.as_device_array(out)
@@ -761,13 +761,13 @@ def _poisoned_out(torch, q):
 
 def _poison_f32(array) -> None:
     """Fill a float32 device array (the LSE) with NaN before the checked launch."""
-    from . import driver
+    from .. import driver
     driver.memset_u16(array.ptr, 0xFFFF, 2 * array.size)
 
 
 def _device(torch, x):
     """Zero-copy view of a torch tensor, or a device copy of a NumPy array."""
-    from . import tensors
+    from .. import tensors
     return tensors.as_device_array(x) if torch is not None else tensors.from_numpy(x)
 
 
@@ -849,11 +849,11 @@ def _peer_setup(torch, case: Case, q, k, v, ref_of, *, check: bool, seed: int):
 
 
 def _api_takes(name: str) -> bool:
-    """Whether attention.prepare() takes keyword `name` (causal, window: they arrive with the
+    """Whether api.prepare() takes keyword `name` (causal, window: they arrive with the
     masked production kernel; until then such cases are n/a, not errors)."""
     import inspect
-    from . import attention
-    params = inspect.signature(attention.prepare).parameters
+    from .. import api
+    params = inspect.signature(api.prepare).parameters
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
                                  for p in params.values())
 
@@ -968,7 +968,7 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
     """
     import numpy as np
 
-    from . import attention, driver
+    from .. import api, driver
 
     _check_counts(reps, rounds, block)
     say = log or (lambda _msg: None)
@@ -1044,8 +1044,8 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
             label = row["stage"]
             try:
                 out_torch, out_dev = _poisoned_out(torch, q)
-                prepared = attention.prepare(qd, kd, vd, stage=stage, layout=case.layout,
-                                             out=out_dev, **_feature_kwargs(case, lse))
+                prepared = api.prepare(qd, kd, vd, stage=stage, layout=case.layout,
+                                       out=out_dev, **_feature_kwargs(case, lse))
                 if check:
                     if lse:
                         _poison_f32(prepared.lse)

@@ -1,6 +1,6 @@
 """`ptxattn` / `python -m ptxattn`: info, list, run, ptx, sass, diff, bench, trace.
 
-Every command is a few lines over the library (sass.py, bench.py, attention.py), so what the
+Every command is a few lines over the library (sass.py, bench.py, ptxattn.api), so what the
 CLI prints a notebook can get from the same functions. Errors print one line, no traceback
 (`-v`, before or after the command, prints the whole message, e.g. a JIT log; PTXATTN_DEBUG=1
 re-raises). A reader that closes the pipe early (`| head -1`) ends the command quietly.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from . import stages as _stages
-from .errors import NoGpuError
+from .. import __version__
+from .. import stages as _stages
+from ..errors import NoGpuError
 
 # What still works on a machine without a GPU; named in the no-GPU error.
 NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, bench --from-json FILE and "
@@ -233,7 +233,7 @@ def info():
     from importlib.metadata import PackageNotFoundError, version
 
     from . import sass
-    from .errors import PtxattnError
+    from ..errors import PtxattnError
 
     def ver(dist):
         try:
@@ -245,7 +245,7 @@ def info():
     click.echo(f"ptxattn   {ver('ptxattn')} (Python {platform.python_version()}, numpy "
                f"{ver('numpy')}, cuda-bindings {ver('cuda-bindings')})")
     try:
-        from . import driver
+        from .. import driver
         d = driver.device_info()
         major, minor = d["compute_capability"]
         click.echo(f"GPU       {d['name']} (device {d.get('device', 0)}), compute capability "
@@ -317,7 +317,8 @@ def list_stages(arch):
                    "default: the one this GPU runs (sm_100a on compute capability 10.0).")
 def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warmup, seed, arch):
     """Run STAGE (1, stage01, baseline, ...) on random inputs: time, TFLOP/s, PASS/FAIL."""
-    from . import bench, driver
+    from .. import driver
+    from . import bench
 
     if arch is not None and _stages.lineage(arch) is None:
         raise click.BadParameter(f"expected {_stages.HOPPER} or {_stages.BLACKWELL}, got "
@@ -343,13 +344,13 @@ def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warm
         why = st.unsupported(d, seq, seq)
         if why:
             raise click.ClickException(f"{st.label} ({st.name}) cannot run {name}: {why}")
-    from . import attention, reference, tensors
+    from .. import api, reference, tensors
 
     q, k, v = reference.random_qkv(b, h, seq, seq, d, layout, seed)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)          # NaN poison: a tile the kernel never writes shows up as NaN
-    prepared = attention.prepare(qd, kd, vd, stage=st, layout=layout, out=out)
+    prepared = api.prepare(qd, kd, vd, stage=st, layout=layout, out=out)
     prepared.launch()
     driver.synchronize()
     metrics = bench.check_output(q, k, v, prepared.out.to_numpy(), layout) if check else None
@@ -381,7 +382,7 @@ def run(stage, shape, batch, heads, seq_len, head_dim, layout, check, reps, warm
 @_define_option
 def ptx(stage, arch, defines):
     """The expanded PTX of STAGE, as the driver JIT gets it."""
-    from . import ptx as _ptx
+    from .. import ptx as _ptx
     click.echo(_ptx.source(_lookup(stage, arch), defines=_defines(defines)), nl=False)
 
 

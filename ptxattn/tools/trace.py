@@ -24,7 +24,6 @@ least 20 us, else with the device's clock rate (else the short span, else in cyc
 
 from __future__ import annotations
 
-import ctypes
 import html
 import json
 import math
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import stages as _stages
+from .. import stages as _stages
 
 DEFINES = {"PTXATTN_TRACE": "1"}
 TRACE_PER_WARP = 4096          # records per warp slot (trace.ptxh)
@@ -390,7 +389,8 @@ def record(stage, *, batch: int = 1, heads: int = 16, seq_len: int = 2048,
     the buffer zeroed before each. With `check`, the traced launch's output is compared with
     the float64 reference (tracing must not change the result).
     """
-    from . import attention, bench, driver, reference
+    from .. import api, driver, launch, reference
+    from . import bench
 
     st = check_traced(stage)
     seq_q, seq_k = seq_len, seq_k or seq_len
@@ -402,8 +402,8 @@ def record(stage, *, batch: int = 1, heads: int = 16, seq_len: int = 2048,
     q, k, v = reference.random_qkv(batch, heads, seq_q, seq_k, head_dim, layout, seed)
     buf = driver.DeviceBuffer(BUFFER_BYTES)
     try:
-        prepared = attention.prepare(q, k, v, stage=st, layout=layout, defines=dict(DEFINES),
-                                     extra_params=((buf.ptr, ctypes.c_void_p),))
+        prepared = api.prepare(q, k, v, stage=st, layout=layout, defines=dict(DEFINES),
+                               extra_params=((buf.ptr, launch.TRACE_BUF.ctype),))
         stream = prepared.stream
         driver.memset_u8(buf.ptr, 0, BUFFER_BYTES, stream=stream)
         prepared.launch()                           # warm-up

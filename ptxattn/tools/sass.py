@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import stages as _stages
-from .errors import PtxattnError
+from .. import stages as _stages
+from ..errors import PtxattnError
 
 TOOLS = ("ptxas", "nvdisasm", "cuobjdump")
 
@@ -223,7 +223,7 @@ def assemble_ptx(text: str, arch: str, name: str = "kernel", extra_args: tuple[s
 
 def assemble(stage, arch: str | None = None, defines: dict | None = None) -> Assembled:
     """Assemble a stage's expanded PTX for its arch (or `arch`) with ptxas -v."""
-    from . import ptx  # runtime module; imported here so that importing sass does no work
+    from .. import ptx  # runtime module; imported here so that importing sass does no work
 
     stage = _stages.get_stage(stage)
     text = ptx.source(stage, defines=defines)
@@ -513,7 +513,7 @@ def format_summary(s: SassSummary, title: str | None = None) -> str:
 def diff_ptx(a, b, defines_a: dict | None = None, defines_b: dict | None = None,
              context: int = 3) -> str:
     """Unified diff of two stages' expanded PTX (what the JIT sees, includes inlined)."""
-    from . import ptx
+    from .. import ptx
 
     sa, sb = _stages.get_stage(a), _stages.get_stage(b)
     ta = ptx.source(sa, defines=defines_a).splitlines(keepends=True)
