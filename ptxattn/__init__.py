@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "prepare": "attention",
+    "flash_attn_with_kvcache": "decode",
     "PreparedAttention": "attention",
     "attention_reference": "reference",
     "error_metrics": "reference",
