@@ -3,6 +3,7 @@
 
     python bench/decode_bench.py --out bench/results            # every case, ~3-4 minutes
     python bench/decode_bench.py --out /tmp/d --cases b1_8k --rounds 10
+    python bench/decode_bench.py --out /tmp/d --cases b1_8k,b1_128k --splits 8,24,32
 
 DESIGN.md's protocol: each case is checked first (ours and cuDNN against the float64 reference
 on sampled sequences, every head and query; a kernel that fails is not timed), then timed in
@@ -82,11 +83,25 @@ def make_case(torch, b, h, hkv, lq, length, seed):
 
 
 def peer_launcher(torch, q, kc, vc, causal):
-    """cuDNN SDPA on (B, H, Lq, D) q and (B, Hkv, L, D) cache views; (launch, note)."""
+    """cuDNN SDPA on (B, H, Lq, D) q and (B, Hkv, L, D) views of the caches (or, when it
+    refuses those strides, contiguous copies: the same bytes); (launch, note, masked, out)."""
+    try:
+        return _peer_launcher(torch, q, kc.transpose(1, 2), vc.transpose(1, 2), causal, "")
+    except RuntimeError as first:
+        kh, vh = (c.transpose(1, 2).contiguous() for c in (kc, vc))
+        try:
+            return _peer_launcher(torch, q, kh, vh, causal,
+                                  "; on contiguous (B, Hkv, L, D) copies of the caches (it "
+                                  f"refused the views: {str(first)[:160]})")
+        except RuntimeError as second:
+            raise RuntimeError(f"views: {first}; copies: {second}") from None
+
+
+def _peer_launcher(torch, q, kh, vh, causal, where):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    qh, kh, vh = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-    lq, length = q.shape[1], kc.shape[1]
+    qh = q.transpose(1, 2)
+    lq, length = q.shape[1], kh.shape[2]
     attempts = []
     if causal:
         i = torch.arange(lq, device="cuda")[:, None]
@@ -105,7 +120,7 @@ def peer_launcher(torch, q, kc, vc, causal):
         try:
             o = launch()
             torch.cuda.synchronize()
-            return launch, note, "attn_mask" in kwargs, o
+            return launch, note + where, "attn_mask" in kwargs, o
         except Exception as exc:                    # noqa: BLE001
             errors.append(f"{note}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     raise RuntimeError("cuDNN SDPA refused every form: " + " | ".join(errors))
@@ -191,7 +206,7 @@ def figures(ms_rounds, peer_rounds, nbytes, flops, seed):
     return row
 
 
-def run_case(torch, name, rounds, reps, seed):
+def run_case(torch, name, rounds, reps, seed, sweep=()):
     b, h, hkv, lq, length, causal = CASES[name]
     q, kc, vc, lens = make_case(torch, b, h, hkv, lq, length, seed)
     nbytes = kv_bytes(b, hkv, length)
@@ -220,8 +235,26 @@ def run_case(torch, name, rounds, reps, seed):
     fns = {"ours": ours}
     if peer is not None:
         fns["cudnn"] = peer
-    plain = timed_rounds(fns, rounds, reps, rng)
+    # other split counts (--splits): timed in the same rounds, beside the heuristic's choice
+    swept = {}
+    for n in sweep:
+        if n == record["splits"]:
+            continue
+        def other(n=n):
+            return ptxattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=causal,
+                                                   num_splits=n)
+        got = other()
+        err = error_metrics(got[record["check"]["sequences"]].float().cpu().numpy(),
+                            out[record["check"]["sequences"]].float().cpu().numpy())
+        if err["rel_l2"] > 4e-3:
+            record.setdefault("sweep_errors", {})[n] = err
+            continue
+        swept[f"ours_splits{n}"] = other
+    plain = timed_rounds({**fns, **swept}, rounds, reps, rng)
     record["plain"] = figures(plain["ours"], plain.get("cudnn"), nbytes, flops, seed)
+    if swept:
+        record["sweep"] = {label: figures(plain[label], plain.get("cudnn"), nbytes, flops, seed)
+                           for label in swept}
     graphs = {}
     keep = []
     for label, fn in fns.items():
@@ -256,6 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--splits", default="", help="also time ours at these split counts "
+                    "(comma-separated), in the same rounds: data for the heuristic")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -264,6 +299,7 @@ def main(argv=None) -> int:
     if args.rounds < 10:
         print(f"note: {args.rounds} rounds; DESIGN.md's protocol asks for >= 10",
               file=sys.stderr)
+    sweep = [int(n) for n in args.splits.split(",") if n.strip()]
     import torch
     if not torch.cuda.is_available():
         print("decode_bench: needs torch with CUDA", file=sys.stderr)
@@ -276,11 +312,14 @@ def main(argv=None) -> int:
               "clocks_before": gpu_clocks(), "cases": []}
     for name in names:
         try:
-            rec = run_case(torch, name, args.rounds, args.reps, args.seed)
+            rec = run_case(torch, name, args.rounds, args.reps, args.seed, sweep)
         except Exception as exc:                        # noqa: BLE001
             rec = {"name": name, "status": f"error: {type(exc).__name__}: {exc}"}
         result["cases"].append(rec)
         print(line(rec), flush=True)
+        for label, row in rec.get("sweep", {}).items():
+            print(f"    {label}: {row['tbs']:.2f} TB/s, ratio to cuDNN "
+                  f"{row.get('ratio', float('nan')):.3f}", flush=True)
         torch.cuda.empty_cache()
     result["clocks_after"] = gpu_clocks()
     gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()

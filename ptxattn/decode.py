@@ -32,7 +32,7 @@ import numpy as np
 from . import driver, tensors, tma
 from .attention import _caller_stream, _window
 from .decode_builds import MAX_SPLITS, build_for
-from .decode_launch import TMA_CHUNK, Launcher
+from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
 from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, POISON_WORKSPACE_ENV, DecodeCall, Lengths,
                           bhld_of, bytes_strides, check_bounds_requested, check_host_lengths,
                           check_num_splits, check_rows_aligned, check_scale, check_shapes,
@@ -564,7 +564,7 @@ def _launcher(call: DecodeCall) -> Launcher:
            call.k_cache.ptr, call.k_cache.strides, call.v_cache.ptr, call.v_cache.strides,
            tuple(call.q.strides), call.out_strides,
            None if call.k_new is None else tuple(call.k_new.strides),
-           call.window, call.scale, call.splits)
+           call.window, call.scale, call.splits, os.environ.get(PDL_ENV))
     hit = _LAUNCHERS.get(key)
     if hit is None:
         hit = Launcher(call, call.stream)
@@ -632,7 +632,8 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     else:
         return None, None
     qm, km, vm, knm, vnm, om = metas
-    env = (os.environ.get(CHECK_BOUNDS_ENV), os.environ.get(POISON_WORKSPACE_ENV))
+    env = (os.environ.get(CHECK_BOUNDS_ENV), os.environ.get(POISON_WORKSPACE_ENV),
+           os.environ.get(PDL_ENV))
     key = (qm[1], qm[2], qm[3], km, vm,
            None if knm is None else (knm[1], knm[2], knm[3]),
            None if vnm is None else (vnm[1], vnm[2], vnm[3]),

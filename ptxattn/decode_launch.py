@@ -15,6 +15,7 @@ workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bound
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from pathlib import Path
 
@@ -28,6 +29,7 @@ DECODE_FILE, DECODE_ENTRY = "decode.ptx", "ptxattn_decode"
 COMBINE_FILE, COMBINE_ENTRY = "combine.ptx", "ptxattn_combine"
 APPEND_FILE, APPEND_ENTRY = "decode_append.ptx", "ptxattn_append"
 TMA_CHUNK = 64                   # elements of D per innermost box dim (128-byte swizzle)
+PDL_ENV = "PTXATTN_DECODE_PDL"   # 0: the combine launches plainly (a measurement knob)
 COMBINE_ROWS_PER_CTA = COMBINE_THREADS // 32
 
 MAP, PTR, U64, U32, S32, F32 = (driver.BY_VALUE, driver.PTR, driver.U64, driver.U32,
@@ -57,7 +59,8 @@ APPEND_PARAMS = (
     ("seqlens_ptr", PTR), ("seqlen_const", U32), ("seq_new", U32), ("cache_len", U32),
     ("heads_kv", U32), ("chunks", U32), ("total", U32),
 )
-# What changes per call, by parameter name (the rest is the Launcher's key)
+# What changes per call, by parameter name, in the order Launcher.run fills them (the rest is
+# fixed by the Launcher's key)
 DECODE_PER_CALL = ("q_ptr", "o_ptr", "lse_ptr", "ws_ptr", "ws_lse_ptr", "seqlens_ptr",
                    "bounds_ptr", "seqlen_const")
 COMBINE_PER_CALL = ("ws_ptr", "ws_lse_ptr", "o_ptr", "lse_ptr")
@@ -103,7 +106,7 @@ class Pack:
     slots that a call rewrites in place before its launch (under the Launcher's lock: the
     driver copies the values at cuLaunchKernelEx, so the next call may rewrite them)."""
 
-    def __init__(self, table, values: dict):
+    def __init__(self, table, values: dict, per_call: tuple[str, ...]):
         names = [name for name, _ in table]
         missing = set(names) ^ set(values)
         if missing:
@@ -111,9 +114,12 @@ class Pack:
         self.address, self.holders = driver.pack_params(
             ([values[n] for n in names], [ctype for _, ctype in table]))
         self.slot = {n: self.holders[i] for i, n in enumerate(names)}
+        self.per_call = tuple(self.slot[n] for n in per_call)
 
-    def set(self, name: str, value) -> None:
-        self.slot[name].value = value
+    def fill(self, *values) -> None:
+        """The per-call slots, in the order of the kernel's *_PER_CALL names."""
+        for holder, value in zip(self.per_call, values):
+            holder.value = value
 
 
 class Launcher:
@@ -159,17 +165,21 @@ class Launcher:
             bounds_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
             seq_q=call.seq_q, heads=call.heads, heads_kv=call.heads_kv, group=call.group,
             batch=call.batch, m_tiles=call.m_tiles, splits=self.splits,
-            softmax_scale=call.scale, window_left=left, window_right=right))
+            softmax_scale=call.scale, window_left=left, window_right=right), DECODE_PER_CALL)
         self.decode_config = driver._launch_config((self.decode_grid, 1, 1), (THREADS, 1, 1),
                                                    build.smem_bytes, (1, 1, 1), stream)[0]
         if self.combine_fn is not None:
             self.combine = Pack(COMBINE_PARAMS, dict(
                 ws_ptr=0, ws_lse_ptr=0, o_ptr=0, o_batch_stride=os_[0], o_row_stride=os_[1],
                 o_head_stride=os_[2], lse_ptr=0, rows=call.rows, seq_q=call.seq_q,
-                heads=call.heads, splits=self.splits))
+                heads=call.heads, splits=self.splits), COMBINE_PER_CALL)
             grid = -(-call.rows // COMBINE_ROWS_PER_CTA)
-            self.combine_config = driver._launch_config((grid, 1, 1), (COMBINE_THREADS, 1, 1),
-                                                        0, (1, 1, 1), stream)[0]
+            if programmatic_combine():
+                self.combine_config, self._combine_attrs = _dependent_config(
+                    (grid, 1, 1), (COMBINE_THREADS, 1, 1), stream)
+            else:
+                self.combine_config = driver._launch_config(
+                    (grid, 1, 1), (COMBINE_THREADS, 1, 1), 0, (1, 1, 1), stream)[0]
 
     def _pack_append(self, call, bytes_strides) -> None:
         ns = bytes_strides(call.k_new, call.layout, "k")
@@ -181,7 +191,7 @@ class Launcher:
             new_head_stride=ns[2], k_cache=call.k_cache.ptr, v_cache=call.v_cache.ptr,
             cache_batch_stride=cs[0], cache_row_stride=cs[1], cache_head_stride=cs[2],
             seqlens_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
-            heads_kv=call.heads_kv, chunks=chunks, total=total))
+            heads_kv=call.heads_kv, chunks=chunks, total=total), APPEND_PER_CALL)
         grid = -(-total // APPEND_THREADS)
         self.append_config = driver._launch_config((grid, 1, 1), (APPEND_THREADS, 1, 1), 0,
                                                    (1, 1, 1), self.stream)[0]
@@ -197,33 +207,45 @@ class Launcher:
         with self.lock:
             if self.append_fn is not None:
                 p = self.append_pack
-                p.set("k_new", k_new_ptr)
-                p.set("v_new", v_new_ptr)
-                p.set("seqlens_ptr", seqlens_ptr)
-                p.set("seqlen_const", seqlen_const)
+                p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const)
                 _check(launch(self.append_config, self.append_fn.handle, p.address, 0),
                        "ptxattn_append")
             if self.decode_fn is None:
                 return
             p = self.decode
-            p.set("q_ptr", q_ptr)
-            p.set("o_ptr", 0 if split else out_ptr)
-            p.set("lse_ptr", 0 if split else lse_ptr)
-            p.set("ws_ptr", ws_ptr if split else 0)
-            p.set("ws_lse_ptr", ws_lse)
-            p.set("seqlens_ptr", seqlens_ptr)
-            p.set("bounds_ptr", bounds_ptr)
-            p.set("seqlen_const", seqlen_const)
+            p.fill(q_ptr, 0 if split else out_ptr, 0 if split else lse_ptr,
+                   ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const)
             _check(launch(self.decode_config, self.decode_fn.handle, p.address, 0),
                    "ptxattn_decode")
             if split:
                 p = self.combine
-                p.set("ws_ptr", ws_ptr)
-                p.set("ws_lse_ptr", ws_lse)
-                p.set("o_ptr", out_ptr)
-                p.set("lse_ptr", lse_ptr)
+                p.fill(ws_ptr, ws_lse, out_ptr, lse_ptr)
                 _check(launch(self.combine_config, self.combine_fn.handle, p.address, 0),
                        "ptxattn_combine")
+
+
+def programmatic_combine() -> bool:
+    """Whether the combine goes as the decode grid's programmatic dependent launch (default;
+    PTXATTN_DECODE_PDL=0 launches it plainly: a measurement knob)."""
+    return os.environ.get(PDL_ENV, "1").strip() != "0"
+
+
+def _dependent_config(grid, block, stream: int):
+    """A CUlaunchConfig with programmatic stream serialization: the kernel may launch before
+    the previous one in the stream completes (it waits in griddepcontrol.wait)."""
+    d = driver.cu()
+    config = d.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = 0
+    config.hStream = d.CUstream(stream)
+    attr = d.CUlaunchAttribute()
+    attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = [attr]
+    config.attrs = attrs
+    config.numAttrs = 1
+    return config, attrs
 
 
 def _check(result, what: str) -> None:

@@ -60,18 +60,24 @@ def visible(lq: int, seq_q: int, length: int, window: tuple[int, int]) -> tuple[
     return first, last
 
 
+def _operands(q, k_cache, v_cache, causal, window, scale, layout):
+    """BHLD float64 operands, the group size, the (left, right) window with causal folded in
+    (right = min(right, 0)) and the scale."""
+    qh, kh, vh = (_to_bhld(x, layout) for x in (q, k_cache, v_cache))
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    scale = 1.0 / math.sqrt(qh.shape[-1]) if scale is None else float(scale)
+    return qh, kh, vh, qh.shape[1] // kh.shape[1], (left, right), scale
+
+
 def kvcache_reference(q, k_cache, v_cache, lengths, *, causal=False, window=(-1, -1),
                       scale=None, layout="bshd"):
     """(out, lse) in float64 of attention of q against the first lengths[b] keys of each cache,
     bottom-right masks; out in q's layout, lse (B, H, Lq). A query that sees no key: 0, -inf."""
-    qh, kh, vh = (_to_bhld(x, layout) for x in (q, k_cache, v_cache))
+    qh, kh, vh, g, (left, right), scale = _operands(q, k_cache, v_cache, causal, window, scale,
+                                                   layout)
     b_, h_, lq_, d_ = qh.shape
-    hkv = kh.shape[1]
-    g = h_ // hkv
-    left, right = window
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    scale = 1.0 / math.sqrt(d_) if scale is None else float(scale)
     out = np.zeros((b_, h_, lq_, d_))
     lse = np.full((b_, h_, lq_), -np.inf)
     for b in range(b_):
@@ -150,15 +156,11 @@ def model_decode(q, k_cache, v_cache, lengths, *, splits: int, block_n: int, cau
     """The kernels' answer in float64: every CTA's partial (its tiles' keys only), then the
     combine's sum (or the single split's own output). (out, lse, partials) where partials
     lists (b, h, lq, split, O, lse) of every stored row."""
-    qh, kh, vh = (_to_bhld(x, layout) for x in (q, k_cache, v_cache))
+    qh, kh, vh, g, (left, right), scale = _operands(q, k_cache, v_cache, causal, window, scale,
+                                                   layout)
     b_, h_, lq_, d_ = qh.shape
     hkv = kh.shape[1]
-    g = h_ // hkv
-    left, right = window
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
     params = tuple(UNBOUNDED if x < 0 else min(x, UNBOUNDED) for x in (left, right))
-    scale = 1.0 / math.sqrt(d_) if scale is None else float(scale)
     m_tiles = -(-g * lq_ // ROWS)
     part_o = np.zeros((splits, b_, h_, lq_, d_))
     part_lse = np.full((splits, b_, h_, lq_), -np.inf)

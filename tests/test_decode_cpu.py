@@ -457,3 +457,106 @@ def test_workspace_size():
     assert call.workspace_floats == 5 * 3 * 8 * 2 * (128 + 1)
     call.splits = 1
     assert call.workspace_floats == 0
+
+
+class _FakeMap:
+    """Stands in for a CUtensorMap in a parameter pack: 128 bytes with an address."""
+
+    def __init__(self):
+        import ctypes
+        self.bytes = (ctypes.c_uint8 * 128)()
+
+    def getPtr(self):
+        import ctypes
+        return ctypes.addressof(self.bytes)
+
+
+def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
+    """Launcher.run's values land in the slots they are named for (no GPU: packs and a
+    recording launch), for one split (decode writes out and LSE) and for several (decode
+    writes the workspace, the combine the output)."""
+    import threading
+    launched = []
+
+    class Fn:
+        def __init__(self, name):
+            self.handle = name
+
+    def values(table):
+        return {n: (_FakeMap() if t is None else 0) for n, t in table}
+
+    for splits in (1, 5):
+        ln = decode_launch.Launcher.__new__(decode_launch.Launcher)
+        ln.build, ln.splits, ln.rows, ln.lock = DECODE_BUILDS[128], splits, 6, threading.Lock()
+        ln.append_fn, ln.decode_fn = Fn("append"), Fn("decode")
+        ln.combine_fn = Fn("combine") if splits > 1 else None
+        ln.decode = decode_launch.Pack(decode_launch.DECODE_PARAMS,
+                                       values(decode_launch.DECODE_PARAMS),
+                                       decode_launch.DECODE_PER_CALL)
+        ln.combine = decode_launch.Pack(decode_launch.COMBINE_PARAMS,
+                                        values(decode_launch.COMBINE_PARAMS),
+                                        decode_launch.COMBINE_PER_CALL)
+        ln.append_pack = decode_launch.Pack(decode_launch.APPEND_PARAMS,
+                                            values(decode_launch.APPEND_PARAMS),
+                                            decode_launch.APPEND_PER_CALL)
+        ln.decode_config = ln.combine_config = ln.append_config = None
+        launched.clear()
+
+        def launch(config, fn, address, _extra):
+            packs = {"decode": ln.decode, "combine": ln.combine, "append": ln.append_pack}
+            pack = packs[fn]
+            assert address == pack.address
+            launched.append((fn, {n: h.value for n, h in pack.slot.items()
+                                  if not isinstance(h, _FakeMap)}))
+            return (0,)
+        ln._launch = launch
+        ln.run(q_ptr=0x1000, out_ptr=0x2000, lse_ptr=0x3000, ws_ptr=0x4000,
+               seqlens_ptr=0x5000, seqlen_const=77, k_new_ptr=0x6000, v_new_ptr=0x7000,
+               bounds_ptr=0x8000)
+        got = dict(launched)
+        assert [f for f, _ in launched] == ["append", "decode"] + (["combine"] if splits > 1
+                                                                   else [])
+        assert (got["append"]["k_new"], got["append"]["v_new"], got["append"]["seqlens_ptr"],
+                got["append"]["seqlen_const"]) == (0x6000, 0x7000, 0x5000, 77)
+        d = got["decode"]
+        assert (d["q_ptr"], d["seqlens_ptr"], d["bounds_ptr"], d["seqlen_const"]) == (
+            0x1000, 0x5000, 0x8000, 77)
+        if splits == 1:
+            assert (d["o_ptr"], d["lse_ptr"], d["ws_ptr"] or 0, d["ws_lse_ptr"] or 0) == (
+                0x2000, 0x3000, 0, 0)
+        else:
+            ws_lse = 0x4000 + 4 * splits * 6 * 128           # after the partial O
+            assert (d["o_ptr"] or 0, d["lse_ptr"] or 0, d["ws_ptr"], d["ws_lse_ptr"]) == (
+                0, 0, 0x4000, ws_lse)
+            c = got["combine"]
+            assert (c["ws_ptr"], c["ws_lse_ptr"], c["o_ptr"], c["lse_ptr"]) == (
+                0x4000, ws_lse, 0x2000, 0x3000)
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "decode_bench.py"
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_cases_and_figures():
+    bench = _bench_module()
+    assert bench.CASES["b1_128k"] == (1, 32, 8, 1, 131072, False)
+    assert bench.CASES["spec_b16_8k"] == (16, 32, 8, 8, 8192, True)
+    assert set(bench.CASES) == set(bench.TARGETS)
+    assert bench.kv_bytes(1, 8, 8192) == 2 * 8 * 8192 * 128 * 2
+    # unmasked pairs of bottom-right causal: query i of Lq sees L - Lq + i + 1 keys
+    for lq, length in ((1, 5), (8, 8192), (4, 2)):
+        brute = sum(1 for i in range(lq) for j in range(length) if j <= length - lq + i)
+        assert bench.unmasked_pairs(lq, length, True) == brute
+    assert bench.unmasked_pairs(3, 10, False) == 30
+    row = bench.figures([2.0, 2.0, 2.2], [2.2, 2.4, 2.2], nbytes=4.8e9, flops=1e12, seed=0)
+    assert row["tbs"] == pytest.approx(2.4) and row["ratio"] == pytest.approx(1.1)
+    assert row["ratio_ci"][0] <= row["ratio"] <= row["ratio_ci"][1]
+    assert row["pct_of_hbm_peak"] == pytest.approx(50.0)

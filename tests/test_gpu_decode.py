@@ -330,3 +330,62 @@ def test_torch_append_in_a_decode_loop():
         check(_numpy(out), None, ref, None, "bshd", f"append step {step}")
         np.testing.assert_array_equal(_numpy(kc), kc0)
         lens += 1
+
+
+def test_torch_op_eager_and_compiled():
+    torch = import_or_skip("torch")
+    pt = import_or_skip("ptxattn.torch")
+    q, kc, vc = _torch_case(torch, B=2, Lq=3, Lmax=1500)
+    lens = torch.tensor([1500, 99], dtype=torch.int32, device="cuda")
+    ref, ref_lse = kvcache_reference(_numpy(q), _numpy(kc), _numpy(vc), [1500, 99], causal=True)
+    out, lse = pt.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                         return_lse=True)
+    check(_numpy(out), _numpy(lse), ref, ref_lse, "bshd", "ptxattn.torch eager")
+
+    def step(q, kc, vc, lens):
+        return pt.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                          return_lse=True)
+    compiled = torch.compile(step, fullgraph=True)
+    out, lse = compiled(q, kc, vc, lens)
+    check(_numpy(out), _numpy(lse), ref, ref_lse, "bshd", "ptxattn::flash_attn_with_kvcache "
+          "under torch.compile(fullgraph=True)")
+
+
+def test_transformers_decode_step_runs_the_decode_kernel(monkeypatch):
+    torch = import_or_skip("torch")
+    pt = import_or_skip("ptxattn.torch")
+    try:
+        import transformers
+    except Exception as e:                        # noqa: BLE001
+        pytest.skip(f"transformers is not importable (optional, extra `models`): {e}")
+    from ptxattn.torch import kvcache
+    pt.register_transformers()
+    calls = []
+    real = kvcache.flash_attn_with_kvcache
+
+    def counting(q, kc, vc, **kw):
+        calls.append((tuple(q.shape), tuple(kc.shape)))
+        return real(q, kc, vc, **kw)
+    monkeypatch.setattr(kvcache, "flash_attn_with_kvcache", counting)
+    cfg = dict(vocab_size=128, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+               max_position_embeddings=1024)
+
+    def model(impl):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **cfg, attn_implementation=impl)).to("cuda", torch.bfloat16).eval()
+
+    ids = torch.randint(0, 128, (2, 300), device="cuda")
+    nxt = torch.randint(0, 128, (2, 1), device="cuda")
+    logits = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "ptxattn"):
+            m = model(impl)
+            out = m(ids, use_cache=True)
+            step = m(nxt, past_key_values=out.past_key_values, use_cache=True)
+            logits[impl] = step.logits.float()
+    assert len(calls) == 2, f"decode steps through the decode kernel: {calls} (2 layers)"
+    assert all(c[0][1] == 1 and c[1][1] == 301 for c in calls), calls
+    err = (logits["ptxattn"] - logits["sdpa"]).norm() / logits["sdpa"].norm()
+    assert err < 2e-2, f"decode-step logits against sdpa: rel L2 {float(err):.3g}"
