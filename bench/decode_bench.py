@@ -18,7 +18,9 @@ decode step must read) per second, against the H200's 4.8 TB/s; the speculative 
 TFLOP/s over the unmasked pairs. Cases (B, H:Hkv, Lq, L), D = 128, BSHD caches (B, L, Hkv, D):
     b64_8k (64, 32:8, 1, 8192)   b8_32k (8, 32:8, 1, 32768)   b1_128k (1, 32:8, 1, 131072)
     b1_8k (1, 32:8, 1, 8192)     spec_b16_8k (16, 32:8, 8, 8192) causal (bottom-right)
-cuDNN takes q (B, H, Lq, D) and the caches as (B, Hkv, L, D) views (enable_gqa=True); the
+cuDNN (SDPA's backends restricted to it by the global flags for the run, so no per-call
+context manager counts against its host time) takes q (B, H, Lq, D) and the caches as
+(B, Hkv, L, D) views (enable_gqa=True); the
 speculative case's bottom-right causal mask goes to it as a boolean attn_mask when it takes one,
 else that peer is timed unmasked (the same bytes) and says so. Needs torch with CUDA.
 Results: <out>/<date>-<gpu>-decode.json.
@@ -97,9 +99,28 @@ def peer_launcher(torch, q, kc, vc, causal):
             raise RuntimeError(f"views: {first}; copies: {second}") from None
 
 
+def only_cudnn(torch):
+    """SDPA's backends restricted to cuDNN for the whole run (global flags rather than an
+    sdpa_kernel context around every call, whose own host time would count against SDPA);
+    returns a function that restores the previous flags."""
+    cuda = torch.backends.cuda
+    saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+             cuda.cudnn_sdp_enabled())
+    cuda.enable_flash_sdp(False)
+    cuda.enable_mem_efficient_sdp(False)
+    cuda.enable_math_sdp(False)
+    cuda.enable_cudnn_sdp(True)
+
+    def restore():
+        cuda.enable_flash_sdp(saved[0])
+        cuda.enable_mem_efficient_sdp(saved[1])
+        cuda.enable_math_sdp(saved[2])
+        cuda.enable_cudnn_sdp(saved[3])
+    return restore
+
+
 def _peer_launcher(torch, q, kh, vh, causal, where):
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     qh = q.transpose(1, 2)
     lq, length = q.shape[1], kh.shape[2]
     attempts = []
@@ -114,9 +135,8 @@ def _peer_launcher(torch, q, kh, vh, causal, where):
         attempts.append(({}, "plain"))
     errors = []
     for kwargs, note in attempts:
-        def launch(kwargs=kwargs):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True, **kwargs)
+        def launch(kwargs=kwargs):          # cuDNN only: see only_cudnn
+            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True, **kwargs)
         try:
             o = launch()
             torch.cuda.synchronize()
@@ -310,17 +330,21 @@ def main(argv=None) -> int:
               "protocol": {"rounds": args.rounds, "reps": args.reps, "block": 1,
                            "hbm_peak_tbs": HBM_PEAK_TBS},
               "clocks_before": gpu_clocks(), "cases": []}
-    for name in names:
-        try:
-            rec = run_case(torch, name, args.rounds, args.reps, args.seed, sweep)
-        except Exception as exc:                        # noqa: BLE001
-            rec = {"name": name, "status": f"error: {type(exc).__name__}: {exc}"}
-        result["cases"].append(rec)
-        print(line(rec), flush=True)
-        for label, row in rec.get("sweep", {}).items():
-            print(f"    {label}: {row['tbs']:.2f} TB/s, ratio to cuDNN "
-                  f"{row.get('ratio', float('nan')):.3f}", flush=True)
-        torch.cuda.empty_cache()
+    restore = only_cudnn(torch)
+    try:
+        for name in names:
+            try:
+                rec = run_case(torch, name, args.rounds, args.reps, args.seed, sweep)
+            except Exception as exc:                    # noqa: BLE001
+                rec = {"name": name, "status": f"error: {type(exc).__name__}: {exc}"}
+            result["cases"].append(rec)
+            print(line(rec), flush=True)
+            for label, row in rec.get("sweep", {}).items():
+                print(f"    {label}: {row['tbs']:.2f} TB/s, ratio to cuDNN "
+                      f"{row.get('ratio', float('nan')):.3f}", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        restore()
     result["clocks_after"] = gpu_clocks()
     gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()
     slug = "-".join(part for part in gpu.replace("_", " ").split() if part) or "gpu"

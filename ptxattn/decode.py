@@ -31,7 +31,7 @@ import numpy as np
 
 from . import driver, tensors, tma
 from .attention import _caller_stream, _window
-from .decode_builds import MAX_SPLITS, build_for
+from .decode_builds import build_for
 from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
 from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, POISON_WORKSPACE_ENV, DecodeCall, Lengths,
                           bhld_of, bytes_strides, check_bounds_requested, check_host_lengths,
@@ -296,9 +296,9 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
                       stream=handle, stream_object=stream_object, torch=_is_torch(q),
                       build=build, out_strides=out_strides, q_shape=tuple(views["q"].shape),
                       objects={"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
-    if call.rows * MAX_SPLITS * (head_dim + 1) >= 1 << 31:
-        raise ValueError(f"q: {call.rows} output rows are too many for one call (the "
-                         "workspace indices are 32-bit)")
+    if call.rows >= 1 << 31:
+        raise ValueError(f"q: {call.rows} output rows (B x H x Lq) are too many for one call "
+                         "(the kernels' row indices are 32-bit)")
     return call
 
 

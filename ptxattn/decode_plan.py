@@ -260,12 +260,15 @@ def check_host_lengths(values: np.ndarray, batch: int, cache_len: int, seq_new: 
 
 def resolve_splits(call: DecodeCall, sm_count: int) -> int:
     """num_splits when given (clamped to the cache's K/V tiles: more splits than tiles would be
-    empty CTAs), else the heuristic."""
+    empty CTAs), else the heuristic; either way fewer than 2^31 / rows, so that the
+    workspace's row index (split x rows + row) stays a 32-bit number in the kernels."""
     n_blocks = -(-call.cache_len // call.build.block_n)
     if call.splits_requested:
-        return max(1, min(call.splits_requested, n_blocks))
-    return choose_splits(call.batch, call.heads_kv, call.m_tiles, call.cache_len,
-                         call.build.block_n, sm_count, call.build.ctas_per_sm)
+        splits = max(1, min(call.splits_requested, n_blocks))
+    else:
+        splits = choose_splits(call.batch, call.heads_kv, call.m_tiles, call.cache_len,
+                               call.build.block_n, sm_count, call.build.ctas_per_sm)
+    return max(1, min(splits, ((1 << 31) - 1) // max(call.rows, 1)))
 
 
 def check_shapes(q_dims, k_dims, v_shape, k_shape, layout: str, new=None) -> None:

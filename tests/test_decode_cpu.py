@@ -560,3 +560,12 @@ def test_bench_cases_and_figures():
     assert row["tbs"] == pytest.approx(2.4) and row["ratio"] == pytest.approx(1.1)
     assert row["ratio_ci"][0] <= row["ratio"] <= row["ratio_ci"][1]
     assert row["pct_of_hbm_peak"] == pytest.approx(50.0)
+
+
+def test_splits_keep_the_workspace_index_32_bit(no_driver):
+    q, kc, vc, _ = _arrays(B=1 << 20, H=32, Hkv=8, Lmax=1 << 16)
+    call = decode.validate(q, kc, vc, num_splits=128)
+    rows = (1 << 20) * 32
+    assert decode_plan.resolve_splits(call, 132) == ((1 << 31) - 1) // rows == 63
+    q, kc, vc, _ = _arrays(B=1, Lmax=1 << 16)
+    assert decode_plan.resolve_splits(decode.validate(q, kc, vc, num_splits=128), 132) == 128

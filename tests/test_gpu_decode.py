@@ -140,7 +140,7 @@ def run(*, B=2, H=8, Hkv=2, Lq=1, Lmax=1000, D=128, lengths=None, layout="bshd",
     eff = clamped_lengths(raw, new, Lmax)
     ref, ref_lse = kvcache_reference(q, kc, vc, eff, causal=causal, window=window,
                                      layout=layout)
-    what = (f"B={B} H={H}:{Hkv} Lq={Lq} Lmax={Lmax} D={D} lengths={list(raw)} {layout} "
+    what = (f"B={B} H={H}:{Hkv} Lq={Lq} Lmax={Lmax} D={D} lengths={raw.tolist()} {layout} "
             f"causal={causal} window={window} splits={splits} new={new}")
     m = check(got, got_lse, ref, ref_lse, layout, what)
     for x in (qd, kd, vd, out, *extra.values()):
