@@ -15,6 +15,10 @@ must contribute nothing); CUDA-graph replay with changed lengths and the remembe
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gpu_checks import import_or_skip
@@ -27,6 +31,43 @@ from ptxattn.reference import BF16, error_metrics, passes
 pytestmark = pytest.mark.gpu
 
 LSE_TOL = 2e-3
+ROOT = Path(__file__).resolve().parent.parent
+CANARY_TIMEOUT_S = 180
+# One small call of each kernel (append, decode at one and at three splits, combine) for every
+# head dim, in a child process: a kernel that deadlocks there fails this module in minutes
+# instead of hanging the device session (a wait loop that never completes never returns).
+CANARY = """
+import numpy as np, ptxattn
+from ptxattn import driver, tensors
+from ptxattn.reference import BF16
+rng = np.random.default_rng(0)
+for d in (64, 128, 256):
+    for splits in (1, 3):
+        q, kc, vc = (tensors.from_numpy(rng.standard_normal(s, dtype=np.float32).astype(BF16))
+                     for s in ((2, 2, 8, d), (2, 700, 2, d), (2, 700, 2, d)))
+        kn, vn = (tensors.from_numpy(rng.standard_normal((2, 1, 2, d), dtype=np.float32)
+                                     .astype(BF16)) for _ in range(2))
+        out = ptxattn.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn,
+                                              cache_seqlens=np.array([699, 300], np.int32),
+                                              causal=True, num_splits=splits)
+        driver.synchronize()
+        print(f"canary D={d} splits={splits}: ok", flush=True)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def canary():
+    """Fail every test of the module at once when the canary does not finish in time; a
+    canary that raises lets the tests run (their messages say more)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", CANARY], cwd=ROOT, capture_output=True,
+                              text=True, timeout=CANARY_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        done = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"the decode canary did not finish in {CANARY_TIMEOUT_S} s: a kernel "
+                    f"hangs (a barrier wait that never completes?); it got through:\n{done}",
+                    pytrace=False)
+    yield proc
 
 
 class DeviceInt32:
