@@ -15,6 +15,7 @@ Shared memory, in this order from a 1024-aligned base (every tile 128-byte swizz
     K     kv_stages slots of block_n x D x 2 bytes
     V     kv_stages slots of the same
     mbarriers: FULL_K, FULL_V, EMPTY_K, EMPTY_V, kv_stages each (8 bytes)
+    the sequence's length (one word, 8 bytes of room)
 plus ALIGN_SLACK to round the dynamic base up to 1024.
 """
 
@@ -75,9 +76,16 @@ class DecodeBuild:
         return self.smem_barriers + order.index(kind) * 8 * self.kv_stages
 
     @property
+    def smem_seq_len(self) -> int:
+        """The word the producer's leader stores the sequence's raw length in (read once per
+        CTA, so every thread of it sees the same length)."""
+        return self.smem_barriers + 4 * 8 * self.kv_stages
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per CTA: the carve-up, its barriers and the alignment slack."""
-        return self.smem_barriers + 4 * 8 * self.kv_stages + ALIGN_SLACK
+        """Dynamic shared memory per CTA: the carve-up, its barriers, the length word and the
+        alignment slack."""
+        return self.smem_seq_len + 8 + ALIGN_SLACK
 
     @property
     def s_regs(self) -> int:

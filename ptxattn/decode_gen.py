@@ -56,6 +56,7 @@ def _row_defines(b: DecodeBuild) -> list[str]:
         ("SMEM_BAR_FULL_V", b.barrier("FULL_V"), ""),
         ("SMEM_BAR_EMPTY_K", b.barrier("EMPTY_K"), ""),
         ("SMEM_BAR_EMPTY_V", b.barrier("EMPTY_V"), ""),
+        ("SMEM_SEQ_LEN", b.smem_seq_len, "the sequence's raw length, read once a CTA"),
         ("SMEM_BYTES", b.smem_bytes, "dynamic shared memory, alignment slack included"),
         ("DESC_V_BITS", _v_desc_bits(b), f"MN-major, LBO {n * 128}, SBO 1024, 128B swizzle"),
         ("S_REGS", b.s_regs, "BLOCK_N / 2 scores a thread"),

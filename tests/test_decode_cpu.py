@@ -60,8 +60,8 @@ def test_header_rows_are_the_table(d):
     assert int(row["SMEM_BAR_FULL_K"]) == int(row["SMEM_V"]) + b.kv_stages * b.block_n * d * 2
     for name in ("SMEM_K", "SMEM_V"):
         assert int(row[name]) % 1024 == 0
-    assert int(row["SMEM_BAR_EMPTY_V"]) + 8 * b.kv_stages + decode_builds.ALIGN_SLACK \
-        == b.smem_bytes
+    assert int(row["SMEM_SEQ_LEN"]) == int(row["SMEM_BAR_EMPTY_V"]) + 8 * b.kv_stages
+    assert int(row["SMEM_SEQ_LEN"]) + 8 + decode_builds.ALIGN_SLACK == b.smem_bytes
     # V's descriptor: LBO = the next 64 columns of D = block_n rows of 128 bytes
     bits = int(row["DESC_V_BITS"], 16)
     assert ((bits >> 16) & 0x3FFF) << 4 == b.block_n * 128
