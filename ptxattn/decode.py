@@ -591,6 +591,31 @@ class _Steady:
         self.top = call.cache_len - call.seq_new
 
 
+# The knobs a remembered call is keyed on, read as os.environ keeps them (POSIX: a dict of
+# bytes; one lookup each, as attention()'s steady path reads its knob)
+_KNOB_NAMES = (CHECK_BOUNDS_ENV, POISON_WORKSPACE_ENV, PDL_ENV)
+_ENVIRON = getattr(os.environ, "_data", None)
+try:
+    _KNOB_KEYS = tuple(os.environ.encodekey(n) for n in _KNOB_NAMES)
+except AttributeError:           # pragma: no cover - not CPython's os.environ
+    _ENVIRON = None
+
+
+def _knobs() -> tuple:
+    if _ENVIRON is not None:
+        get = _ENVIRON.get
+        return tuple(get(k) for k in _KNOB_KEYS)
+    return tuple(os.environ.get(n) for n in _KNOB_NAMES)
+
+
+def _on(value) -> bool:
+    """A knob's value (str or bytes) switches it on unless unset, empty or 0."""
+    if value is None:
+        return False
+    text = value.decode() if isinstance(value, bytes) else value
+    return text.strip() not in ("", "0")
+
+
 def _torch_key_part(obj, torch_type):
     """(ptr, shape, strides, device) of a plain bf16 CUDA torch tensor, else None."""
     if type(obj) is not torch_type:
@@ -632,8 +657,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     else:
         return None, None
     qm, km, vm, knm, vnm, om = metas
-    env = (os.environ.get(CHECK_BOUNDS_ENV), os.environ.get(POISON_WORKSPACE_ENV),
-           os.environ.get(PDL_ENV))
+    env = _knobs()
     key = (qm[1], qm[2], qm[3], km, vm,
            None if knm is None else (knm[1], knm[2], knm[3]),
            None if vnm is None else (vnm[1], vnm[2], vnm[3]),
@@ -689,9 +713,9 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     n = call.workspace_floats
     ws = torch.empty((n,), dtype=torch.float32, device=q.device) if n else None
     ws_ptr = ws.data_ptr() if n else 0
-    if env[1] not in (None, "", "0") and ws is not None:
+    if _on(env[1]) and ws is not None:
         driver.memset_u8(ws_ptr, 0xFF, 4 * n, stream=call.stream)
-    bounds = _bounds_buffer(call) if env[0] not in (None, "", "0") else None
+    bounds = _bounds_buffer(call) if _on(env[0]) else None
     launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr,
                  seqlen_value if seqlen_value is not None else call.lengths.value,
                  k_ptr, v_ptr, bounds.ptr if bounds is not None else 0)

@@ -569,3 +569,13 @@ def test_splits_keep_the_workspace_index_32_bit(no_driver):
     assert decode_plan.resolve_splits(call, 132) == ((1 << 31) - 1) // rows == 63
     q, kc, vc, _ = _arrays(B=1, Lmax=1 << 16)
     assert decode_plan.resolve_splits(decode.validate(q, kc, vc, num_splits=128), 132) == 128
+
+
+def test_knobs_are_read_per_call(monkeypatch):
+    for name in decode._KNOB_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    assert not any(decode._on(v) for v in decode._knobs())
+    monkeypatch.setenv("PTXATTN_CHECK_BOUNDS", "1")
+    monkeypatch.setenv("PTXATTN_DECODE_PDL", "0")
+    bounds, poison, pdl = decode._knobs()
+    assert decode._on(bounds) and not decode._on(poison) and not decode._on(pdl)
