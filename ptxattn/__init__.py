@@ -16,6 +16,7 @@ _EXPORTS = {
     "attention": "api",
     "prepare": "api",
     "PreparedAttention": "api",
+    "flash_attn_with_kvcache": "decode",
     "attention_reference": "reference",
     "error_metrics": "reference",
     "passes": "reference",
