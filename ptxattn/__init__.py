@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "prepare": "attention",
+    "attention_backward": "backward",
+    "prepare_backward": "backward",
+    "attention_backward_reference": "reference_backward",
     "PreparedAttention": "attention",
     "attention_reference": "reference",
     "error_metrics": "reference",
@@ -34,7 +37,7 @@ _EXPORTS = {
     "CudaError": "errors",
     "JitError": "errors",
 }
-_SUBMODULES = ("attention", "bench", "driver", "errors", "ptx", "reference", "sass", "stages",
+_SUBMODULES = ("attention", "backward", "bench", "driver", "errors", "ptx", "reference", "sass", "stages",
                "tensors", "tma", "trace")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
