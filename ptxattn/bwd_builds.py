@@ -246,14 +246,23 @@ LINEAGE_LAYOUTS: dict[int, dict[str, int]] = {
     1: place([("K", _KV), ("V", _KV), ("Q", _Q), ("dO", _Q), ("dS", 128 * 64 * 2),
               ("LSE", _STAT), ("delta", _STAT)], [("BAR_KV", 1), ("BAR_Q", 1)]),
 }
-_B1_SMEM = LINEAGE_LAYOUTS[1]["smem_bytes"]
+# b2: the Q / dO / neg_lse / delta ring of 2 stages, K/V FULL, Q FULL[2], Q EMPTY[2]
+LINEAGE_LAYOUTS[2] = place([("K", _KV), ("V", _KV), ("Q", 2 * _Q), ("dO", 2 * _Q),
+                            ("dS", 128 * 64 * 2), ("LSE", 2 * _STAT), ("delta", 2 * _STAT)],
+                           [("BAR_KV_FULL", 1), ("BAR_Q_FULL", 2), ("BAR_Q_EMPTY", 2)])
 
 STAGES: tuple[Stage, ...] = (
     Stage(1, "baseline",
           "one CTA per 128 keys keeps dK, dV in registers over every query block; scores "
           "transposed so P^T and dS^T feed RS GEMMs; dQ through shared memory and "
           "red.global.add; every step waited on",
-          "sm90/backward/01_baseline.ptx", threads=256, smem_bytes=_B1_SMEM),
+          "sm90/backward/01_baseline.ptx", threads=256,
+          smem_bytes=LINEAGE_LAYOUTS[1]["smem_bytes"]),
+    Stage(2, "warp_specialized",
+          "a producer warp loads Q, dO, neg_lse and delta through a 2-stage mbarrier ring; "
+          "setmaxnreg gives its registers to the consumers",
+          "sm90/backward/02_warp_specialized.ptx", threads=THREADS,
+          smem_bytes=LINEAGE_LAYOUTS[2]["smem_bytes"]),
 )
 
 PRODUCTION = Stage(0, "production", "the production backward", "sm90/production/bwd.ptx",

@@ -99,7 +99,7 @@ def _call(stage, head_dim, Lq, Lk, H=4, Hkv=4, layout="bhld", **kw):
     return backward.prepare_backward(q, kv, kv, q, lse, q, stage=stage, layout=layout, **kw)
 
 
-CALLS = [("b1", 128, 192, 256, {})]
+CALLS = [(s.label, 128, 192, 256, {}) for s in bwd_builds.STAGES]
 CALLS = [c for c in CALLS if (backward.ptx_root() / bwd_builds.get_stage(c[0] or "production")
                               .file).is_file()]
 
