@@ -250,6 +250,8 @@ LINEAGE_LAYOUTS: dict[int, dict[str, int]] = {
 LINEAGE_LAYOUTS[2] = place([("K", _KV), ("V", _KV), ("Q", 2 * _Q), ("dO", 2 * _Q),
                             ("dS", 128 * 64 * 2), ("LSE", 2 * _STAT), ("delta", 2 * _STAT)],
                            [("BAR_KV_FULL", 1), ("BAR_Q_FULL", 2), ("BAR_Q_EMPTY", 2)])
+# b3: the production layout at D = 128 (two dS^T buffers, the fp32 dQ staging tile)
+LINEAGE_LAYOUTS[3] = BUILDS[LINEAGE_HEAD_DIM].layout()
 
 STAGES: tuple[Stage, ...] = (
     Stage(1, "baseline",
@@ -263,6 +265,12 @@ STAGES: tuple[Stage, ...] = (
           "setmaxnreg gives its registers to the consumers",
           "sm90/backward/02_warp_specialized.ptx", threads=THREADS,
           smem_bytes=LINEAGE_LAYOUTS[2]["smem_bytes"]),
+    Stage(3, "dq_reduce",
+          "dQ staged in shared memory and added by a dQ warp with one bulk reduce-add a block; "
+          "the production schedule: S^T and dP^T back to back, dV under the dS^T math, dK "
+          "under the dS^T stores, two dS^T buffers",
+          "sm90/backward/03_dq_reduce.ptx", threads=THREADS,
+          smem_bytes=LINEAGE_LAYOUTS[3]["smem_bytes"]),
 )
 
 PRODUCTION = Stage(0, "production", "the production backward", "sm90/production/bwd.ptx",
