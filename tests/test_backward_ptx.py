@@ -23,6 +23,9 @@ needs_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None, reason="ptxas not
 KERNELS = [("preprocess", *backward.PREPROCESS[:1], {}, backward.PREPROCESS[1], 64),
            ("postprocess", *backward.POSTPROCESS[:1], {}, backward.POSTPROCESS[1], 64)]
 KERNELS += [(s.label, s.file, {}, backward.ENTRY, 255) for s in bwd_builds.STAGES]
+KERNELS += [(f"production_d{d}{'_masked' if masked else ''}", bwd_builds.PRODUCTION.file,
+             backward.defines_for(bwd_builds.PRODUCTION, d, masked), backward.ENTRY, 168)
+            for d in bwd_builds.HEAD_DIMS for masked in (False, True)]
 
 
 def _assembled(file, defines):
@@ -38,6 +41,8 @@ def test_assembles_without_spills(label, file, defines, entry, limit):
     assert f["spill_stores"] == 0 and f["spill_loads"] == 0, f
     assert f["stack_frame"] == 0, f
     assert f["registers"] <= limit, f
+    # no performance notes either (C7512: wgmma serialized for want of registers)
+    assert not report["warnings"], report["warnings"]
 
 
 def entry_params(text: str, entry: str) -> list[str]:
@@ -100,14 +105,15 @@ def _call(stage, head_dim, Lq, Lk, H=4, Hkv=4, layout="bhld", **kw):
 
 
 CALLS = [(s.label, 128, 192, 256, {}) for s in bwd_builds.STAGES]
-CALLS = [c for c in CALLS if (backward.ptx_root() / bwd_builds.get_stage(c[0] or "production")
-                              .file).is_file()]
+CALLS += [(None, 64, 200, 300, {}), (None, 128, 100, 1000, dict(causal=True, H=4, Hkv=2)),
+          (None, 256, 77, 129, dict(window=(8, 0), deterministic=True, H=4, Hkv=1))]
 
 
 @pytest.mark.parametrize("stage,head_dim,Lq,Lk,kw", CALLS)
 def test_every_launch_passes_what_its_kernel_declares(fake_launches, stage, head_dim, Lq, Lk,
                                                      kw):
     p = _call(stage, head_dim, Lq, Lk, **kw)
+    kw = {k: v for k, v in kw.items() if k not in ("H", "Hkv")}
     pre, main, post = fake_launches
     plan = p.plan
     for spec in (pre, main, post):
@@ -118,12 +124,27 @@ def test_every_launch_passes_what_its_kernel_declares(fake_launches, stage, head
         for i, (want, got) in enumerate(zip(declared, types)):
             assert got in _WIDTH[want], f"{entry} parameter {i}: declared .{want}, passed {got}"
     rows = bwd_builds.padded_rows(Lq, plan.block_m)
-    assert pre.grid == post.grid == (rows // backward.STATS_ROWS_PER_CTA, 4, 2)
+    assert pre.grid == post.grid == (rows // backward.STATS_ROWS_PER_CTA, plan.heads, 2)
     assert main.grid == (-(-Lk // plan.block_n), plan.heads_kv, 2)
     assert main.block == (plan.stage.threads, 1, 1)
     assert main.smem == plan.stage.smem_for(head_dim)
     # the workspaces: (B, H, Lq_pad) stats, (B, H, Lq_pad, D) accumulator, fresh per call
-    assert p.neg_lse.shape == p.delta.shape == (2, 4, rows)
-    assert p.dq_accum.shape == (2, 4, rows, head_dim)
-    again = _call(stage, head_dim, Lq, Lk, **kw)
+    assert p.neg_lse.shape == p.delta.shape == (2, plan.heads, rows)
+    assert p.dq_accum.shape == (2, plan.heads, rows, head_dim)
+    if plan.deterministic:
+        sem = main.params[0][-1]
+        assert sem == p.semaphores.ptr != 0
+        assert p.semaphores.shape == (2, plan.heads, rows // plan.block_m)
+    elif plan.stage.production:
+        assert main.params[0][-1] == 0
+    if plan.stage.production:
+        H, Hkv = plan.heads, plan.heads_kv
+        extra = main.params[0][-5:-1]
+        assert extra[0] == H // Hkv and extra[1] == (Lk - Lq)
+        if plan.masked:            # an unbounded side arrives as Lq + Lk
+            left, right = plan.window
+            assert extra[2] == (Lq + Lk if left < 0 else left) and extra[3] == right
+    again = _call(stage, head_dim, Lq, Lk, **dict(kw, **{k: v for k, v in
+                                                      dict(H=plan.heads, Hkv=plan.heads_kv)
+                                                      .items()}))
     assert again.dq_accum.ptr != p.dq_accum.ptr, "a workspace was reused between calls"

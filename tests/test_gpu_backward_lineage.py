@@ -1,11 +1,11 @@
 """The backward's preprocess, postprocess and lineage stages on the GPU (skipped without one).
 
-Small tests first, each of one part, so that a failure names it: the preprocess alone (delta,
-neg_lse, the zeroed accumulator), the postprocess alone (the accumulator's layout), then each
-gradient of stage b1 alone (dV needs only P and dO; dK adds dS; dQ adds the dS tile in shared
-memory, the accumulator and the postprocess), the raw accumulator against the reference (main
-kernel or postprocess?), then the stages over shapes and layouts. Every output and workspace
-is poisoned with NaN before the launches; inputs are fresh standard normals.
+Small tests first, each of one part, so that a failure names it: each gradient of stage b1
+alone (dV needs only P and dO; dK adds dS; dQ adds the dS tile in shared memory, the
+accumulator and the postprocess), the raw accumulator against the reference (main kernel or
+postprocess?), then every stage over shapes and layouts. The preprocess and postprocess alone
+are in test_gpu_backward.py. Every output and workspace is poisoned with NaN before the
+launches; inputs are fresh standard normals.
 """
 
 from __future__ import annotations
@@ -13,98 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bwd_checks import check_grads, inputs, poison, run
-from ptxattn import backward, bwd_builds, driver, tensors
-from ptxattn.reference import BF16
+from bwd_checks import check_grads, inputs, run
+from ptxattn import bwd_builds
 from ptxattn.reference_backward import attention_backward_reference
 
 pytestmark = pytest.mark.gpu
 
 LINEAGE = [s.label for s in bwd_builds.STAGES]
 D = 128
-
-
-def _prepared(q, k, v, out, lse, dout, layout="bhld", stage="b1", **kw):
-    dev = [tensors.from_numpy(x) for x in (q, k, v, out, dout)]
-    lse_d = tensors.empty(lse.shape, dtype=np.float32)
-    driver.memcpy_htod(lse_d.ptr, np.ascontiguousarray(lse, np.float32))
-    p = backward.prepare_backward(dev[0], dev[1], dev[2], dev[3], lse_d, dev[4], stage=stage,
-                                  layout=layout, **kw)
-    poison(p)
-    return p, dev + [lse_d]
-
-
-def _f32(x):
-    return x.to_numpy().astype(np.float64)
-
-
-# --------------------------------------------------------------------------- the pieces alone
-
-# The kernels whose pre/postprocess layout the piece tests cover: (stage, head dim)
-PIECES = [("b1", 128)]
-
-
-@pytest.mark.parametrize("stage,head_dim", PIECES)
-@pytest.mark.parametrize("layout", ["bhld", "bshd"])
-def test_preprocess_alone_delta_lse_and_zeroed_accumulator(stage, head_dim, layout):
-    """delta = rowsum(dO * O) of the bf16 inputs, neg_lse = -lse log2 e (rows with no key,
-    lse -inf, and padding rows: -inf, padding delta 0), every accumulator float 0 (all were
-    NaN before)."""
-    Lq, Lk = (192, 256) if stage != "production" else (100, 300)
-    q, k, v, out, lse, dout = inputs(2, 3, 3, Lq, Lk, head_dim, layout, seed=1)
-    lse = lse.copy()
-    lse[:, :, 5::7] = -np.inf                    # as the forward writes for rows with no key
-    p, keep = _prepared(q, k, v, out, lse, dout, layout,
-                        stage=None if stage == "production" else stage)
-    p.launch_preprocess()
-    delta, neg, acc = _f32(p.delta), _f32(p.neg_lse), _f32(p.dq_accum)
-    o = out.astype(np.float32).astype(np.float64)
-    do = dout.astype(np.float32).astype(np.float64)
-    if layout == "bshd":
-        o, do = o.transpose(0, 2, 1, 3), do.transpose(0, 2, 1, 3)
-    want = (o * do).sum(-1)
-    assert np.isfinite(delta).all(), f"{int((~np.isfinite(delta)).sum())} delta values unwritten"
-    err = np.abs(delta[:, :, :Lq] - want).max()
-    assert err <= 1e-4 * max(1.0, np.abs(want).max()), f"delta max abs error {err:.3e}"
-    assert (delta[:, :, Lq:] == 0).all(), "padding rows' delta must be 0"
-    want_neg = np.where(np.isneginf(lse), -np.inf, -lse.astype(np.float64) * np.log2(np.e))
-    fin = np.isfinite(want_neg)
-    assert (np.isneginf(neg[:, :, :Lq]) == ~fin).all(), "rows with no key: neg_lse must be -inf"
-    err = np.abs(neg[:, :, :Lq][fin] - want_neg[fin]).max()
-    assert err <= 1e-5 * np.abs(want_neg[fin]).max(), f"neg_lse max abs error {err:.3e}"
-    assert np.isneginf(neg[:, :, Lq:]).all(), "padding rows' neg_lse must be -inf"
-    assert (acc == 0).all(), f"{int((acc != 0).sum())} accumulator floats not zeroed " \
-                             f"({int(np.isnan(acc).sum())} still NaN)"
-    p.close()
-
-
-@pytest.mark.parametrize("stage,head_dim", PIECES)
-def test_postprocess_alone_reads_the_accumulator_layout(stage, head_dim):
-    """Distinct values at known accumulator offsets (bwd_builds.dq_accum_offset); dq must be
-    bf16(scale * value) at the matching (row, column); padding rows are never read (NaN)."""
-    B, H = 2, 2
-    Lq = 192 if stage != "production" else 200
-    rng = np.random.default_rng(head_dim)
-    q = rng.standard_normal((B, H, Lq, head_dim)).astype(BF16)
-    kv = rng.standard_normal((B, H, 256, head_dim)).astype(BF16)
-    lse = np.zeros((B, H, Lq), np.float32)
-    p, keep = _prepared(q, kv, kv, q, lse, q, stage=None if stage == "production" else stage)
-    plan = p.plan
-    values = rng.standard_normal((B, H, Lq, head_dim)).astype(np.float32)
-    acc = np.full((B, H, plan.seq_q_pad * head_dim), np.nan, np.float32)
-    rows, cols = np.meshgrid(np.arange(Lq), np.arange(head_dim), indexing="ij")
-    off = bwd_builds.dq_accum_offset(rows, cols, head_dim, plan.block_m, plan.dq_cols)
-    assert len(np.unique(off)) == off.size, "dq_accum_offset is not one-to-one"
-    acc[:, :, off] = values
-    driver.memcpy_htod(p.dq_accum.ptr, acc)
-    p.launch_postprocess()
-    got = p.dq.to_numpy().astype(np.float32)
-    want = (values * plan.scale).astype(BF16).astype(np.float32)
-    bad = got != want
-    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} dq values wrong "
-                           f"({int(np.isnan(got).sum())} NaN: a padding float read?); first at "
-                           f"(b, h, row, col) {tuple(int(x[0]) for x in np.nonzero(bad))}")
-    p.close()
 
 
 # --------------------------------------------------------------------------- b1, one gradient each
