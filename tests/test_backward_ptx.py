@@ -9,6 +9,7 @@ order and of the right width, with the grid, block and shared memory of the tabl
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 import numpy as np
@@ -28,9 +29,15 @@ KERNELS += [(f"production_d{d}{'_masked' if masked else ''}", bwd_builds.PRODUCT
             for d in bwd_builds.HEAD_DIMS for masked in (False, True)]
 
 
+@functools.lru_cache(maxsize=None)
+def _assembly(file, defines: tuple):
+    text = backward.source(file, dict(defines)).text
+    return text, sass.assemble_ptx(text, "sm_90a", "bwd")
+
+
 def _assembled(file, defines):
-    text = backward.source(file, defines).text
-    return text, sass.parse_ptxas_log(sass.assemble_ptx(text, "sm_90a", "bwd").log)
+    text, asm = _assembly(file, tuple(sorted(defines.items())))
+    return text, sass.parse_ptxas_log(asm.log)
 
 
 @needs_ptxas
@@ -148,3 +155,28 @@ def test_every_launch_passes_what_its_kernel_declares(fake_launches, stage, head
                                                       dict(H=plan.heads, Hkv=plan.heads_kv)
                                                       .items()}))
     assert again.dq_accum.ptr != p.dq_accum.ptr, "a workspace was reused between calls"
+
+
+SETMAXNREG = [k for k in KERNELS if k[1] != bwd_builds.STAGES[0].file and k[3] == backward.ENTRY]
+
+
+@needs_ptxas
+@pytest.mark.skipif(sass.locate("nvdisasm") is None and sass.locate("cuobjdump") is None,
+                    reason="no disassembler")
+@pytest.mark.parametrize("label,file,defines,entry,limit", SETMAXNREG,
+                         ids=[k[0] for k in SETMAXNREG])
+def test_setmaxnreg_regions_stay_in_their_budgets(label, file, defines, entry, limit):
+    """In the SASS, the code after the consumers' USETMAXREG.TRY_ALLOC (240) and after the
+    producer warpgroup's USETMAXREG.DEALLOC (24) names no register past its budget (ptxas lays
+    the consumer code out first, the producer warpgroup's after it)."""
+    _, asm = _assembly(file, tuple(sorted(defines.items())))
+    lines = sass.disassemble(asm.cubin).splitlines()
+    alloc = [i for i, l in enumerate(lines) if "USETMAXREG.TRY_ALLOC" in l]
+    dealloc = [i for i, l in enumerate(lines) if "USETMAXREG.DEALLOC" in l]
+    assert len(alloc) == 1 and len(dealloc) == 1 and alloc[0] < dealloc[0]
+
+    def highest(part):
+        return max(int(r) for l in part for r in re.findall(r"\bR(\d+)\b", l))
+
+    assert highest(lines[alloc[0]:dealloc[0]]) < bwd_builds.CONSUMER_REGS
+    assert highest(lines[dealloc[0]:]) < bwd_builds.PRODUCER_REGS
