@@ -23,7 +23,8 @@ import numpy as np
 
 from . import bwd_builds, driver, ptx, tensors, tma
 # The forward's validation helpers, imported narrowly (attention.py is being split by job).
-from .attention import _AXES, LAYOUTS, _bhld, _caller_stream, _classify
+from .attention import (LAYOUTS, _bhld, _caller_stream, _classify, _qkv_dims,
+                        _scale_value)
 from .attention import _window as _mask_bounds
 from .bwd_builds import CONSUMER_ROWS, Stage
 from .errors import JitError, PtxattnError
@@ -74,24 +75,14 @@ class BackwardPlan:
         return self.seq_q == 0 or self.heads == 0 or self.batch == 0
 
     @property
-    def block_m(self) -> int:
-        return bwd_builds.build(self.head_dim).block_m if self.stage.production \
-            else bwd_builds.LINEAGE_BLOCK_M
+    def tiles(self) -> bwd_builds.Build:
+        """The head dim's build: its tiles (the lineage's, at D = 128, are the same)."""
+        return bwd_builds.build(self.head_dim)
 
-    @property
-    def block_n(self) -> int:
-        return bwd_builds.build(self.head_dim).block_n if self.stage.production \
-            else bwd_builds.LINEAGE_BLOCK_N
-
-    @property
-    def dq_cols(self) -> int:
-        return bwd_builds.build(self.head_dim).dq_cols if self.stage.production \
-            else self.head_dim // 2
-
-    @property
-    def dkv_cols(self) -> int:
-        return bwd_builds.build(self.head_dim).dkv_cols if self.stage.production \
-            else self.head_dim
+    block_m = property(lambda self: self.tiles.block_m, doc="query rows a step")
+    block_n = property(lambda self: self.tiles.block_n, doc="keys a CTA")
+    dq_cols = property(lambda self: self.tiles.dq_cols, doc="one consumer's dQ slice width")
+    dkv_cols = property(lambda self: self.tiles.dkv_cols, doc="one consumer's dK / dV columns")
 
     @property
     def seq_q_pad(self) -> int:
@@ -107,20 +98,6 @@ class BackwardPlan:
 
 
 # --------------------------------------------------------------------------- validation
-
-def _scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    try:
-        if isinstance(scale, (str, bytes)):
-            raise TypeError
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale: expected a positive finite number, got {value}")
-    return value
-
 
 def _classify_lse(lse, host: bool, stream: int):
     """The log-sum-exp: float32 (B, H, Lq); NumPy float64 is rounded to float32."""
@@ -179,23 +156,13 @@ def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagona
     host = kinds["q"]
     arrays["lse"] = _classify_lse(lse, host, handle)
 
-    dims = {n: _bhld(n, arrays[n].shape, layout) for n in ("q", "k", "v", "out", "dout")}
-    if dims["k"] != dims["v"]:
-        raise ValueError(f"v: expected the same shape as k, {tuple(arrays['k'].shape)}, "
-                         f"got {tuple(arrays['v'].shape)}")
+    dims = _qkv_dims({n: arrays[n] for n in ("q", "k", "v")}, layout)
     (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
-    for label, mine, theirs in (("batch", bk, b), ("head dim", dk, d)):
-        if mine != theirs:
-            raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
-                             f"(layout {layout!r}: {_AXES[layout]})")
     for name in ("out", "dout"):
-        if dims[name] != dims["q"]:
+        if _bhld(name, arrays[name].shape, layout) != dims["q"]:
             raise ValueError(f"{name}: expected q's shape {tuple(arrays['q'].shape)} (the "
                              f"forward's output, layout {layout!r}), got "
                              f"{tuple(arrays[name].shape)}")
-    if hk != h and (hk == 0 or h % hk):
-        raise ValueError(f"k: heads {hk} do not divide q's heads {h}; grouped-query attention "
-                         f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
     if tuple(arrays["lse"].shape) != (b, h, lq):
         raise ValueError(f"lse: expected shape (batch, heads, seq_q) = {(b, h, lq)} (the "
                          f"forward's return_lse=True), got {tuple(arrays['lse'].shape)}")
@@ -213,7 +180,7 @@ def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagona
                                masked=(left, right) != (-1, -1), deterministic=deterministic))
     plan = BackwardPlan(host, arrays["q"], arrays["k"], arrays["v"], arrays["out"],
                         arrays["lse"], arrays["dout"], layout, b, h, hk, lq, lk, d,
-                        _scale(scale, d), (left, right),
+                        _scale_value(scale, d), (left, right),
                         lk - lq if diagonal == "bottom_right" else 0, deterministic, chosen,
                         handle, stream)
     if not host and not empty:

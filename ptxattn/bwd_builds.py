@@ -237,6 +237,7 @@ class Stage:
         return None
 
 
+# The lineage's tiles are the production build's at D = 128 (checked in the tests).
 LINEAGE_HEAD_DIM, LINEAGE_BLOCK_M, LINEAGE_BLOCK_N = 128, 64, 128
 _KV, _Q, _STAT = 128 * 128 * 2, 64 * 128 * 2, 64 * 4
 # Each lineage stage's shared memory, region by region (its .ptx spells the offsets out as

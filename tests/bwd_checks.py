@@ -45,21 +45,28 @@ def inputs(B, H, Hkv, Lq, Lk, D, layout="bhld", seed=0, scale=None, **mask):
     return q, k, v, out, lse, dout
 
 
-def run(q, k, v, out, lse, dout, *, stage=None, layout="bhld", keep=False, **kw):
-    """Device copies in; outputs and every workspace poisoned with NaN; the three launches;
-    (dq, dk, dv) on the host. keep=True also returns the PreparedBackward (not closed)."""
+def prepared(q, k, v, out, lse, dout, *, stage=None, layout="bhld", **kw):
+    """Device copies in, a PreparedBackward built, its outputs and workspaces poisoned with
+    NaN; (prepared, the device copies to free)."""
     dev = [tensors.from_numpy(x) for x in (q, k, v, out, dout)]
     lse_d = tensors.empty(lse.shape, dtype=np.float32)
     driver.memcpy_htod(lse_d.ptr, np.ascontiguousarray(lse, np.float32))
     p = backward.prepare_backward(dev[0], dev[1], dev[2], dev[3], lse_d, dev[4], stage=stage,
                                   layout=layout, **kw)
     poison(p)
+    return p, dev + [lse_d]
+
+
+def run(q, k, v, out, lse, dout, *, stage=None, layout="bhld", keep=False, **kw):
+    """prepared(...), the three launches, (dq, dk, dv) on the host. keep=True also returns the
+    PreparedBackward (not closed) and the device copies."""
+    p, dev = prepared(q, k, v, out, lse, dout, stage=stage, layout=layout, **kw)
     p.launch()
     grads = tuple(x.to_numpy() for x in (p.dq, p.dk, p.dv))
     if keep:
-        return grads, p, dev + [lse_d]
+        return grads, p, dev
     p.close()
-    for x in dev + [lse_d]:
+    for x in dev:
         x.free()
     return grads
 

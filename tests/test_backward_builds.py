@@ -156,3 +156,9 @@ def test_lineage_literals_are_the_table(stage):
     assert defs["BLOCK_M"] == bwd_builds.LINEAGE_BLOCK_M
     assert defs["BLOCK_N"] == bwd_builds.LINEAGE_BLOCK_N
     assert defs["HEAD_DIM"] == bwd_builds.LINEAGE_HEAD_DIM
+
+
+def test_the_lineage_tiles_are_the_d128_build():
+    b = BUILDS[bwd_builds.LINEAGE_HEAD_DIM]
+    assert (b.block_m, b.block_n) == (bwd_builds.LINEAGE_BLOCK_M, bwd_builds.LINEAGE_BLOCK_N)
+    assert b.key_split and b.dq_cols == 64 and b.dkv_cols == 128

@@ -6,11 +6,10 @@ The `no_driver` fixture fails a test that reaches the CUDA driver; device inputs
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 from fakes import FAKE_BASE, FakeCAI, FakeDLPack
+from test_validation import raises       # the forward's: pytest.raises + words in the message
 
 import ptxattn
 from ptxattn import backward
@@ -56,14 +55,6 @@ def plan(a, **kw):
                         ("deterministic", False), ("stream", None), ("stage", None)):
         kw.setdefault(name, value)
     return backward._validate(a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], **kw)
-
-
-@contextlib.contextmanager
-def raises(exc, *words):
-    with pytest.raises(exc) as info:
-        yield info
-    for w in words:
-        assert w in str(info.value), f"{w!r} not in {str(info.value)!r}"
 
 
 def test_a_valid_call_plans_without_the_driver():

@@ -20,21 +20,15 @@ import numpy as np
 import pytest
 
 import ptxattn
-from bwd_checks import check_grads, inputs, no_key_rows, poison, run
-from ptxattn import backward, bwd_builds, driver, tensors
+from bwd_checks import check_grads, inputs, no_key_rows, prepared, run
+from ptxattn import bwd_builds, driver, tensors
 from ptxattn.reference import BF16
 
 pytestmark = pytest.mark.gpu
 
 
 def _prepared(q, k, v, out, lse, dout, layout="bhld", stage="b1", **kw):
-    dev = [tensors.from_numpy(x) for x in (q, k, v, out, dout)]
-    lse_d = tensors.empty(lse.shape, dtype=np.float32)
-    driver.memcpy_htod(lse_d.ptr, np.ascontiguousarray(lse, np.float32))
-    p = backward.prepare_backward(dev[0], dev[1], dev[2], dev[3], lse_d, dev[4], stage=stage,
-                                  layout=layout, **kw)
-    poison(p)
-    return p, dev + [lse_d]
+    return prepared(q, k, v, out, lse, dout, layout=layout, stage=stage, **kw)
 
 
 def _f32(x):
