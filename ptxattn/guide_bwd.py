@@ -5,7 +5,7 @@
     python -m ptxattn.guide_bwd --check    # exit 1 when a page is not what regenerating gives
 
 Built like the forward's guide (ptxattn/guide.py, whose header/diff helpers it uses) from
-committed inputs only: the registry's idea (ptxattn/bwd_builds.STAGES), each file's header,
+committed inputs only: the registry's idea (STAGES in ptxattn/bwd_builds.py), each file's header,
 the diff of the hand-written sources against the stage before, the SASS summaries in
 sass.json, and the newest bench/results/*-backward.json run (bench/backward_bench.py). The
 backward kernels have no trace points yet, so the pages have no timelines.
