@@ -8,12 +8,14 @@
 # $OUT/sanitizer-backward-<date>.txt: each invocation's command, its summary lines and case
 # line, and the first lines of the log of any invocation that is not clean; the table last.
 # Exit 0 when every real case is clean and the control is flagged, 1 otherwise.
+# Switches: TOOLS="memcheck synccheck" (racecheck is the slow one), CASES="b1 b3 d128".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 PYTHON=${PYTHON:-python3}
 SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
 TOOLS=${TOOLS:-memcheck racecheck synccheck}
+CASES=${CASES:-}            # e.g. CASES="b1 b3 d128": a subset (default: every case)
 mkdir -p "$OUT"
 LOG="$OUT/sanitizer-backward-$(date +%Y-%m-%d).txt"
 : > "$LOG"
@@ -21,7 +23,7 @@ export CUDA_CACHE_DISABLE=0 PYTHONUNBUFFERED=1
 status=0
 table=()
 for tool in $TOOLS; do
-  for case in $($PYTHON bench/sanitize_bwd_case.py --list); do
+  for case in ${CASES:-$($PYTHON bench/sanitize_bwd_case.py --list)}; do
     extra=(); [ "$tool" = memcheck ] && extra=(--leak-check full)
     [ "$tool" = racecheck ] && extra=(--racecheck-report analysis)
     cmd=("$SAN" --tool "$tool" "${extra[@]}" --error-exitcode 86 "$PYTHON" bench/sanitize_bwd_case.py "$case")

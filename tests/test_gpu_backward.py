@@ -108,6 +108,21 @@ def test_postprocess_alone_reads_the_accumulator_layout(stage, head_dim):
 
 # --------------------------------------------------------------------------- production
 
+BUILDS = [(d, masked) for d in bwd_builds.HEAD_DIMS for masked in (False, True)]
+
+
+@pytest.mark.parametrize("D,masked", BUILDS)
+def test_smoke_every_build_launches_and_writes_every_element(D, masked):
+    """The first thing to read when the matrix below fails: each build's one launch at a small
+    ragged shape writes every element of dq, dk, dv (all were NaN) and nothing non-finite."""
+    mask = {"causal": True} if masked else {}
+    q, k, v, out, lse, dout = inputs(1, 2, 2, 70, 150, D, seed=D + masked, **mask)
+    grads = run(q, k, v, out, lse, dout, **mask)
+    bad = {n: int((~np.isfinite(g.astype(np.float32))).sum())
+           for n, g in zip(("dq", "dk", "dv"), grads)}
+    assert not any(bad.values()), f"non-finite (unwritten?) values per gradient: {bad}"
+
+
 def case(B, H, Hkv, Lq, Lk, D=128, layout="bhld", seed=None, scale=None, deterministic=False,
          **mask):
     """Inputs, one backward, the bar; also rows with no key (dq exactly 0) and keys no query
