@@ -17,6 +17,9 @@ _EXPORTS = {
     "prepare": "api",
     "PreparedAttention": "api",
     "flash_attn_with_kvcache": "decode",
+    "attention_backward": "backward",
+    "prepare_backward": "backward",
+    "attention_backward_reference": "reference_backward",
     "attention_reference": "reference",
     "error_metrics": "reference",
     "passes": "reference",
@@ -36,9 +39,7 @@ _EXPORTS = {
     "CudaError": "errors",
     "JitError": "errors",
 }
-# The runtime's modules, as attributes (the tools are ptxattn.tools.*, imported by name: the
-# package never imports them).
-_SUBMODULES = ("api", "driver", "errors", "ptx", "reference", "stages", "tensors", "tma")
+_SUBMODULES = ("api", "backward", "driver", "errors", "ptx", "reference", "stages", "tensors", "tma")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -221,6 +221,42 @@ def _window(causal, window, diagonal) -> tuple[int, int]:
     return left, right
 
 
+def qkv_dims(arrays: dict, layout: str) -> dict:
+    """(batch, heads, seq, head_dim) of each array in `layout`, q, k and v checked against
+    each other (shared with the backward, which adds its own arrays)."""
+    dims = {n: _bhld(n, a.shape, layout) for n, a in arrays.items()}
+    if dims["k"] != dims["v"]:
+        raise ValueError(f"v: expected the same shape as k, {tuple(arrays['k'].shape)}, "
+                         f"got {tuple(arrays['v'].shape)}")
+    (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
+    for label, mine, theirs in (("batch", bk, b), ("head dim", dk, d)):
+        if mine != theirs:
+            raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
+                             f"(layout {layout!r}: {_AXES[layout]})")
+    # GQA/MQA: each group of heads // heads_kv query heads shares one k/v head
+    if hk != h and (hk == 0 or h % hk):
+        raise ValueError(f"k: heads {hk} do not divide q's heads {h}; grouped-query attention "
+                         f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
+    return dims
+
+
+def scale_of(scale, head_dim: int) -> float:
+    """`scale` as a float (None: 1/sqrt(D)), or the error naming it (shared with the backward)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        if isinstance(scale, (str, bytes)):
+            raise TypeError
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
+    if not math.isfinite(value) or value <= 0:
+        # the softmax subtracts the row max of the raw scores: that bounds the exponents
+        # only for a positive scale (and -inf masks stay -inf only then)
+        raise ValueError(f"scale: expected a positive finite number, got {value}")
+    return value
+
+
 def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, causal=False,
               window=None, diagonal="bottom_right") -> Plan:
     stream_handle = driver.stream_handle
@@ -242,19 +278,8 @@ def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, ca
         raise ValueError(f"q, k, v: expected all NumPy (host) arrays or all device arrays; {where}")
     host = kinds["q"]
 
-    dims = {n: _bhld(n, a.shape, layout) for n, a in arrays.items()}
-    if dims["k"] != dims["v"]:
-        raise ValueError(f"v: expected the same shape as k, {tuple(arrays['k'].shape)}, "
-                         f"got {tuple(arrays['v'].shape)}")
+    dims = qkv_dims(arrays, layout)
     (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
-    for label, mine, theirs in (("batch", bk, b), ("head dim", dk, d)):
-        if mine != theirs:
-            raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
-                             f"(layout {layout!r}: {_AXES[layout]})")
-    # GQA/MQA: each group of heads // heads_kv query heads shares one k/v head
-    if hk != h and (hk == 0 or h % hk):
-        raise ValueError(f"k: heads {hk} do not divide q's heads {h}; grouped-query attention "
-                         f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
     left, right = _window(causal, window, diagonal)
@@ -282,19 +307,7 @@ def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, ca
                         f"{tuple(arrays[name].shape)} as batch {bb}, heads {hh}, seq {ll}, "
                         f"head_dim {dd}",)
         raise
-    if scale is None:
-        scale_value = 1.0 / math.sqrt(d)
-    else:
-        try:
-            if isinstance(scale, (str, bytes)):
-                raise TypeError
-            scale_value = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
-        if not math.isfinite(scale_value) or scale_value <= 0:
-            # the softmax subtracts the row max of the raw scores: that bounds the exponents
-            # only for a positive scale (and -inf masks stay -inf only then)
-            raise ValueError(f"scale: expected a positive finite number, got {scale_value}")
+    scale_value = scale_of(scale, d)
 
     plan = Plan(host, arrays["q"], arrays["k"], arrays["v"], None, layout, b, h, lq, lk, d,
                  chosen, stage is not None, scale_value, handle, stream, heads_kv=hk,

@@ -174,7 +174,9 @@ def header() -> str:
         out += _q_load_macro(b)
         out += _combine_macros(b)
     return _guarded(HEADER, "Decode kernels (ptx/sm90/production/decode.ptx, combine.ptx): build "
-                    "rows, O stores, Q loads, combine batches.", out)
+                    "rows, O stores, Q loads, combine batches.", out).replace(
+        "`python -m ptxattn.tools.ptxgen` (ptxattn/tools/ptxgen.py)",
+        "`python -m ptxattn.tools.decode_gen` (ptxattn/tools/decode_gen.py)", 1)
 
 
 def headers() -> dict[str, str]:
