@@ -507,8 +507,11 @@ def _split(text: str | None) -> list[str] | None:
               show_default=True, help="The measured window of --sustained.")
 @click.option("--cooldown", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="--sustained: the least pause before each kernel (then until idle power).")
+@click.option("--walk-model", is_flag=True,
+              help="Print the tile-walk model's predictions for the cases (the production "
+                   "kernel's walks: busiest CTA, K/V reuse in L2), run nothing (no GPU).")
 def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, out_dir,
-          plot_file, from_json, estimate, sustained, sustained_seconds, cooldown):
+          plot_file, from_json, estimate, sustained, sustained_seconds, cooldown, walk_model):
     """Benchmark kernels against cuDNN on the same inputs in the same run."""
     from . import bench as _bench
     from . import sustained as _sustained
@@ -530,6 +533,11 @@ def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer
     else:
         plan = _bench_plan(_bench, set_name, stage_list, shapes, layout, reps, rounds)
         cases, stage_objs, reps, rounds = plan
+        if walk_model:
+            from . import tile_walk
+            problems = {c.name: tile_walk.problem_of_case(c) for c in cases}
+            click.echo(tile_walk.format_predictions(tile_walk.predict(problems)))
+            return
         config = (_sustained.Config(seconds=sustained_seconds, cooldown_s=cooldown)
                   if sustained else None)
         seconds = _bench.estimate_seconds(cases, stage_objs, reps=reps, rounds=rounds,
