@@ -54,6 +54,9 @@ METRICS = (
     "dram__bytes_write.sum",
     "gpu__time_duration.sum",
 )
+# what a run falls back to when ncu refuses the full list (a metric this ncu does not know)
+SAFE_METRICS = ("lts__t_sector_hit_rate.pct", "sm__cycles_elapsed.avg.per_second",
+                "dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis")
 # figure -> the raw metric names that give it, first found wins
 FIGURES = {
@@ -89,7 +92,8 @@ def target(args) -> int:
         out.fill_u16(0xFFFF)
         defines = dict(x.split("=", 1) for x in args.define) or None
         p = prepare(qd, kd, vd, stage=args.kernel, out=out, causal=args.causal, defines=defines,
-                    extra_params=tile_walk.extra_params(defines, b, h, hkv, seq, seq, d))
+                    extra_params=tile_walk.extra_params(defines, b, h, hkv, seq, seq, d,
+                                                        causal=args.causal))
         p.launch()
         p.launch()
         driver.synchronize()
@@ -232,6 +236,12 @@ def profile(args, target_argv, *, run=subprocess.run, which=shutil.which) -> int
         cmd = ncu_command(ncu, clocks, metrics, target_argv, args.kernel)
         proc = run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
         launches = parse_raw_csv(proc.stdout)
+        if proc.returncode != 0 and list(metrics) != list(SAFE_METRICS):
+            print(f"{args.kernel} {clocks}: ncu exit {proc.returncode}; again with "
+                  f"{', '.join(SAFE_METRICS)} only")
+            cmd = ncu_command(ncu, clocks, SAFE_METRICS, target_argv, args.kernel)
+            proc = run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
+            launches = parse_raw_csv(proc.stdout)
         check = [line for line in proc.stdout.splitlines() if line.startswith(args.kernel)]
         if proc.returncode != 0 or len(launches) != 1:
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
