@@ -213,3 +213,27 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
     assert len(retried) == 5                       # query, then per clock: full list, safe list
     with pytest.raises(SystemExit, match="ncu"):
         ncu_bind.profile(args, [], run=run, which=lambda n: None)
+
+
+def test_cudnn_variant_needs_torch_and_no_window(variants):
+    with pytest.raises(SystemExit, match="needs PyTorch"):
+        variants.main(["a=production", "c=cudnn", "--shape", "1x1x128x128"])
+
+
+@pytest.mark.gpu
+def test_variants_with_cudnn_and_sustained_on_the_gpu(tmp_path):
+    """The device plan's form, small: the default build, the L2-walk build and cuDNN, burst
+    rounds then a short sustained window each (~6 s of device time). Every variant passes its
+    check and gets sustained figures."""
+    spec = importlib.util.spec_from_file_location("experiments_variants_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "v.jsonl"
+    rc = module.main(["a=production", "w=production:PTXATTN_L2_WALK=1", "c=cudnn", "--shape",
+                      "1x4x2048x128", "--causal", "--rounds", "2", "--reps", "2", "--sustained",
+                      "--sustained-seconds", "0.5", "--cooldown", "0.2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and not result["failed"], result["failed"]
+    for lab in ("a", "w", "c"):
+        s = result["variants"][lab]["sustained"]
+        assert s.get("tflops"), (lab, s)

@@ -4,7 +4,7 @@
         base=production 14=stage14 nomask=production:PTXATTN_NO_TAIL_MASK=1
 
 Each variant is LABEL=KERNEL[:NAME=VALUE,...] (a kernel as `ptxattn run` names it, then build
-defines). Every round times all variants interleaved launch by launch in a fresh random order;
+defines); KERNEL `cudnn` is cuDNN through PyTorch's SDPA on the same inputs (needs PyTorch). Every round times all variants interleaved launch by launch in a fresh random order;
 the figure per variant is the median over rounds of its per-round median, and each ratio to the
 first variant is the median over rounds of (first's time / its time) with a 95% bootstrap
 interval over rounds. Outputs are checked against the reference before anything is timed
@@ -58,6 +58,34 @@ def credited_flops(b: int, h: int, lq: int, lk: int, d: int, causal: bool, windo
     case = bench.Case(name="variants", batch=b, heads=h, seq_q=lq, seq_k=lk, head_dim=d,
                       causal=causal, window=window, heads_kv=heads_kv)
     return case.flops, bench.flops_rule(case)
+
+
+class CudnnVariant:
+    """The cuDNN peer as a variant: SDPA with the cuDNN backend on device copies of the inputs
+    (bench._cudnn_launcher: BSHD as transposed views, GQA by enable_gqa)."""
+
+    def __init__(self, q, k, v, layout: str, causal: bool, window):
+        torch = bench._import_torch()
+        if torch is None:
+            raise SystemExit("variant cudnn: needs PyTorch with a CUDA device")
+        if window is not None:
+            raise SystemExit("variant cudnn: SDPA has no sliding window")
+        axis = 2 if layout == "bhld" else 1
+        if causal and q.shape[axis] != k.shape[axis]:
+            raise SystemExit("variant cudnn: SDPA's causal diagonal is top-left, ours "
+                             "bottom-right: they differ when Lq != Lk")
+        self.torch, self.layout = torch, layout
+        qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).to("cuda")
+                      .view(torch.bfloat16) for x in (q, k, v))
+        heads_axis = 1 if layout == "bhld" else 2
+        gqa = "enable_gqa" if q.shape[heads_axis] != k.shape[heads_axis] else None
+        self.launch = bench._cudnn_launcher(torch, qt, kt, vt, layout, causal=causal, gqa=gqa)
+        self.stream = torch.cuda.current_stream().cuda_stream
+
+    def output(self):
+        """One call's output as float32 NumPy in the inputs' layout."""
+        o = self.launch().float().cpu().numpy()      # BHLD (SDPA's)
+        return o.transpose(0, 2, 1, 3) if self.layout == "bshd" else o
 
 
 def sustained_figures(runs: dict, per_round: dict, flops: int, args, rng) -> dict:
@@ -117,14 +145,19 @@ def main(argv=None) -> int:
     axis = 2 if args.layout == "bhld" else 1
     runs, failed = {}, {}
     for label, kernel, defines in variants:
-        out = tensors.empty(q.shape)
-        out.fill_u16(0xFFFF)
-        extra = tile_walk.extra_params(defines, b, h, hkv, lq, lk, d, causal=args.causal,
-                                       window=window)
-        p = prepare(qd, kd, vd, stage=kernel, layout=args.layout, out=out, defines=defines or None,
-                    extra_params=extra, **mask)
-        p.launch()
-        m = reference.error_metrics(np.take(out.to_numpy(), rows, axis=axis), ref)
+        if kernel == "cudnn":
+            p = CudnnVariant(q, k, v, args.layout, args.causal, window)
+            got = p.output()
+        else:
+            out = tensors.empty(q.shape)
+            out.fill_u16(0xFFFF)
+            extra = tile_walk.extra_params(defines, b, h, hkv, lq, lk, d, causal=args.causal,
+                                           window=window)
+            p = prepare(qd, kd, vd, stage=kernel, layout=args.layout, out=out,
+                        defines=defines or None, extra_params=extra, **mask)
+            p.launch()
+            got = out.to_numpy()
+        m = reference.error_metrics(np.take(got, rows, axis=axis), ref)
         if not reference.passes(m):
             failed[label] = m
             print(f"{label}: FAILED its check {m}: not timed")
@@ -137,7 +170,8 @@ def main(argv=None) -> int:
     per_round = {lab: [] for lab in labels}
     for _ in range(args.rounds if labels else 0):
         order = list(rng.permutation(labels))
-        times = bench.time_interleaved([runs[lab].launch for lab in order], args.reps)
+        times = bench.time_interleaved([runs[lab].launch for lab in order], args.reps,
+                                       streams=[runs[lab].stream for lab in order])
         for lab, t in zip(order, times):
             per_round[lab].append(bench.median(t))
     flops, rule = credited_flops(b, h, lq, lk, d, args.causal, window, hkv)
