@@ -317,7 +317,8 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
     finite and within the bar; on failure the message names the worst (batch, head) and rows."""
     from ptxattn import driver, tensors
     from ptxattn.attention import prepare
-    from ptxattn.reference import attention_reference, error_metrics, passes, random_qkv
+    from ptxattn.reference import (attention_reference, error_metrics, passes, random_qkv,
+                                   sample_rows)
 
     b, h, lq, lk, d = shape
     hkv = heads_kv or h
@@ -340,7 +341,9 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
     nan_rows = np.isnan(got).any(axis=-1)
     assert not nan_rows.any(), (f"{shape} S={extra[0][0]}: {int(nan_rows.sum())} rows not "
                                 f"written (NaN), first at {np.argwhere(nan_rows)[:3].tolist()}")
-    ref = attention_reference(q, k, v, layout=layout, causal=causal, window=window)
+    rows = sample_rows(lq, 256, seed=seed) if lq > 600 else np.arange(lq)
+    ref = attention_reference(q, k, v, layout=layout, causal=causal, window=window, rows=rows)
+    got = np.take(got, rows, axis=axis)
     worst = None
     for bi, hi in itertools.product(range(b), range(h)):
         sl = (bi, hi) if layout == "bhld" else (bi, slice(None), hi)
@@ -356,7 +359,7 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
 def test_walk_build_on_the_gpu(head_dim, causal, monkeypatch):
     """Small shapes, 3 persistent CTAs (each walks many tiles across sections), ragged
     lengths, the host's section and the clamped extremes 0 and 10^6."""
-    for shape, hkv in [((2, 6, 300, 300, head_dim), None), ((1, 8, 513, 513, head_dim), 2)]:
+    for shape, hkv in [((2, 6, 300, 300, head_dim), None), ((1, 8, 513, 400, head_dim), 2)]:
         for section in (None, 0, 1, 2, 10**6):
             _check_walk_build(shape, heads_kv=hkv, causal=causal, section=section, ctas=3,
                               monkeypatch=monkeypatch)
