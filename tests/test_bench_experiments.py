@@ -237,3 +237,22 @@ def test_variants_with_cudnn_and_sustained_on_the_gpu(tmp_path):
     for lab in ("a", "w", "c"):
         s = result["variants"][lab]["sustained"]
         assert s.get("tflops"), (lab, s)
+
+
+def test_the_issue_23_plans_parse(variants, ncu_bind):
+    """Every line of the device plans is a valid command of its script (a typo would cost a
+    device run)."""
+    import shlex
+    plans = SCRIPT.parent
+    lines = [x for x in (plans / "2026-12-02-sustained-walk.txt").read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    assert len(lines) == 7
+    for line in lines:
+        args = variants.arg_parser().parse_args(shlex.split(line))
+        assert args.sustained and args.rounds >= 10
+        labels = [variants.parse_variant(v)[0] for v in args.variants]
+        assert labels[0] == "def" and "walk" in labels and "cudnn" in labels
+    lines = [x for x in (plans / "2026-12-02-ncu-l2.txt").read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    for line in lines:
+        ncu_bind.arg_parser().parse_args(["--profile", *shlex.split(line)])

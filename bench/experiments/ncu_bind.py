@@ -265,7 +265,7 @@ def profile(args, target_argv, *, run=subprocess.run, which=shutil.which) -> int
     return 0 if all("error" not in r for r in rows) else 1
 
 
-def main(argv=None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", help="a kernel as `ptxattn run` names it, or cudnn")
     ap.add_argument("--shape", default="4x16x8192x128", help="4k, 8k, ... or BxHxLxD")
@@ -277,6 +277,11 @@ def main(argv=None) -> int:
     ap.add_argument("--clocks", default="natural,locked", help="--profile: natural, locked")
     ap.add_argument("--out", default=None, help="--profile: append one JSON line here")
     ap.add_argument("--timeout", type=int, default=300, help="--profile: per ncu run, seconds")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = arg_parser()
     args = ap.parse_args(argv)
     for c in args.clocks.split(","):
         if c not in CLOCKS:

@@ -9,6 +9,8 @@
 # $OUT/ncu-l2.jsonl. A line's kernel may be `cudnn` (PyTorch SDPA, cuDNN backend).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}
+# KERNELS_FILE=path: the lines of a file instead (comment lines skipped)
+if [[ -n ${KERNELS_FILE:-} ]]; then KERNELS=$(grep -v '^#' "$KERNELS_FILE"); fi
 KERNELS=${KERNELS:-"stage14 --shape 4x16x8192x128
 stage16 --shape 4x16x8192x128
 production --shape 2x16x16384x128 --causal"}

@@ -104,7 +104,7 @@ def sustained_figures(runs: dict, per_round: dict, flops: int, args, rng) -> dic
             for lab, row in rows.items()}
 
 
-def main(argv=None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--shape", default="2x16x16384x128", help="BxHxLxD, or BxHxLqxLkxD")
@@ -120,6 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sustained-seconds", type=float, default=3.0)
     ap.add_argument("--cooldown", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="append one JSON line here")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = arg_parser()
     args = ap.parse_args(argv)
     dims = [int(x) for x in args.shape.lower().split("x")]
     if len(dims) == 4:
