@@ -13,7 +13,7 @@ that, for `ptxattn bench --sustained` (bench.run_cases calls measure_case per ca
     before it, so at most two chunks are queued);
   - power draw and SM clock sampled every ~`period_s` on a background thread, through NVML
     (nvidia-ml-py, `import pynvml`: an optional dependency of the benchmark only), else through
-    `nvidia-smi ... -lms` as a subprocess; neither: SamplerUnavailable, one clear line.
+    `nvidia-smi ... --loop-ms` as a subprocess; neither: SamplerUnavailable, one clear line.
 
 Figures per kernel and case: sustained TFLOP/s (FLOPs of the launches inside the window / the
 window's event time), median SM clock and power over the samples inside the window, energy as
@@ -211,7 +211,8 @@ SMI_FALLBACK_FIELDS = ("power.draw", "clocks.sm")
 
 class SmiSampler(_Sampler):
     """`nvidia-smi --query-gpu=power.draw[.instant],clocks.sm --format=csv,noheader,nounits
-    -lms P` as a subprocess; a reader thread stamps each line with the host time it arrived."""
+    --loop-ms=P` as a subprocess; a reader thread stamps each line with the host time it
+    arrived."""
 
     kind = "nvidia-smi"
 
@@ -232,8 +233,9 @@ class SmiSampler(_Sampler):
         self.proc = None
 
     def command(self) -> list[str]:
+        period_ms = max(1, round(self.period_s * 1000))
         return [self.smi, f"--id={self.device}", f"--query-gpu={','.join(self.fields)}",
-                "--format=csv,noheader,nounits", f"-lms={max(1, round(self.period_s * 1000))}"]
+                "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"]
 
     def start(self) -> "SmiSampler":
         self.proc = self._popen(self.command(), stdout=subprocess.PIPE,

@@ -224,10 +224,11 @@ def simulate(p: Problem, section: int, *, grid: int | None = None, snake: bool |
     reads K and V of a step at the step's start. The L2 holds lines of one K or V tile
     (block_n x D x 2 bytes), least recently used out first (K and V of a step are read
     together, so they are one line of twice the bytes here: the same hits, half the work);
-    every tile's Q and O pass through it as lines used once (other_traffic). A line that missed is in flight for `latency` step
-    times: reads of it then fetch nothing more, but kv_hit_rate_strict does not count them as
-    hits (as a hardware counter may not). Reads are played in time order (ties: CTA, then
-    tile, then step), the order the CTAs would reach the L2 if each ran at the same speed."""
+    every tile's Q and O pass through it as lines used once (other_traffic). A line that
+    missed is in flight for `latency` step times: reads of it then fetch nothing more, but
+    kv_hit_rate_strict does not count them as hits (as a hardware counter may not). Reads are
+    played in time order (ties: CTA, then tile, then step), the order the CTAs would reach
+    the L2 if each ran at the same speed."""
     import numpy as np
     grid = min(H200_SMS, p.tiles) if grid is None else grid
     per_cta = walk(p, section, grid, snake, alternate)

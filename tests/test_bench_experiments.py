@@ -197,7 +197,8 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
     assert [r["clocks"] for r in entry["rows"]] == ["natural", "locked"]
     assert entry["rows"][0]["l2_hit_pct"] == 42.1 and entry["unknown_metrics"] == []
     assert "L2 hit %" in capsys.readouterr().out
-    failing = lambda cmd, **kw: types.SimpleNamespace(returncode=1, stdout="", stderr="boom")  # noqa: E731
+    def failing(cmd, **kw):
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="boom")
     assert ncu_bind.profile(args, ["production"], run=failing, which=lambda n: "ncu") == 1
     # an ncu that refuses the full metric list: the run is retried with the safe ones
     retried = []

@@ -293,7 +293,7 @@ def test_smi_sampler_parses_lines_and_falls_back_to_power_draw():
     s.start()
     s._thread.join(timeout=5)
     assert [(x.power_w, x.sm_mhz) for x in s.samples()] == [(693.52, 1395.0), (690.1, 1410.0)]
-    assert "-lms=100" in popen.cmd and "--id=0000:19:00.0" in popen.cmd
+    assert "--loop-ms=100" in popen.cmd and "--id=0000:19:00.0" in popen.cmd
     assert "--query-gpu=power.draw.instant,clocks.sm" in popen.cmd
     s.stop()
     assert popen.terminated

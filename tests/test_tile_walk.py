@@ -350,7 +350,8 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
         m = error_metrics(got[sl], ref[sl])
         if not passes(m) and worst is None:
             worst = (bi, hi, m)
-    assert worst is None, f"{shape} S={extra[0][0]} axis {axis}: (batch, head) {worst[:2]}: {worst[2]}"
+    assert worst is None, (f"{shape} S={extra[0][0]} {layout}: (batch, head) {worst[:2]}, "
+                           f"{len(rows)} rows: {worst[2]}")
 
 
 @pytest.mark.gpu

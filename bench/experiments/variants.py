@@ -4,8 +4,9 @@
         base=production 14=stage14 nomask=production:PTXATTN_NO_TAIL_MASK=1
 
 Each variant is LABEL=KERNEL[:NAME=VALUE,...] (a kernel as `ptxattn run` names it, then build
-defines); KERNEL `cudnn` is cuDNN through PyTorch's SDPA on the same inputs (needs PyTorch). Every round times all variants interleaved launch by launch in a fresh random order;
-the figure per variant is the median over rounds of its per-round median, and each ratio to the
+defines); KERNEL `cudnn` is cuDNN through PyTorch's SDPA on the same inputs (needs PyTorch).
+Every round times all variants interleaved launch by launch in a fresh random order; the
+figure per variant is the median over rounds of its per-round median, and each ratio to the
 first variant is the median over rounds of (first's time / its time) with a 95% bootstrap
 interval over rounds. Outputs are checked against the reference before anything is timed
 (a build that fails is reported and not timed). One JSON line per run goes to --out.
