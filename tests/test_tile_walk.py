@@ -30,6 +30,7 @@ import pytest
 from ptxattn import ptx, stages, tile_walk
 from ptxattn.attention import UNBOUNDED
 from ptxattn.tile_walk import Problem
+from sync_replay import q_content
 from test_production_schedule import (CONSUMER_WATCH, PRODUCER_WATCH, Program, build_constant,
                                       consumer_tiles, params, program, run_cta)
 
@@ -107,6 +108,11 @@ def kernel_walk(head_dim, masked, prm, grid, prog):
         assert q_rows == [m * block_m for m, _ in got], f"CTA {c}: Q rows {q_rows}"
         out.append(got)
         flags.append([t["last"]["%p_last_tile"] for t in tiles])
+        if masked:                          # the model's K/V range of each Q tile is the PTX's
+            p = Problem.of(prm["batch"], prm["heads"], prm["seq_q"], prm["seq_k"], head_dim,
+                           causal=True)
+            ranges = [(t["%kv_first"], t["%kv_count"]) for t in tiles]
+            assert ranges == [p.kv_range(m) for m, _ in got], (c, ranges)
     return out, flags
 
 
@@ -180,6 +186,63 @@ def test_the_default_build_takes_no_walk_parameter():
     entry = walk[walk.index(".entry"):walk.index(")", walk.index(".entry"))]
     params_ = re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)", entry)
     assert params_[-2:] == ["window_right", "walk_section"], params_
+
+
+def walk_reference(head_dim: int, masked: bool):
+    """sync_replay's reference schedule of the L2-walk build: the rounds (snake when masked),
+    tile_walk's (m_block, pair) for each tile with the parameter's section (clamped), and the
+    K/V tiles some row of the Q tile sees (every K/V tile unmasked)."""
+    from test_production_schedule import truth
+    block_m = build_constant(head_dim, "BLOCK_M")
+    block_n = build_constant(head_dim, "BLOCK_N")
+
+    def reference(prm, ctaid, grid):
+        window = (prm["window_left"], prm["window_right"]) if masked else None
+        p = Problem(prm["batch"], prm["heads"], prm["seq_q"], prm["seq_k"], head_dim,
+                    prm["heads"] // prm["heads_per_kv"], window, block_m, block_n)
+        section = min(max(prm["walk_section"], 1), p.bh)
+        tiles = tile_walk.cta_tiles(ctaid, grid, p.tiles, snake=masked)
+        q, kv = [], []
+        for t in tiles:
+            m_block, bh = tile_walk.tile_of(t, p, section)
+            head, batch = bh % p.heads, bh // p.heads
+            q_row = m_block * block_m
+            q.append(q_content(q_row, block_m, head, batch))
+            if masked:
+                seen, _ = truth(p.seq_q, p.seq_k, q_row, block_m, block_n, prm["diag_offset"],
+                                prm["window_left"], prm["window_right"])
+                if not seen:       # no row sees a key: one fully masked tile, as the kernel
+                    key = min(max(q_row + prm["diag_offset"] - prm["window_left"], 0),
+                              p.seq_k - 1)
+                    seen = [key // block_n]
+            else:
+                seen = range(p.kv_tiles)
+            kv.append([(i * block_n, head // prm["heads_per_kv"], batch) for i in seen])
+        return tiles, q, kv
+    return reference
+
+
+@pytest.mark.parametrize("head_dim, masked", [(128, True), (128, False), (64, True)])
+def test_walk_build_synchronisation_replays(head_dim, masked):
+    """The L2-walk build's barrier protocol (tests/sync_replay.py: parities, Q buffers, ring
+    slots, turns, TMA contents against the walk's reference) under several interleavings;
+    its K/V runs and Q loads follow the walk's tiles."""
+    import sync_replay
+    from test_production_sync import defines
+    model = sync_replay.Model(walk_program_text(head_dim, masked), defines(head_dim))
+    reference = walk_reference(head_dim, masked)
+    n = build_constant(head_dim, "BLOCK_N")
+    for batch, heads, group, seq_q, seq_k, section, grid in [
+            (2, 3, 1, 300, 2 * n + 5, 2, 4), (1, 4, 2, 500, n - 3, 4, 3),
+            (1, 5, 1, 200, 2 * n, 0, 5)]:
+        prm = dict(masked_params(seq_q, seq_k, heads, batch, group, masked),
+                   walk_section=section)
+        sync_replay.play_all(model, prm, grid, reference, seeds=2)
+
+
+def walk_program_text(head_dim: int, masked: bool) -> str:
+    st = stages.PRODUCTION.specialize(head_dim, masked=masked)
+    return ptx.source(st, {**dict(st.defines), tile_walk.WALK_DEFINE: "1"})
 
 
 # ---- the simulation -----------------------------------------------------------------------
