@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
+from .bench import EventTimer
 from .errors import PtxattnError
 
 
@@ -308,31 +309,12 @@ def make_sampler(period_s: float = 0.05, *, pci_bus_id: str | None = None,
 
 # --------------------------------------------------------------------------- the timed window
 
-class Events:
-    """CUDA events on one stream: mark() records one, wait(e) blocks the host until it is
-    done, elapsed_ms(a, b) between two done events (tests pass a fake with the same methods)."""
-
-    def __init__(self, stream=None):
-        from . import driver
-        self._driver = driver
-        self._stream = driver.stream_handle(stream)
-        self._events: list = []
-
-    def mark(self):
-        event = self._driver.Event().record(self._stream)
-        self._events.append(event)
-        return event
+class Events(EventTimer):
+    """bench's CUDA event timer on one stream, plus wait(e): block the host until e is done
+    (tests pass a fake with mark / wait / elapsed_ms)."""
 
     def wait(self, event) -> None:
         event.synchronize()
-
-    def elapsed_ms(self, a, b) -> float:
-        return self._driver.elapsed_ms(a, b)
-
-    def close(self) -> None:
-        for event in self._events:
-            event.close()
-        self._events.clear()
 
 
 def sync_every(launch_ms: float, chunk_ms: float = 25.0, cap: int = 512) -> int:
