@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import stages as _stages
+from .events import EventTimer
 from ..errors import PtxattnError
 
 # name -> (batch, heads, seq_len, head_dim); seq_q = seq_k = seq_len.
@@ -323,9 +324,10 @@ _CASE_OVERHEAD_S = 6.0         # inputs, float64 reference on the CPU, JIT, chec
 
 
 def estimate_seconds(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3,
-                     peer: bool = True) -> float:
+                     peer: bool = True, sustained=None) -> float:
     """A rough run time: every timed and warm-up launch at an assumed speed (500 TFLOP/s;
-    stages 1-4 slower), plus a fixed overhead per case for inputs, checks and JIT."""
+    stages 1-4 slower), plus a fixed overhead per case for inputs, checks and JIT; with
+    `sustained` (a sustained.Config) its windows too."""
     total = 0.0
     for case in cases:
         total += _CASE_OVERHEAD_S
@@ -337,34 +339,12 @@ def estimate_seconds(cases, stage_list=None, *, reps: int, rounds: int, warmup: 
             peer_ms = case.flops / (550.0 * 1e12) * 1e3 if with_peer else 0.0
             launches = rounds * reps + warmup + (rounds - 1)
             total += launches * (ours_ms + peer_ms) / 1e3 + 1 + 1    # + check launch
+        if sustained is not None:
+            total += sustained.estimate_s(len(kernels) + (1 if with_peer else 0))
     return total
 
 
 # --------------------------------------------------------------------------- timing
-
-class EventTimer:
-    """CUDA events (ptxattn.driver.Event) recorded on one stream: by default the legacy default
-    stream, which is also PyTorch's default stream, so timed work and events are ordered."""
-
-    def __init__(self, stream=None):
-        from .. import driver
-        self._driver = driver
-        self._stream = driver.stream_handle(stream)
-        self._events: list = []
-
-    def mark(self):
-        event = self._driver.Event().record(self._stream)
-        self._events.append(event)
-        return event
-
-    def elapsed_ms(self, start, end) -> float:
-        return self._driver.elapsed_ms(start, end)
-
-    def close(self):
-        for event in self._events:
-            event.close()
-        self._events.clear()
-
 
 def time_launch(fn: Callable[[], object], warmup: int = 3, reps: int = 20, *,
                 stream=None, timer=None) -> list[float]:
@@ -924,18 +904,19 @@ def _round_order(rng, labels: list[str], with_peer: bool) -> list[tuple[str, boo
 def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps: int = 20, *,
                   rounds: int = DEFAULT_ROUNDS, warmup: int = 3, block: int = 1,
                   peer: bool = True, check: bool = True, seed: int = 0,
-                  log: Callable[[str], None] | None = None) -> dict:
+                  log: Callable[[str], None] | None = None, sustained=None) -> dict:
     """Time stages (and cuDNN) on square MHA shapes in one layout; see run_cases()."""
     stage_list, shape_list, layout = validate_request(stages, shapes, layout, reps, rounds, block)
     cases = [shape_case(name, dims, layout) for name, dims in shape_list]
     return run_cases(cases, stage_list, reps=reps, rounds=rounds, warmup=warmup, block=block,
-                     peer=peer, check=check, seed=seed, log=log, layout=layout)
+                     peer=peer, check=check, seed=seed, log=log, layout=layout,
+                     sustained=sustained)
 
 
 def run_set(name: str, cases=None, stages=None, *, layout: str | None = None,
             reps: int | None = None, rounds: int | None = None, warmup: int = 3,
             block: int = 1, peer: bool = True, check: bool = True, seed: int = 0,
-            log: Callable[[str], None] | None = None) -> dict:
+            log: Callable[[str], None] | None = None, sustained=None) -> dict:
     """A named case set (SETS), or some of its cases; reps/rounds default to the set's."""
     chosen = select_set(name, cases, layout)
     reps = chosen.reps if reps is None else reps
@@ -944,14 +925,16 @@ def run_set(name: str, cases=None, stages=None, *, layout: str | None = None,
     stage_list = [_stages.get_stage(s) for s in stages] if stages else None
     result = run_cases(chosen.cases, stage_list, reps=reps, rounds=rounds, warmup=warmup,
                        block=block, peer=peer, check=check, seed=seed, log=log,
-                       layout=layout or ("bhld" if chosen.name == "lineage" else "per case"))
+                       layout=layout or ("bhld" if chosen.name == "lineage" else "per case"),
+                       sustained=sustained)
     result["set"] = chosen.name
     return result
 
 
 def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3,
               block: int = 1, peer: bool = True, check: bool = True, seed: int = 0,
-              log: Callable[[str], None] | None = None, layout: str = "per case") -> dict:
+              log: Callable[[str], None] | None = None, layout: str = "per case",
+              sustained=None) -> dict:
     """Time our kernels (and cuDNN) on cases; returns the results dict that write_results saves.
 
     For each case: one set of inputs, shared by every kernel and the peer. The peer and each
@@ -965,6 +948,9 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
     over rounds with a 95% bootstrap interval; ms and TFLOP/s are medians over rounds of the
     per-round medians; spread_pct is (max - min) / median. A case's `ratios` (ours vs ours)
     are medians over rounds of the two kernels' per-round medians, with intervals too.
+    sustained: a sustained.Config, or None: then after each case's rounds every timed kernel
+    and the peer also run a sustained window at the power cap (ptxattn/tools/sustained.py), into
+    row["sustained"].
     """
     import numpy as np
 
@@ -975,8 +961,9 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
     info = driver.device_info()                                 # NoGpuError without a GPU
     torch = _import_torch()
     rng = np.random.default_rng(seed)
+    sampler = _sustained_sampler(sustained)          # SamplerUnavailable before any case
     result = {
-        "schema": 3,
+        "schema": 4,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source_id(),
         "env": environment(info, torch),
@@ -997,6 +984,39 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
                               "peer's + 5e-4; failed: not timed"},
         "shapes": {}, "cases": {}, "results": [], "peer": [], "clocks": {},
     }
+    if sampler is not None:
+        result["protocol"]["sustained"] = _sustained_protocol(sustained, sampler)
+    try:
+        _run_each_case(result, cases, stage_list, reps=reps, rounds=rounds, warmup=warmup,
+                       block=block, peer=peer, check=check, seed=seed, say=say, torch=torch,
+                       rng=rng, sustained=sustained, sampler=sampler)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    result["comparisons"] = compare_cases(result, cases)
+    return result
+
+
+def _sustained_sampler(cfg):
+    """The power/clock sampler of a sustained run (started), or None without one."""
+    if cfg is None:
+        return None
+    from . import sustained
+    return sustained.make_sampler(cfg.period_s, pci_bus_id=sustained.pci_bus_id()).start()
+
+
+def _sustained_protocol(cfg, sampler) -> dict:
+    from . import sustained
+    return {**dataclasses.asdict(cfg), "sampler": sampler.kind,
+            "power_field": sampler.power_field, "rule": sustained.PROTOCOL,
+            "note": sustained.NOTE}
+
+
+def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, peer, check, seed,
+                   say, torch, rng, sustained, sampler) -> None:
+    """run_cases' loop over the cases (one set of inputs each)."""
+    from .. import api, driver
+    sustained_rng = None
 
     for case in cases:
         result["shapes"][case.name] = [case.batch, case.heads, case.seq_q, case.seq_k,
@@ -1094,12 +1114,18 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
         if peer_row is not None and peer_row["status"] == "ok" and peer_all:
             _summarize(peer_row, peer_all, case)
             say(f"  {PEER}: {peer_row['ms']:.3f} ms  {peer_row['tflops']:.1f} TFLOP/s")
+        if sampler is not None:                         # sustained windows, same inputs
+            import numpy as np
+
+            from . import sustained as _sus
+            sustained_rng = sustained_rng or np.random.default_rng([seed, 23])
+            result.setdefault("sustained_orders", {})[case.name] = _sus.run_case(
+                case.flops, entries, (peer_row, peer_fn, peer_stream) if peer_fn else None,
+                sampler, sustained, rng=sustained_rng, log=say)
         if torch is not None:
             del q, k, v, qd, kd, vd, refs
             entries.clear()
             torch.cuda.empty_cache()
-    result["comparisons"] = compare_cases(result, cases)
-    return result
 
 
 def ours_ratios(rows: dict, ratios, *, seed: int = 0) -> None:
@@ -1337,6 +1363,10 @@ def format_table(result: dict) -> str:
                   key=lambda r: (order.index(r["shape"]) if r["shape"] in order else 99,
                                  r.get("number", 0), r["stage"]))
     shown_peer = set()
+    from . import sustained as _sus
+    sustained = _sus.has_sustained(result)   # burst and sustained side by side
+    if sustained:
+        head = head[:6] + _sus.HEAD + head[6:]
     for r in ours:
         p = peers.get(r["shape"], {})
         if p and r["shape"] not in shown_peer:
@@ -1344,12 +1374,18 @@ def format_table(result: dict) -> str:
             rows.append((PEER, p["shape"], _fmt(p.get("ms"), ".3f"), _fmt(p.get("tflops"), ".1f"),
                          "100.0" if p.get("ms") else "-", "", _fmt(p.get("spread_pct"), ".1f"),
                          _fmt(p.get("rel_l2"), ".1e"), "", _status(p), ""))
+            if sustained:
+                rows[-1] = rows[-1][:6] + _sus.cells(p) + rows[-1][6:]
         rows.append((f"{r['stage']} {r.get('name', '')}".strip(), r["shape"],
                      _fmt(r.get("ms"), ".3f"), _fmt(r.get("tflops"), ".1f"),
                      _fmt(r.get("pct_of_peer"), ".1f"), _ci(r), _fmt(r.get("spread_pct"), ".1f"),
                      _fmt(r.get("rel_l2"), ".1e"), _fmt(p.get("rel_l2"), ".1e"), _status(r),
                      _ours(r)))
+        if sustained:
+            rows[-1] = rows[-1][:6] + _sus.cells(r) + rows[-1][6:]
     lines = _columns(head, rows, left=2)
+    if sustained:
+        lines += _sus.notes(result)
     env = result.get("env", {})
     src = result.get("source") or {}
     proto = result.get("protocol", {})
@@ -1454,7 +1490,10 @@ def combine_results(results, names=None) -> dict:
         for r in measured:
             for x in r.get("ours_ratios", []):
                 ours.setdefault(x["vs"], []).append(x["pct"])
-        rows.append({**base, "shape": shape, "status": status, "runs": statuses,
+        from . import sustained as _sus
+        sustained = _sus.combined_ranges(measured, peers) if any(
+            "sustained" in r for r in measured) else {}
+        rows.append({**base, **sustained, "shape": shape, "status": status, "runs": statuses,
                      "ours_ranges": {vs: [min(v), max(v)] for vs, v in ours.items()},
                      "pct": pct, "pct_range": [min(pct), max(pct)] if pct else None,
                      "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
@@ -1482,6 +1521,10 @@ def format_combined(combined: dict) -> str:
     """One line per stage and shape: % of cuDNN as a range over the runs, TFLOP/s range."""
     head = ("stage", "shape", f"% {PEER} (range)", "TFLOP/s (range)", f"{PEER} TFLOP/s", "runs",
             "vs ours (range)")
+    from . import sustained as _sus
+    sustained = any("sustained_tflops_range" in r for r in combined["rows"])
+    if sustained:                                      # burst and sustained side by side
+        head = head[:5] + _sus.COMBINED_HEAD + head[5:]
     rows = []
     for r in combined["rows"]:
         measured = r["status"] == "ok"
@@ -1492,7 +1535,11 @@ def format_combined(combined: dict) -> str:
                      format_range(r["tflops_range"]) if measured else "-",
                      format_range(r["peer_tflops_range"]),
                      ",".join(r["runs"]), (ours or "-") if measured else "-"))
+        if sustained:
+            rows[-1] = rows[-1][:5] + _sus.combined_cells(r, format_range) + rows[-1][5:]
     lines = _columns(head, rows, left=2)
+    if sustained:
+        lines.append(f"note: {_sus.NOTE}")
     for i, run in enumerate(combined["runs"]):
         lines.insert(i, f"{run['name']}: {run.get('date', '?')}, {run.get('gpu', '?')}"
                         + (f", cuDNN {run['cudnn']}" if run.get("cudnn") else "")

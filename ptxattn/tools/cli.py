@@ -500,14 +500,29 @@ def _split(text: str | None) -> list[str] | None:
                                   "or more to combine runs into ranges.")
 @click.option("--estimate", is_flag=True,
               help="Print the cases and a rough run time, run nothing (no GPU needed).")
+@click.option("--sustained", is_flag=True,
+              help="Also run each kernel and cuDNN back to back for seconds at the power cap "
+                   "(after a cool-down), with power and SM clock sampled (nvidia-ml-py or "
+                   "nvidia-smi): sustained TFLOP/s, clock, power, TFLOP/J beside the burst.")
+@click.option("--sustained-seconds", type=click.FloatRange(min=0.1), default=3.0,
+              show_default=True, help="The measured window of --sustained.")
+@click.option("--cooldown", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="--sustained: the least pause before each kernel (then until idle power).")
+@click.option("--walk-model", is_flag=True,
+              help="Print the tile-walk model's predictions for the cases (the production "
+                   "kernel's walks: busiest CTA, K/V reuse in L2), run nothing (no GPU).")
 def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer, check, out_dir,
-          plot_file, from_json, estimate):
+          plot_file, from_json, estimate, sustained, sustained_seconds, cooldown, walk_model):
     """Benchmark kernels against cuDNN on the same inputs in the same run."""
     from . import bench as _bench
+    from . import sustained as _sustained
 
     if from_json:
         if out_dir:
             raise click.UsageError("--out writes a new run; with --from-json nothing is run")
+        if sustained:
+            raise click.UsageError("--sustained runs kernels; with --from-json nothing is run "
+                                   "(saved sustained figures show by themselves)")
         results = [_bench.filter_results(_bench.load_results(f), _split(stage_list),
                                          _split(shapes)) for f in from_json]
         if len(results) > 1:
@@ -519,8 +534,15 @@ def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer
     else:
         plan = _bench_plan(_bench, set_name, stage_list, shapes, layout, reps, rounds)
         cases, stage_objs, reps, rounds = plan
+        if walk_model:
+            from .. import tile_walk
+            problems = {c.name: tile_walk.problem_of_case(c) for c in cases}
+            click.echo(tile_walk.format_predictions(tile_walk.predict(problems)))
+            return
+        config = (_sustained.Config(seconds=sustained_seconds, cooldown_s=cooldown)
+                  if sustained else None)
         seconds = _bench.estimate_seconds(cases, stage_objs, reps=reps, rounds=rounds,
-                                          warmup=warmup, peer=peer)
+                                          warmup=warmup, peer=peer, sustained=config)
         line = (f"estimate: ~{seconds / 60:.1f} min for {len(cases)} cases x {rounds} rounds x "
                 f"{reps} reps (rough: assumed speeds, checks and JIT)")
         if estimate:
@@ -534,12 +556,12 @@ def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer
         if set_name:
             result = _bench.run_set(set_name, _split(shapes), _split(stage_list), layout=layout,
                                     reps=reps, rounds=rounds, warmup=warmup, peer=peer,
-                                    check=check, seed=seed, log=log)
+                                    check=check, seed=seed, log=log, sustained=config)
         else:
             result = _bench.run_benchmark(
                 _split(stage_list), _split(shapes) or list(_bench.DEFAULT_SHAPES),
                 layout or "bhld", reps, rounds=rounds, warmup=warmup, peer=peer, check=check,
-                seed=seed, log=log)
+                seed=seed, log=log, sustained=config)
     table = _bench.format_table(result)
     if out_dir:
         path = _bench.write_results(result, Path(out_dir) / _bench.results_filename(result))
