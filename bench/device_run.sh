@@ -13,6 +13,8 @@
 #   production 10 x 10)  SKIP_SASS=1 SKIP_TESTS=1 SKIP_RUN=1 SKIP_BENCH=1  PLOT=1 (matplotlib)
 #   TRACE=1,14 (timelines of those stages: trace-stageNN.svg/.json and trace.txt in $OUT)
 #   TRACE_SHAPE=1x16x2048x128  PYTEST_ARGS="--maxfail=10" (default -x)
+#   SUSTAINED=1 (every set also runs each kernel and cuDNN back to back at the power cap:
+#   `ptxattn bench --sustained`; SUSTAINED_SECONDS=3 sets the window)
 #   VARIANTS=bench/experiments/<plan>.txt (same-run build comparisons: each non-comment line is
 #   the arguments of one bench/experiments/variants.py run; results in $OUT/variants.jsonl/.txt)
 #
@@ -99,6 +101,8 @@ if [[ -z ${SKIP_BENCH:-} ]]; then
         esac
         [[ -n $REPS ]] && args+=(--reps "$REPS")
         [[ -n $ROUNDS ]] && args+=(--rounds "$ROUNDS")
+        [[ -n ${SUSTAINED:-} ]] && args+=(--sustained)
+        [[ -n ${SUSTAINED_SECONDS:-} ]] && args+=(--sustained-seconds "$SUSTAINED_SECONDS")
         section "benchmark: set $name"
         python3 -m ptxattn bench "${args[@]}" --estimate | tail -n 1 || true   # errors: below
         set +e

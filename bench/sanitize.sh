@@ -162,7 +162,7 @@ started=$SECONDS
     echo "ptxattn compute-sanitizer report, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     # the code that ran: the commit when git can tell, and always a hash of ptx/ and ptxattn/
     # (the device gets a copy of the tree, often without .git)
-    "$PYTHON" -c 'from ptxattn.bench import source_id; s = source_id()
+    "$PYTHON" -c 'from ptxattn.tools.bench import source_id; s = source_id()
 print("commit:", (s["commit"] or "? (no git here)") + (" (with local changes in ptx/ or ptxattn/)" if s["dirty"] else ""))
 print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1
     echo "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"

@@ -24,6 +24,15 @@ persistent stage also at B=2 H=2 L=512 with its grid capped at 2 CTAs (16 tiles:
 the multi-tile path with its carried barrier phases runs), in both layouts. At those shapes a
 132-SM grid would give every CTA at most one tile.
 
+Decode (flash_attn_with_kvcache, issue 24), outside the --list table (its columns are the
+forward's): `--decode-cases` lists them as STAGE B H L, STAGE decode:D, and
+`--stage decode:D -b B -H H -L L` runs one: Lq = 2 causal queries against caches of L positions
+(H / 4 K/V heads), two new keys appended, lengths planted on the device at -5, L + 1000 and
+L // 2 (clamped by the kernels: memcheck must see no access outside the caches, the lengths
+array or the workspace), three splits and the combine, checked against the clamped reference:
+    compute-sanitizer --tool memcheck python3 bench/sanitize_case.py --stage decode:128 \
+        -b 3 -H 8 -L 600
+
 Negative controls (CONTROLS): stage 1 built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync
 between the P stores and the PV wgmma dropped, plus an ordinary ld.shared of a word another
 warp stored: racecheck must flag it) and =2 (the barrier dropped only: the unordered reader is
@@ -74,6 +83,65 @@ def cases(stage_filter=None):
             yield (key, *PERSISTENT, PERSISTENT_CTAS, layout)
 
 
+# flash_attn_with_kvcache: STAGE B H L (see the docstring), one head dim each
+DECODE_CASES = tuple((f"decode:{d}", 3, 8, 600) for d in (64, 128, 256))
+
+
+def run_decode(head_dim, b, h, length, seed) -> bool:
+    """One flash_attn_with_kvcache call with out-of-range device lengths (see the docstring)."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import decode_reference, driver, reference, tensors
+
+    rng = np.random.default_rng(seed)
+    hkv, lq, new = max(1, h // 4), 2, 2
+
+    def bf16(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(reference.BF16)
+    q, kc, vc = bf16(b, lq, h, head_dim), bf16(b, length, hkv, head_dim), bf16(b, length, hkv,
+                                                                           head_dim)
+    kn, vn = bf16(b, new, hkv, head_dim), bf16(b, new, hkv, head_dim)
+    raw = np.array(([-5, length + 1000, length // 2] * b)[:b], np.int32)
+    devs = [tensors.from_numpy(x) for x in (q, kc, vc, kn, vn)]
+    lens = driver.DeviceBuffer(raw.nbytes)
+    driver.memcpy_htod(lens.ptr, raw)
+
+    class Lengths:
+        __cuda_array_interface__ = {"shape": (b,), "typestr": "<i4", "data": (lens.ptr, False),
+                                    "strides": None, "version": 3}
+    out = tensors.empty(q.shape)
+    out.fill_u16(0xFFFF)
+    lse = tensors.empty((b, h, lq), dtype=np.float32)
+    driver.memset_u16(lse.ptr, 0xFFFF, 2 * lse.size)
+    ptxattn.flash_attn_with_kvcache(*devs[:3], k=devs[3], v=devs[4], cache_seqlens=Lengths(),
+                                    causal=True, num_splits=3, return_lse=True, out=out,
+                                    lse_out=lse)
+    driver.synchronize()
+    got, got_lse = out.to_numpy(), lse.to_numpy()
+    kc2, vc2 = decode_reference.appended_caches(kc, vc, kn, vn, raw)
+    eff = decode_reference.clamped_lengths(raw, new, length)
+    ref, ref_lse = decode_reference.kvcache_reference(q, kc2, vc2, eff, causal=True)
+    m = reference.error_metrics(got, ref)
+    fin = np.isfinite(ref_lse)
+    lse_ok = bool((np.isneginf(got_lse) == ~fin).all()
+                  and np.abs(got_lse[fin] - ref_lse[fin]).max(initial=0) <= 2e-3)
+    ok = reference.passes(m) and lse_ok
+    print(f"case decode:{head_dim} B={b} H={h}:{hkv} L={length} lengths={raw.tolist()} "
+          f"splits=3 append={new}: rel_l2={m['rel_l2']:.2e} max_abs={m['max_abs']:.2e} "
+          f"nan={m['nan_count']} lse={'ok' if lse_ok else 'WRONG'} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+    for x in (*devs, out, lse):
+        x.free()
+    lens.close()
+    gc.collect()
+    ctx = driver.context()
+    driver.synchronize()
+    ctx.alive = False
+    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
+    return ok
+
+
 PRODUCTION_KEY = "production"
 PRODUCTION_NUMBER = 0          # what --stages calls it besides its name
 
@@ -105,10 +173,12 @@ def parse_define(text: str) -> tuple[str, str]:
 
 
 def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
-    from ptxattn import attention as attn
-    from ptxattn import driver, reference, stages, tensors
+    from ptxattn import api as attn
+    from ptxattn import driver, launch, reference, stages, tensors
 
     key, head_dim = stage_and_head_dim(stage_key)
+    if key == "decode":
+        return run_decode(head_dim, b, h, length, seed)
     stage = stages.get_stage(key)
     q, k, v = reference.random_qkv(b, h, length, length, head_dim, layout, seed=seed)
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
@@ -121,10 +191,10 @@ def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
     got = out.to_numpy()
     m = reference.error_metrics(got, reference.attention_reference(q, k, v, layout=layout))
     ok = reference.passes(m)
-    cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
+    cap = os.environ.get(launch.PERSISTENT_CTAS_ENV, "")
     print(f"case {stage.label} B={b} H={h} L={length} D={head_dim} {layout} grid={prepared.grid} "
           f"block={prepared.block} smem={prepared.smem_bytes}"
-          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
+          f"{f' {launch.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
           f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
           f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} {'PASS' if ok else 'FAIL'}",
           flush=True)
@@ -167,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--controls", action="store_true", help="print the negative controls")
+    ap.add_argument("--decode-cases", action="store_true",
+                    help="print the flash_attn_with_kvcache cases (STAGE B H L)")
     ap.add_argument("-D", "--define", action="append", type=parse_define, default=[],
                     help="a build variant's preprocessor define, NAME=VALUE")
     args = ap.parse_args(argv)
@@ -177,6 +249,10 @@ def main(argv=None) -> int:
         return 0
     if args.controls:
         for case in CONTROLS:
+            print(*case)
+        return 0
+    if args.decode_cases:
+        for case in DECODE_CASES:
             print(*case)
         return 0
     if args.stage is None:

@@ -257,15 +257,17 @@ def sample_rows(seq_q: int, count: int = 256, seed: int = 0,
 
 
 def random_qkv(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
-               layout: str = "bhld", seed: int = 0):
-    """Standard-normal q, k, v as ml_dtypes.bfloat16 arrays in `layout`."""
+               layout: str = "bhld", seed: int = 0, heads_kv: int | None = None):
+    """Standard-normal q, k, v as ml_dtypes.bfloat16 arrays in `layout`; k and v with
+    heads_kv heads (GQA/MQA; default: as many as q)."""
     layout = layout.lower()
     if layout not in ("bhld", "bshd"):
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
     rng = np.random.default_rng(seed)
 
-    def one(seq):
-        shape = (batch, heads, seq, head_dim) if layout == "bhld" else (batch, seq, heads, head_dim)
+    def one(seq, h):
+        shape = (batch, h, seq, head_dim) if layout == "bhld" else (batch, seq, h, head_dim)
         return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
 
-    return one(seq_q), one(seq_k), one(seq_k)
+    hkv = heads if heads_kv is None else heads_kv
+    return one(seq_q, heads), one(seq_k, hkv), one(seq_k, hkv)

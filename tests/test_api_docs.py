@@ -104,14 +104,14 @@ def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
     assert case.parse_stages("1, production") == {1, 0} and case.parse_stages("") is None
     assert {c[0] for c in case.cases({0})} == {f"production:{d}" for d in (64, 128, 256)}
 
-    from ptxattn import attention
+    from ptxattn import api
     seen = {}
 
     def prepare(q, k, v, *, stage, **kw):
         seen["stage"], seen["d"] = stage, q.shape[-1]
         raise RuntimeError("stop here")          # the launch needs a GPU
 
-    monkeypatch.setattr(attention, "prepare", prepare)
+    monkeypatch.setattr(api, "prepare", prepare)
     from ptxattn import tensors
     monkeypatch.setattr(tensors, "from_numpy", lambda x, **kw: x)
     monkeypatch.setattr(tensors, "empty", lambda shape, **kw: type(
@@ -190,7 +190,8 @@ def _no_gpu_commands() -> list[list[str]]:
 def test_no_gpu_quick_start_runs_offline(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from ptxattn import cli, driver
+    from ptxattn import driver
+    from ptxattn.tools import cli
 
     def no_gpu():
         raise AssertionError("a 'No GPU?' command asked for the GPU")
@@ -211,6 +212,6 @@ def test_no_gpu_quick_start_runs_offline(tmp_path, monkeypatch):
 
 
 def test_the_no_gpu_error_names_the_quick_start_commands():
-    from ptxattn import cli
+    from ptxattn.tools import cli
     for command in {c[0] for c in _no_gpu_commands()}:
         assert command in cli.NO_GPU_COMMANDS, command

@@ -1,4 +1,4 @@
-"""ptxattn.bench on the CPU: FLOP/s arithmetic, timing logic with a fake timer, tables, plots."""
+"""ptxattn.tools.bench on the CPU: FLOP/s arithmetic, timing logic with a fake timer, tables, plots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptxattn import bench
+from ptxattn.tools import bench
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = FIXTURES / "bench_synthetic.json"
@@ -997,6 +997,9 @@ def test_device_run_passes_each_set_its_arguments(tmp_path):
     proc, benches = run(SETS="production", CASES="8k,causal-8k", REPS="5", ROUNDS="3")
     assert benches == [f"-m ptxattn bench --set production --out {tmp_path / 'out'} --shapes "
                        "8k,causal-8k --reps 5 --rounds 3"]
+    proc, benches = run(SETS="production", SUSTAINED="1", SUSTAINED_SECONDS="4")
+    assert benches == [f"-m ptxattn bench --set production --out {tmp_path / 'out'} "
+                       "--sustained --sustained-seconds 4"]
     proc, benches = run(SETS="lineage,fast")
     assert proc.returncode == 2 and "unknown set 'fast'" in proc.stdout
 

@@ -1,16 +1,19 @@
 """bench/experiments/variants.py on the pretend GPU (tests/fake_gpu.py): its bookkeeping, not
-its timing (the lead runs it on the H200 through bench/device_run.sh's VARIANTS hook)."""
+its timing (the lead runs it on the H200 through bench/device_run.sh's VARIANTS hook); and
+ncu_bind.py's --profile mode on canned ncu output."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import types
 from pathlib import Path
 
 import pytest
 
 import fake_gpu
-from ptxattn import bench, driver, stages
+from ptxattn import driver, stages
+from ptxattn.tools import bench
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "experiments" / "variants.py"
 
@@ -23,11 +26,13 @@ def variants(monkeypatch):
     spec = importlib.util.spec_from_file_location("experiments_variants", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from ptxattn import attention
-    fake_prepare = attention.prepare
+    from ptxattn import api
+    fake_prepare = api.prepare
 
-    def prepare(q, k, v, *, stage, defines=None, **kwargs):
+    def prepare(q, k, v, *, stage, defines=None, extra_params=(), **kwargs):
+        module.prepared_extras.append((defines, extra_params))
         return fake_prepare(q, k, v, stage=stages.get_stage(stage), **kwargs)
+    module.prepared_extras = []
 
     monkeypatch.setattr(module, "prepare", prepare)
     monkeypatch.setattr(driver, "context", lambda: type("Ctx", (), {"name": "Fake GPU"})())
@@ -83,3 +88,173 @@ def test_ratios_are_against_the_first_variant(variants, tmp_path):
 def test_bad_arguments_are_named(variants, argv, message):
     with pytest.raises(SystemExit, match=message):
         variants.main([*argv, "--shape", "1x1x128x128"])
+
+
+def test_gqa_flops_and_the_l2_walk_parameter(variants, tmp_path):
+    """--heads-kv: K/V with fewer heads, FLOPs as bench credits a GQA case (by query heads);
+    a PTXATTN_L2_WALK build gets its walk_section from tile_walk, the default build none."""
+    from ptxattn import tile_walk
+    rc, result = run(variants, tmp_path, "a=production", "b=production:PTXATTN_L2_WALK=1",
+                     "--shape", "1x4x256x128", "--heads-kv", "2", "--causal")
+    assert rc == 0 and result["heads_kv"] == 2
+    assert result["flops"] == 4 * 4 * 256 * 256 * 128 // 2
+    (d0, e0), (d1, e1) = variants.prepared_extras
+    assert e0 == () and d1 == {"PTXATTN_L2_WALK": "1"}
+    p = tile_walk.Problem.of(1, 4, 256, 256, 128, 2, causal=True)
+    assert e1[0][0] == tile_walk.section_pairs(p, grid=min(132, p.tiles))
+    with pytest.raises(SystemExit, match="--heads-kv 3"):
+        variants.main(["a=production", "--shape", "1x4x256x128", "--heads-kv", "3"])
+
+
+def test_sustained_windows_per_variant(variants, tmp_path, monkeypatch):
+    """--sustained: every variant gets a window (here on a pretend clock and sampler, with the
+    burst median as its launch time) and its sustained speed in % of the first's."""
+    from ptxattn.tools import sustained
+    from test_sustained import FakeEvents, FakeSampler, Timeline
+    tl = {"x": Timeline(ms=1.0, enqueue_ms=0.5)}
+    monkeypatch.setattr(sustained, "make_sampler",
+                        lambda *a, **k: FakeSampler(lambda: tl["x"].host))
+    monkeypatch.setattr(sustained, "pci_bus_id", lambda: None)
+    monkeypatch.setattr(sustained, "Events", lambda stream: FakeEvents(tl["x"]))
+    monkeypatch.setattr(sustained, "_now", lambda: tl["x"].host)
+    monkeypatch.setattr(sustained, "_sleep", lambda dt: setattr(tl["x"], "host",
+                                                                tl["x"].host + dt))
+    orig = sustained.measure
+
+    def measure(launch, events, sampler, cfg, **kw):
+        # the pretend GPU's launches (each real one would compute the reference on the CPU)
+        return orig(tl["x"].launch, events, sampler, cfg, **kw)
+    monkeypatch.setattr(sustained, "measure", measure)
+    rc, result = run(variants, tmp_path, "base=stage14", "prod=production", "--shape",
+                     "1x1x128x128", "--sustained", "--sustained-seconds", "0.05",
+                     "--cooldown", "0")
+    assert rc == 0
+    for lab in ("base", "prod"):
+        s = result["variants"][lab]["sustained"]
+        assert s["tflops"] > 0 and s["sm_mhz_median"] == 1400.0, s
+    assert result["variants"]["base"]["sustained"]["pct_of_first"] == pytest.approx(100.0)
+
+
+# ---- bench/experiments/ncu_bind.py --profile ------------------------------------------------
+
+NCU_SCRIPT = SCRIPT.parent / "ncu_bind.py"
+
+RAW = '''==PROF== Connected to process 1408 (/usr/bin/python3.12)
+production 2x16x16384x128 causal=True: {'rel_l2': 0.0023}
+==PROF== Disconnected from process 1408
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","lts__t_sector_hit_rate.pct","sm__cycles_elapsed.avg.per_second","sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active","smsp__issue_active.avg.pct_of_peak_sustained_active","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"
+"","","","","","","","%","hertz","%","%","byte","byte","nsecond"
+"0","1408","python3.12","127.0.0.1","ptxattn_fwd","1","7","42.10","1,450,000,000","85.3","33.4","10,240,000,000","268,435,456","3,350,000"
+'''
+
+
+@pytest.fixture
+def ncu_bind():
+    spec = importlib.util.spec_from_file_location("experiments_ncu_bind", NCU_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ncu_raw_csv_gives_the_figures(ncu_bind):
+    (launch,) = ncu_bind.parse_raw_csv(RAW)
+    f = ncu_bind.figures(launch)
+    assert f["l2_hit_pct"] == 42.1 and f["sm_mhz"] == 1450.0
+    assert f["tensor_pipe_pct"] == 85.3                 # the Shared pipe (no gmma metric here)
+    assert f["source"]["tensor_pipe_pct"].startswith("sm__pipe_shared")
+    assert f["issue_active_pct"] == 33.4 and f["dram_read_bytes"] == 10.24e9
+    assert f["duration_ns"] == 3.35e6 and f["instructions"] is None
+    assert ncu_bind.parse_raw_csv("no csv here\n") == []
+    text = ncu_bind.format_table([{"kernel": "production", "clocks": "natural", **f}])
+    assert "42.1" in text and "1450" in text and "10.24" in text
+
+
+def test_ncu_commands_and_unknown_metrics(ncu_bind):
+    known = {m.split(".")[0] for m in ncu_bind.METRICS} - {"sm__pipe_tensor_op_gmma_cycles_active"}
+    keep, unknown = ncu_bind.wanted_metrics(known)
+    assert unknown == ["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"]
+    cmd = ncu_bind.ncu_command("ncu", "natural", keep, ["production", "--causal"], "production")
+    assert cmd[:3] == ["ncu", "--clock-control", "none"] and "-k" in cmd
+    assert cmd[-2:] == ["production", "--causal"]
+    locked = ncu_bind.ncu_command("ncu", "locked", keep, ["cudnn"], "cudnn")
+    assert locked[2] == "base" and "--nvtx-include" in locked and "-k" not in locked
+
+
+def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        if cmd[1] == "--query-metrics":
+            names = "\n".join(m.split(".")[0] + " Counter x" for m in ncu_bind.METRICS)
+            return types.SimpleNamespace(returncode=0, stdout=names, stderr="")
+        return types.SimpleNamespace(returncode=0, stdout=RAW, stderr="")
+    args = ncu_bind.argparse.Namespace(kernel="production", shape="2x16x16384x128", causal=True,
+                                       heads_kv=0, define=[], clocks="natural,locked",
+                                       out=str(tmp_path / "n.jsonl"), timeout=10)
+    rc = ncu_bind.profile(args, ["production"], run=run, which=lambda name: "/usr/bin/ncu")
+    assert rc == 0 and [c[2] for c in calls[1:]] == ["none", "base"]
+    entry = json.loads((tmp_path / "n.jsonl").read_text())
+    assert [r["clocks"] for r in entry["rows"]] == ["natural", "locked"]
+    assert entry["rows"][0]["l2_hit_pct"] == 42.1 and entry["unknown_metrics"] == []
+    assert "L2 hit %" in capsys.readouterr().out
+    def failing(cmd, **kw):
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="boom")
+    assert ncu_bind.profile(args, ["production"], run=failing, which=lambda n: "ncu") == 1
+    # an ncu that refuses the full metric list: the run is retried with the safe ones
+    retried = []
+
+    def picky(cmd, **kw):
+        retried.append(cmd)
+        if cmd[1] == "--query-metrics":
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="")
+        full = ",".join(ncu_bind.METRICS) in cmd
+        return types.SimpleNamespace(returncode=1 if full else 0, stdout="" if full else RAW,
+                                     stderr="unknown metric" if full else "")
+    assert ncu_bind.profile(args, ["production"], run=picky, which=lambda n: "ncu") == 0
+    assert len(retried) == 5                       # query, then per clock: full list, safe list
+    with pytest.raises(SystemExit, match="ncu"):
+        ncu_bind.profile(args, [], run=run, which=lambda n: None)
+
+
+def test_cudnn_variant_needs_torch_and_no_window(variants):
+    with pytest.raises(SystemExit, match="needs PyTorch"):
+        variants.main(["a=production", "c=cudnn", "--shape", "1x1x128x128"])
+
+
+@pytest.mark.gpu
+def test_variants_with_cudnn_and_sustained_on_the_gpu(tmp_path):
+    """The device plan's form, small: the default build, the L2-walk build and cuDNN, burst
+    rounds then a short sustained window each (~6 s of device time). Every variant passes its
+    check and gets sustained figures."""
+    spec = importlib.util.spec_from_file_location("experiments_variants_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "v.jsonl"
+    rc = module.main(["a=production", "w=production:PTXATTN_L2_WALK=1", "c=cudnn", "--shape",
+                      "1x4x2048x128", "--causal", "--rounds", "2", "--reps", "2", "--sustained",
+                      "--sustained-seconds", "0.5", "--cooldown", "0.2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and not result["failed"], result["failed"]
+    for lab in ("a", "w", "c"):
+        s = result["variants"][lab]["sustained"]
+        assert s.get("tflops"), (lab, s)
+
+
+def test_the_issue_23_plans_parse(variants, ncu_bind):
+    """Every line of the device plans is a valid command of its script (a typo would cost a
+    device run)."""
+    import shlex
+    plans = SCRIPT.parent
+    lines = [x for x in (plans / "2026-12-02-sustained-walk.txt").read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    assert len(lines) == 7
+    for line in lines:
+        args = variants.arg_parser().parse_args(shlex.split(line))
+        assert args.sustained and args.rounds >= 10
+        labels = [variants.parse_variant(v)[0] for v in args.variants]
+        assert labels[0] == "def" and "walk" in labels and "cudnn" in labels
+    lines = [x for x in (plans / "2026-12-02-ncu-l2.txt").read_text().splitlines()
+             if x.strip() and not x.startswith("#")]
+    for line in lines:
+        ncu_bind.arg_parser().parse_args(["--profile", *shlex.split(line)])
