@@ -4,8 +4,6 @@ faults it must report (out of bounds, misaligned, diverged collectives, deadlock
 
 from __future__ import annotations
 
-import struct
-
 import ml_dtypes
 import numpy as np
 import pytest

@@ -128,6 +128,7 @@ def test_the_wheel_holds_every_kernel(installed):
                       if n.startswith("ptxattn/_ptx/"))
     assert packaged == kernel_files()
     assert sum(n.endswith(".ptx") for n in names) >= 35 and "ptxattn/tools/cli.py" in names
+    assert "ptxattn/tools/emulator/machine.py" in names and "ptxattn/tools/emulate.py" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "ptx/"))]
 
 

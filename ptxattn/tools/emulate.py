@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     import ptxattn
     from ptxattn import reference
-    from ptxattn.tools.emulator import EmulatorError, HazardError, fake_driver
+    from ptxattn.tools.emulator import EmulatorError, fake_driver
 
     b, h, lq, d = (int(x) for x in args.shape.lower().split("x"))
     lk = args.lk or lq

@@ -36,12 +36,10 @@ import numpy as np
 
 from . import numeric as N
 from .errors import MemoryFault, SyncError, Unsupported
-from .machine import YIELD, yield_once
+from .isa import WAIT, YIELD, Code, register, yield_once
 from .memops import address_reader, converge_wait, whole_warps
 from .memory import PARAM_GENERIC_BASE
-from .ops import register
 from .parse import Imm, Mem, Vec
-from .program import WAIT, Code
 from .syncops import barrier_at, complete_tx
 from .tensormap import SWIZZLE_BYTES, TensorMap, box_offsets, swizzle_addresses
 

@@ -20,10 +20,10 @@ import hashlib
 import sys
 import time
 
-import numpy as np
 
 from .errors import EmulatorError, HazardError
-from .machine import Launch, MAX_SMEM_OPTIN
+from .isa import MAX_SMEM_OPTIN
+from .machine import Launch, registers_at_launch
 from .memory import GlobalMemory
 from .parse import parse
 from .program import Program
@@ -270,7 +270,6 @@ class FakeDriver:
         fn = f.prog.fn
         bound = fn.maxntid or fn.reqntid
         threads = bound[0] * bound[1] * bound[2] if bound else 1024
-        from .machine import registers_at_launch
         values = {
             FA.CU_FUNC_ATTRIBUTE_NUM_REGS: registers_at_launch(f.prog, threads),
             FA.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: 0,

@@ -30,45 +30,12 @@ from collections import deque
 
 import numpy as np
 
+from . import asyncops, syncops
 from . import numeric as N
 from .errors import Deadlock, EmulatorError, Hazard, HazardError, Livelock, SyncError
+from .isa import (BRANCH, MAX_SMEM_OPTIN, OP, REGISTER_FILE, WAIT, WARP,  # noqa: F401
+                  YIELD, Wait)
 from .memory import SharedMemory
-from .program import BRANCH, EXIT, OP, WAIT, Program
-
-WARP = 32
-REGISTER_FILE = 65536            # 32-bit registers per SM (sm_90)
-MAX_SMEM_OPTIN = 227 * 1024      # dynamic shared memory a CTA may opt in to (sm_90)
-
-
-class Wait:
-    """Why a group is parked. resume_next: on wake, continue after the instruction
-    (bar.sync); otherwise execute it again (an mbarrier wait, setmaxnreg.inc). converge: the
-    group waits at a collective for lanes of its warps that are elsewhere; a group that reaches
-    the same pc merges with it."""
-    __slots__ = ("describe", "obj", "resume_next", "converge", "register")
-
-    def __init__(self, describe, obj=None, resume_next=False, converge=False, register=None):
-        self.describe = describe          # () -> str, for deadlock reports
-        self.obj = obj
-        self.resume_next = resume_next
-        self.converge = converge
-        self.register = register          # (group) -> None: enrol a group split off to wait
-
-
-YIELD = object()   # an instruction's answer "let others run first, then execute me again"
-
-
-def yield_once(g) -> bool:
-    """True the first time a group reaches this instruction (it should yield), False when it
-    comes back to it: the instructions where a warp waits for asynchronous work (wgmma and bulk
-    wait_group) let the rest of the CTA run first, widening the window in which a race with the
-    work in flight shows up as a hazard."""
-    if g.yielded == g.pc:
-        g.yielded = -1
-        return False
-    g.yielded = g.pc
-    return True
-
 
 class Warp:
     """What a warp owns beyond its lanes' registers."""
@@ -161,23 +128,6 @@ class NamedBarrier:
         return f"named barrier {self.ident} ({self.arrived} of {exp} threads arrived)"
 
 
-class MBarrier:
-    """An mbarrier object in shared memory: its phase, pending arrivals and tx-count."""
-
-    def __init__(self, addr: int, count: int):
-        self.addr = addr
-        self.count = count
-        self.pending = count
-        self.tx = 0
-        self.phase = 0                    # completed phases
-        self.waiters: set[Group] = set()
-
-    def describe(self) -> str:
-        return (f"mbarrier at shared 0x{self.addr:x}: phase {self.phase} (parity "
-                f"{self.phase & 1} in progress), {self.pending} of {self.count} arrivals "
-                f"pending, tx-count {self.tx}")
-
-
 class CTA:
     def __init__(self, launch: "Launch", ctaid: tuple[int, int, int], linear: int):
         self.launch = launch
@@ -191,7 +141,7 @@ class CTA:
         self.alive = np.ones(T, np.bool_)
         window = prog.dyn_base + launch.dyn_smem
         self.smem = SharedMemory(window, prog.dyn_base, launch.dyn_smem)
-        self.mbar: dict[int, MBarrier] = {}
+        self.mbar: dict = {}                      # shared address -> syncops.MBarrier
         self.mbar_words = np.zeros(self.smem.async_readers.size, np.bool_)
         self.bars = [NamedBarrier(i) for i in range(16)]
         self.tma_loads: list = []                 # issued, not landed (asyncops.TmaLoad)
@@ -276,7 +226,7 @@ class Report:
                 f"CTA(s), {self.wgmma} wgmma, {self.tma} TMA ops, {len(self.hazards)} hazard(s)")
 
 
-def registers_at_launch(prog: Program, threads: int) -> int:
+def registers_at_launch(prog, threads: int) -> int:
     """Per-thread registers the JIT gives a kernel that uses setmaxnreg: the most the launch
     bounds allow, 65536 / (threads rounded to warps * .minnctapersm), rounded down to 8."""
     bound = prog.fn.maxntid or prog.fn.reqntid
@@ -290,7 +240,7 @@ class Launch:
     """One kernel launch on the emulator. `params` are the parameter bytes laid out as the
     function declares them (Program.fn.params offsets)."""
 
-    def __init__(self, prog: Program, grid, block, dyn_smem: int, params: bytes, gmem,
+    def __init__(self, prog, grid, block, dyn_smem: int, params: bytes, gmem,
                  *, seed: int | None = None, strict: bool = False, quantum: int = 256,
                  max_instructions: int = 5_000_000, sm_count: int = 132, source_map=None,
                  smem_limit: int = MAX_SMEM_OPTIN):
@@ -365,7 +315,6 @@ class Launch:
                 self._schedule()
         finally:
             self.seconds = time.perf_counter() - start
-        from . import asyncops
         asyncops.finish(self)
         report = Report(self)
         if self.hazards:
@@ -398,7 +347,6 @@ class Launch:
             del into.cta.parked[other.pc]
 
     def _schedule(self) -> None:
-        from . import asyncops
         ready = self.ready
         rng = self.rng
         q = self.quantum
@@ -451,7 +399,6 @@ class Launch:
         self.ready.append(other)
 
     def _run(self, g: Group, budget: int) -> None:
-        from . import asyncops
         code = self.prog.code
         cta = g.cta
         parked = cta.parked
@@ -586,7 +533,6 @@ class Launch:
         return False
 
     def _warp_exit(self, w: Warp) -> None:
-        from . import asyncops, syncops
         w.done = True
         asyncops.warp_exit(self, w)
         cta = w.cta
@@ -594,6 +540,10 @@ class Launch:
         syncops.warp_exited(self, cta)
         if cta.live_warps == 0:
             asyncops.cta_exit(self, cta)
+
+    def land_loads_for(self, cta, bars) -> bool:
+        """A wait on these mbarriers would fail: land the TMA loads they wait for (asyncops)."""
+        return asyncops.land_loads_for(self, cta, bars)
 
     # ------------------------------------------------------------------------- waking
     def wake(self, g: Group) -> None:

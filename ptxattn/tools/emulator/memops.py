@@ -16,9 +16,8 @@ from . import numeric as N
 from .errors import MemoryFault, Unsupported
 from .memory import (PARAM_GENERIC_BASE, SHARED_GENERIC_BASE, SHARED_GENERIC_SPAN,
                      check_alignment)
-from .ops import register
+from .isa import WAIT, Wait, register
 from .parse import Mem, Reg, Sym, Vec
-from .program import WAIT
 
 SPACES = ("global", "shared", "shared::cta", "shared::cluster", "param", "param::entry",
           "param::func", "local", "const")
@@ -538,7 +537,6 @@ def _ldmatrix(prog, ins):
 
 def converge_wait(g, what):
     """Park the group at this collective until the rest of its warps' lanes arrive."""
-    from .machine import Wait
     pc = g.pc
 
     def describe():

@@ -8,21 +8,11 @@ import numpy as np
 
 from . import numeric as N
 from .errors import EmulatorError, Unsupported
-from .parse import SINK, Imm, Instr, Mem, Not, Pair, Reg, Sym, Vec
-from .program import BRANCH, EXIT, OP, Code, Program
-
-TABLE: dict = {}
+from .parse import Instr, Pair, Sym, Vec
+from .isa import BRANCH, EXIT, TABLE, Code, register
 
 ROUNDING = ("rn", "rz", "rm", "rp")
 INT_ROUNDING = ("rni", "rzi", "rmi", "rpi")
-
-
-def register(*names):
-    def deco(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return deco
 
 
 # The qualifiers each arithmetic opcode's compiler reads; any other (besides type names) is
@@ -58,7 +48,7 @@ def _check_qualifiers(ins: Instr) -> None:
         raise Unsupported(f"{ins.opcode}: qualifier(s) {', '.join('.' + x for x in extra)}")
 
 
-def compile_instruction(prog: Program, ins: Instr) -> Code:
+def compile_instruction(prog, ins: Instr) -> Code:
     _check_qualifiers(ins)
     handler = TABLE.get(ins.op)
     if handler is None:
@@ -107,7 +97,7 @@ def _div_check(b):
 HELPERS = {"_div_check": _div_check}
 
 
-def _gen(prog: Program, ins: Instr, dst, t: str, expr: str, srcs, extra=None) -> Code:
+def _gen(prog, ins: Instr, dst, t: str, expr: str, srcs, extra=None) -> Code:
     body, wregs = prog.write_stmt(dst, t, expr)
     return prog.generate(ins, body, tuple(srcs) + wregs, extra={**HELPERS, **(extra or {})})
 

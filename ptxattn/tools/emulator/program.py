@@ -20,11 +20,9 @@ import numpy as np
 
 from . import numeric as N
 from .errors import ParseError, Unsupported
+from .isa import BRANCH, EXIT, OP, WAIT, Code  # noqa: F401  (re-exported)
 from .memory import RESERVED_SHARED
 from .parse import SINK, Function, Imm, Instr, Mem, Module, Not, Pair, Reg, Sym, Vec
-
-OP, BRANCH, EXIT, WAIT = 0, 1, 2, 3
-
 
 SPECIAL = {
     "%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z",
@@ -39,22 +37,6 @@ SPECIAL = {
     "%dynamic_smem_size", "%total_smem_size",
 }
 SPECIAL_64 = {"%clock64", "%globaltimer", "%gridid"}
-
-
-class Code:
-    """One compiled instruction."""
-    __slots__ = ("kind", "fn", "target", "guard", "neg", "ins", "regs", "wregs", "uni")
-
-    def __init__(self, kind, fn, ins, target=None, guard=None, neg=False, regs=(), uni=False):
-        self.kind = kind
-        self.fn = fn
-        self.ins = ins
-        self.target = target
-        self.guard = guard
-        self.neg = neg
-        self.regs = tuple(regs)      # every register id it reads or writes
-        self.wregs = ()              # those that are also wgmma operands (set by the Program)
-        self.uni = uni
 
 
 _REG_REF = re.compile(r"\br\[(\d+)\]")

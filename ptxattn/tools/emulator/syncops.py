@@ -21,13 +21,28 @@ import numpy as np
 
 from . import numeric as N
 from .errors import SyncError, Unsupported
-from .machine import WARP, MBarrier, Wait
+from .isa import REGISTER_FILE, WAIT, WARP, Wait, register
 from .memops import address_reader, converge_wait, whole_warps
-from .ops import register
-from .parse import SINK, Imm, Mem, Pair
-from .program import WAIT
+from .parse import Imm, Mem, Pair
 
 MAX_TX = (1 << 20) - 1
+
+
+class MBarrier:
+    """An mbarrier object in shared memory: its phase, pending arrivals and tx-count."""
+
+    def __init__(self, addr: int, count: int):
+        self.addr = addr
+        self.count = count
+        self.pending = count
+        self.tx = 0
+        self.phase = 0                    # completed phases
+        self.waiters: set[Group] = set()
+
+    def describe(self) -> str:
+        return (f"mbarrier at shared 0x{self.addr:x}: phase {self.phase} (parity "
+                f"{self.phase & 1} in progress), {self.pending} of {self.count} arrivals "
+                f"pending, tx-count {self.tx}")
 
 
 def _uniform(values, what):
@@ -375,8 +390,6 @@ def _mbarrier(prog, ins):
         rarg = prog.reader(ops[2], "u32" if parity else "b64")
         write = prog.writer(dst, "pred")
         blocking = kind == "try_wait"
-        from . import asyncops
-
         def wait(g, idx):
             addrs = addr(g, idx)
             arg = rarg(g, idx)
@@ -396,7 +409,7 @@ def _mbarrier(prog, ins):
                         pending.add(b)
                 return ok, pending
             ok, pending = evaluate()
-            if pending and asyncops.land_loads_for(g.launch, g.cta, pending):
+            if pending and g.launch.land_loads_for(g.cta, pending):
                 ok, pending = evaluate()      # the TMA loads these wait for have landed
             if not pending or not blocking:
                 write(g, idx, ok)
@@ -637,8 +650,6 @@ def _setmaxnreg(prog, ins):
         raise SyncError(f"setmaxnreg count {n}: a multiple of 8 from 24 to 256")
     if action not in ("inc", "dec"):
         raise Unsupported(f"setmaxnreg.{action}")
-    from .machine import REGISTER_FILE
-
     def setmaxnreg(g, idx):
         warps = whole_warps(g, idx, "setmaxnreg")
         if warps is None:
