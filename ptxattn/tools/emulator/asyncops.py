@@ -364,7 +364,9 @@ def perform_store(launch, st: TmaStore) -> None:
     if st.reduce is None:
         view[idx] = vals
         return
-    fdt = {"FLOAT32": np.float32, "FLOAT16": np.float16, "FLOAT64": np.float64}.get(tm.dtype)
+    fdt = {"FLOAT32": np.float32, "FLOAT16": np.float16, "FLOAT64": np.float64,
+           "UINT32": np.uint32, "INT32": np.int32, "UINT64": np.uint64,
+           "INT64": np.int64}.get(tm.dtype)
     if tm.dtype == "BFLOAT16":
         old = N.bf16_bits_to_f32(view[idx])
         new = N.bf16_bits_to_f32(vals)
@@ -375,7 +377,11 @@ def perform_store(launch, st: TmaStore) -> None:
         raise Unsupported(f"TMA reduction on {tm.dtype}")
     old = view[idx].view(fdt)
     new = vals.view(fdt)
-    res = {"add": old + new, "min": np.fmin(old, new), "max": np.fmax(old, new)}[st.reduce]
+    if np.dtype(fdt).kind == "f":
+        res = {"add": old + new, "min": np.fmin(old, new), "max": np.fmax(old, new)}[st.reduce]
+    else:
+        res = {"add": old + new, "min": np.minimum(old, new),
+               "max": np.maximum(old, new)}[st.reduce]
     view[idx] = res.astype(fdt).view(N.UNSIGNED[es])
 
 
@@ -415,19 +421,78 @@ def _bulk_copy(prog, ins):
                 op.order = _order[0]
                 g.cta.tma_loads.append(op)
         return prog.wrap(ins, issue, prog.regs_of(*ops))
+    if "bulk_group" in parts and ("global" in parts and "shared::cta" in parts):
+        return _bulk_store(prog, ins)
     raise Unsupported(f"{ins.opcode}")
 
 
-class _FlatMap:
-    """A plain bulk copy seen as a rank-1 byte 'tensor map' (for land())."""
+_BULK_TYPES = {"f32": "FLOAT32", "f16": "FLOAT16", "bf16": "BFLOAT16", "f64": "FLOAT64",
+               "u32": "UINT32", "s32": "INT32", "u64": "UINT64", "s64": "INT64", "b32": "UINT32",
+               "b64": "UINT64"}
 
-    def __init__(self, address, n):
+
+def _bulk_store(prog, ins):
+    """cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size and its reduction form
+    cp.reduce.async.bulk.global.shared::cta.bulk_group.op.type: as a TMA store, over a flat
+    range of `size` bytes (a multiple of 16, both ends 16-byte aligned)."""
+    ops = ins.operands
+    if "L2::cache_hint" in ins.parts:
+        ops = ops[:-1]
+    if len(ops) != 3:
+        raise Unsupported(f"{ins.opcode} with {len(ops)} operands")
+    red = None
+    dtype = "UINT8"
+    if ins.parts[1] == "reduce":
+        red = next((p for p in ins.parts if p in ("add", "min", "max", "inc", "dec", "and", "or",
+                                                  "xor")), None)
+        t = next((p for p in ins.parts if p in _BULK_TYPES), None)
+        if red not in ("add", "min", "max") or t is None:
+            raise Unsupported(f"{ins.opcode}: reduction .{red} .{t}")
+        dtype = _BULK_TYPES[t]
+    rdst = address_reader(prog, ops[0], "global")
+    rsrc = address_reader(prog, ops[1], "shared")
+    rsize = prog.reader(ops[2], "u32")
+
+    def issue(g, idx):
+        dsts, srcs, sizes = rdst(g, idx), rsrc(g, idx), rsize(g, idx)
+        smem = g.cta.smem
+        for j in range(len(idx)):
+            lane = int(idx[j])
+            n = int(sizes[j])
+            dst = int(dsts[j])
+            if n % 16 or dst % 16:
+                raise MemoryFault(f"{ins.op} bulk store: size {n} and global address 0x{dst:x} "
+                                  f"must be multiples of 16", lane, dst)
+            st = TmaStore()
+            st.warp = g.cta.warps[lane >> 5]
+            st.ins = ins
+            st.tmap = _FlatMap(dst, n, dtype)
+            st.coords = [0]
+            st.src = int(srcs[j])
+            st.nbytes = n
+            st.reduce = red
+            _check_smem_range(g, st.src, n, lane, "bulk store source", 16)
+            st.words = _words_range(st.src, n)
+            _async_read_checks(g, ins, lane, st.src, st.words, "bulk store")
+            smem.async_readers[st.words] += 1
+            st.warp.bulk_open.append(st)
+            g.launch.tma_count += 1
+    return prog.wrap(ins, issue, prog.regs_of(*ops))
+
+
+class _FlatMap:
+    """A plain bulk copy seen as a rank-1 'tensor map' of `dtype` elements (for land() and
+    perform_store())."""
+
+    def __init__(self, address, n, dtype="UINT8"):
+        from .tensormap import DTYPE_BYTES
         self.address, self.n = address, n
-        self.dtype, self.rank, self.interleave, self.swizzle = "UINT8", 1, "NONE", "NONE"
+        self.dtype, self.rank, self.interleave, self.swizzle = dtype, 1, "NONE", "NONE"
         self.oob_fill = "NONE"
-        self.element_bytes = 1
-        self.dims, self.strides, self.box, self.element_strides = (n,), (), (n,), (1,)
-        self.box_elements = (n,)
+        self.element_bytes = DTYPE_BYTES[dtype]
+        count = n // self.element_bytes
+        self.dims, self.strides, self.box, self.element_strides = (count,), (), (count,), (1,)
+        self.box_elements = (count,)
         self.box_bytes = n
 
     def describe(self):
@@ -453,7 +518,7 @@ def _cp(prog, ins):
     if parts[1] == "reduce" and parts[2] == "async" and parts[3] == "bulk":
         if len(parts) > 4 and parts[4] == "tensor":
             return _cp_async_bulk_tensor(prog, ins)
-        raise Unsupported(f"{ins.opcode}")
+        return _bulk_copy(prog, ins)
     raise Unsupported(f"{ins.opcode} (Ampere cp.async is not emulated)")
 
 
@@ -880,7 +945,17 @@ def check_registers(launch, g, c) -> None:
             common = op.wbits & g.wbits
             if common:
                 wid = (common & -common).bit_length() - 1
-                role = "accumulator" if r in op.d_regs else "A operand"
+                accumulator = r in op.d_regs
+                role = "accumulator" if accumulator else "A operand"
+                if not accumulator and c.writes is not None and r not in c.writes:
+                    launch.hazard("wgmma-a-operand-read",
+                                  f"{_reg_names(launch, [r])} is read while it is the A operand "
+                                  f"of a wgmma issued at line {op.ins.line} and not yet retired "
+                                  f"(warp {wid}): undefined behaviour in the PTX ISA "
+                                  f"(wgmma.wait_group: \"accessing ... the input register "
+                                  f"containing the fragments of matrix A\"), though only a read",
+                                  g, c.ins)
+                    break
                 launch.hazard("wgmma-register-in-flight",
                               f"{_reg_names(launch, [r])} is the {role} of a wgmma issued at "
                               f"line {op.ins.line} and not yet retired by wgmma.wait_group "

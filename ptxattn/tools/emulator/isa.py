@@ -25,9 +25,11 @@ def register(*names):
 
 class Code:
     """One compiled instruction."""
-    __slots__ = ("kind", "fn", "target", "guard", "neg", "ins", "regs", "wregs", "uni")
+    __slots__ = ("kind", "fn", "target", "guard", "neg", "ins", "regs", "wregs", "uni",
+                 "writes")
 
-    def __init__(self, kind, fn, ins, target=None, guard=None, neg=False, regs=(), uni=False):
+    def __init__(self, kind, fn, ins, target=None, guard=None, neg=False, regs=(), uni=False,
+                 writes=None):
         self.kind = kind
         self.fn = fn
         self.ins = ins
@@ -37,6 +39,7 @@ class Code:
         self.regs = tuple(regs)      # every register id it reads or writes
         self.wregs = ()              # those that are also wgmma operands (set by the Program)
         self.uni = uni
+        self.writes = writes         # the registers it writes, when known (None: unknown)
 
 
 class Wait:

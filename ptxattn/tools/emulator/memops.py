@@ -317,7 +317,7 @@ def _st(prog, ins):
             global_scatter(g, idx, addrs, vals, esize, what)
         else:
             raise Unsupported(f"st to .{sp}")
-    return prog.wrap(ins, store, prog.regs_of(a, v))
+    return prog.wrap(ins, store, prog.regs_of(a, v), writes=())
 
 
 # ----------------------------------------------------------------------------- atomics
@@ -505,7 +505,7 @@ def _stmatrix(prog, ins):
         threads = np.concatenate([idx[32 * k + 8 * i: 32 * k + 8 * i + 8]
                                   for k in range(nw) for i in range(num)])
         shared_store(g, threads, rowa, data, 8, "stmatrix")
-    return prog.wrap(ins, stmatrix, prog.regs_of(a, v), kind=WAIT)
+    return prog.wrap(ins, stmatrix, prog.regs_of(a, v), kind=WAIT, writes=())
 
 
 @register("ldmatrix")

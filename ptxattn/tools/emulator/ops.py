@@ -99,7 +99,8 @@ HELPERS = {"_div_check": _div_check}
 
 def _gen(prog, ins: Instr, dst, t: str, expr: str, srcs, extra=None) -> Code:
     body, wregs = prog.write_stmt(dst, t, expr)
-    return prog.generate(ins, body, tuple(srcs) + wregs, extra={**HELPERS, **(extra or {})})
+    return prog.generate(ins, body, tuple(srcs) + wregs, extra={**HELPERS, **(extra or {})},
+                         writes=wregs)
 
 
 def _read(prog, op, t):

@@ -266,7 +266,8 @@ class Program:
                               f"(.{self.reg_type[i]})")
         return f"r[{i}][L] = {conv}", (i,)
 
-    def generate(self, ins: Instr, body: str, regs, kind=OP, extra: dict | None = None):
+    def generate(self, ins: Instr, body: str, regs, kind=OP, extra: dict | None = None,
+                 writes=None):
         """Compile generated statements (using g, r, L, S, K, np, N) into a Code."""
         guard = ""
         gregs = ()
@@ -281,13 +282,14 @@ class Program:
         src = (f"    r = g.r\n    L = g.L\n    S = g.cta.sp\n    {guard}{body}\n"
                f"    return None\n")
         fn = _instantiate(src, self.consts, extra, f"<ptx {ins.opcode}>")
-        return Code(kind, fn, ins, regs=tuple(dict.fromkeys(tuple(regs) + gregs)))
+        return Code(kind, fn, ins, regs=tuple(dict.fromkeys(tuple(regs) + gregs)),
+                    writes=None if writes is None else tuple(writes))
 
-    def wrap(self, ins: Instr, fn, regs=(), kind=OP):
+    def wrap(self, ins: Instr, fn, regs=(), kind=OP, writes=None):
         """Code for a closure fn(g, idx) (idx: the executing lanes, an int64 index array into
         the CTA), with the instruction's guard applied in front."""
         if ins.guard is None:
-            return Code(kind, lambda g: fn(g, g.idx), ins, regs=regs)
+            return Code(kind, lambda g: fn(g, g.idx), ins, regs=regs, writes=writes)
         gi = self.reg(ins.guard[0])
         neg = ins.guard[1]
 
@@ -300,7 +302,7 @@ class Program:
             if not p.any():
                 return None
             return fn(g, g.idx[p])
-        return Code(kind, guarded, ins, regs=tuple(regs) + (gi,))
+        return Code(kind, guarded, ins, regs=tuple(regs) + (gi,), writes=writes)
 
     # -- helpers for other compilers: closures over (group, lanes)
     def reader(self, op, t: str):
