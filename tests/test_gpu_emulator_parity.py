@@ -27,7 +27,11 @@ def test_hand_kernel_on_the_gpu_matches_numpy_and_the_emulator(name):
     gap_ref = float(np.max(np.abs(np.asarray(device, np.float64) - want)))
     gap_emu = float(np.max(np.abs(np.asarray(device, np.float64) - emulated)))
     scale = float(np.max(np.abs(want))) or 1.0
-    assert gap_ref <= 1e-5 * scale + 1e-5, (
-        f"{name}: the GPU differs from NumPy by up to {gap_ref:.3g} (max |value| {scale:.3g}); "
-        f"from the emulator by {gap_emu:.3g}: the emulator's layout reading is wrong there")
-    assert gap_emu <= 1e-5 * scale + 1e-5, f"{name}: GPU vs emulator differ by {gap_emu:.3g}"
+    # FP8 tensor cores accumulate with fewer bits than fp32 (~14 retained, as reported for
+    # Hopper): a layout error is O(1) relative, rounding 2^-14; the sums of integers are exact
+    tol = 2e-3 * scale if name.startswith("fp8") else 1e-5 * scale + 1e-5
+    assert gap_ref <= tol, (
+        f"{name}: the GPU differs from NumPy by up to {gap_ref:.3g} (max |value| {scale:.3g}, "
+        f"tolerance {tol:.3g}); from the emulator by {gap_emu:.3g}: the emulator's reading of "
+        f"the ISA is wrong there")
+    assert gap_emu <= tol, f"{name}: GPU vs emulator differ by {gap_emu:.3g} (tolerance {tol:.3g})"
