@@ -155,17 +155,22 @@ def note_generic_write(g, words, lanes, total, act, what):
 
 # ----------------------------------------------------------------------------- global memory
 
-def global_gather(g, lanes, act, esize: int, count: int, what="ld.global"):
-    total = esize * count
+def _global_locate(g, lanes, act, total: int, what: str):
+    """The allocation (or per-lane (allocation, offset) pairs) of `total` bytes at each address,
+    after the alignment check: a misaligned or out-of-allocation access is a MemoryFault."""
     bad = check_alignment(act, total, "global")
     if bad is not None:
         raise MemoryFault(f"misaligned {what}: {total} bytes at 0x{int(act[bad]):x}",
                           int(lanes[bad]), int(act[bad]))
     try:
-        alloc, offs = g.launch.gmem.locate(act, total, lanes)
+        return g.launch.gmem.locate(act, total, lanes)
     except MemoryFault as e:
         e.args = (f"{what}: {e}",)
         raise
+
+
+def global_gather(g, lanes, act, esize: int, count: int, what="ld.global"):
+    alloc, offs = _global_locate(g, lanes, act, esize * count, what)
     dt = N.UNSIGNED[esize]
     if alloc is not None:
         view = alloc.data.view(dt)
@@ -179,16 +184,7 @@ def global_gather(g, lanes, act, esize: int, count: int, what="ld.global"):
 
 def global_scatter(g, lanes, act, values, esize: int, what="st.global"):
     count = values.shape[1]
-    total = esize * count
-    bad = check_alignment(act, total, "global")
-    if bad is not None:
-        raise MemoryFault(f"misaligned {what}: {total} bytes at 0x{int(act[bad]):x}",
-                          int(lanes[bad]), int(act[bad]))
-    try:
-        alloc, offs = g.launch.gmem.locate(act, total, lanes)
-    except MemoryFault as e:
-        e.args = (f"{what}: {e}",)
-        raise
+    alloc, offs = _global_locate(g, lanes, act, esize * count, what)
     dt = N.UNSIGNED[esize]
     if alloc is not None:
         view = alloc.data.view(dt)
