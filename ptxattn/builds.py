@@ -12,7 +12,7 @@ shared-memory size. Three readers take the figures from here:
   - the launcher, through stages.PRODUCTION_VARIANTS (block_n, ring depth, smem, threads);
   - the tests (tests/test_builds.py, test_production_builds.py, the schedule and sync replays).
 
-A new head dim is one row of BUILDS (and its per-score macros: ptxattn/ptxgen.py makes them
+A new head dim is one row of BUILDS (and its per-score macros: ptxattn/tools/ptxgen.py makes them
 for every head dim and tile width the table names).
 """
 
@@ -183,7 +183,7 @@ class Build:
         """Byte offset of O's 64-column block `block` in a consumer's staging box."""
         return block * Q_BOX_ROWS * SWIZZLE_ROW_BYTES
 
-    # ---- the generated macros this row uses (ptxattn/ptxgen.py) ----------------------------
+    # ---- the generated macros this row uses (ptxattn/tools/ptxgen.py) ----------------------------
     @property
     def score_header(self) -> str:
         return f"gen_n{self.block_n}.ptxh"
