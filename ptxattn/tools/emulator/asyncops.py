@@ -198,7 +198,9 @@ def land(launch, op: TmaLoad) -> None:
     elems = np.zeros(offs.size, N.UNSIGNED[es])
     if tm.oob_fill == "NAN_REQUEST_ZERO_FMA":
         nan = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FF8000000000000}[es]
-        if tm.dtype == "FLOAT16":
+        if tm.dtype == "BFLOAT16":
+            nan = 0x7FF7      # what the H200 writes (tests/test_gpu_emulator_parity.py, tma-box)
+        elif tm.dtype == "FLOAT16":
             nan = 0x7E00
         elems[:] = nan
     if ok.any():
