@@ -221,9 +221,14 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
 
     `stream` (an int handle, default: legacy default stream) is where the
     array will be used; a DLPack producer makes its pending writes visible
-    there. Raises TypeError for host arrays and non-bf16 dtypes.
+    there. Raises TypeError for host arrays and non-bf16 dtypes, our own float32
+    DeviceArrays (the log-sum-exp's kind) included.
     """
     if isinstance(obj, DeviceArray):
+        if obj.dtype != BF16:
+            raise TypeError(f"{name}: expected dtype bfloat16, got {obj.dtype} (a DeviceArray "
+                            "of another dtype, such as a float32 log-sum-exp; device arrays are "
+                            "used in place, never converted: cast to bfloat16 first)")
         return obj
     handle = driver.stream_handle(stream)
     fast = _from_torch(obj, handle)
