@@ -488,7 +488,9 @@ def _split(text: str | None) -> list[str] | None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="Time cuDNN (PyTorch SDPA) alongside, when PyTorch is there.")
-@click.option("--check/--no-check", default=True, show_default=True)
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="Check every (batch, head) on sampled rows before timing; --no-check "
+                   "times without it and marks every row 'unchecked'.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write <date>-<gpu>[-<set>].json and bench[-<set>].txt here.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
