@@ -25,8 +25,14 @@ NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, bench --from-json FILE and "
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    """The error's first line; when that line only announces what follows ("preprocessing
+    failed:"), with the first line that follows, so that the reason is never left out."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def _stdout_closed() -> bool:

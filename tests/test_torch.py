@@ -297,6 +297,22 @@ def test_transformers_padding_mask_falls_back_to_sdpa(routed, monkeypatch):
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("register, package", [("register_diffusers", "diffusers"),
+                                               ("register_transformers", "transformers")])
+def test_register_without_the_model_library_says_what_to_install(monkeypatch, register,
+                                                                 package):
+    """Not a bare ModuleNotFoundError from inside the backend: an ImportError that names the
+    call, the library, its minimum version and the install command."""
+    monkeypatch.setitem(sys.modules, package, None)          # `import package` fails
+    with pytest.raises(ImportError) as err:
+        getattr(pt, register)()
+    message = str(err.value)
+    for words in (f"{register}() needs {package} (>= ", f"pip install '{package}>=",
+                  "pip install -e '.[models]'"):
+        assert words in message, message
+    assert type(err.value).__name__ == "MissingModelLibraryError", repr(err.value)
+
+
 # --------------------------------------------------------------------------- capstone configs
 
 @pytest.mark.parametrize("which", ["wan", "ltx", "llama"])
