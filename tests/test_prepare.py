@@ -19,7 +19,7 @@ from ptxattn import attention as attn
 from ptxattn import driver, stages, tma
 from ptxattn.tensors import BF16, DeviceArray
 
-cu = pytest.importorskip("cuda.bindings.driver")
+from cuda.bindings import driver as cu   # a hard dependency: missing, it fails (never skips)
 OK = cu.CUresult.CUDA_SUCCESS
 MiB = 1 << 20
 PARAM_TYPES = (None,) * 4 + (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
