@@ -790,9 +790,10 @@ def test_sanitize_cases_cover_bshd_several_tiles_and_the_controls():
     listed = subprocess.run([sys.executable, "bench/sanitize_case.py", "--list", "--stages",
                              "1,14"], cwd=ROOT, capture_output=True, text=True, env=env,
                             timeout=120, check=True).stdout.split("\n")
-    cases = [line.split() for line in listed if line]
-    assert ["1", "1", "2", "256", "0", "bshd"] in cases
-    assert ["14", "2", "2", "512", "2", "bshd"] in cases       # 8 tiles per CTA, BSHD
+    cases = [line.split("\t") for line in listed if line]
+    assert ["stage01 1x2x256 bshd", "0", "--stage 1 -b 1 -H 2 -L 256 --layout bshd"] in cases
+    assert ["stage14 2x2x512 bshd ctas=2", "2",                 # 8 tiles per CTA, BSHD
+            "--stage 14 -b 2 -H 2 -L 512 --layout bshd"] in cases
     controls = subprocess.run([sys.executable, "bench/sanitize_case.py", "--controls"], cwd=ROOT,
                               capture_output=True, text=True, env=env, timeout=120,
                               check=True).stdout.split("\n")
