@@ -4,7 +4,7 @@ torch.compile(fullgraph=True) tracing, and the diffusers/transformers backends o
 The kernel launch is replaced by a CPU stand-in (`routed`: records each call and computes it
 with torch's SDPA in float32), and the CUDA device check by one that accepts CPU tensors, so
 "would ptxattn take this call" is tested on CPU tensors. Skipped where torch (or, for their
-tests, diffusers/transformers) is not installed: CI installs neither; the torch extra does.
+tests, diffusers/transformers) is not installed; .ci/run installs torch (CPU) and both.
 """
 
 from __future__ import annotations
