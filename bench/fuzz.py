@@ -14,9 +14,10 @@ a window, the diagonal (only with a mask), the LSE; and a way in:
 On the device paths every tensor is a view at the start of a pool buffer (or a few aligned
 elements past it) that every case reuses: new tensors at reused addresses with other shapes,
 which the steady fast path must never mistake for the call it remembers. Every case calls
-attention() twice at the same addresses (the second call is a fast-path hit), poisoning a
-given `out` (and a prepared LSE) with NaN before each call; the two outputs must agree bit for
-bit, and the first must pass the project's bar (DESIGN.md: no NaN/Inf anywhere, rel L2 <=
+attention() twice with the same arguments (on the device paths: at the same addresses, so the
+second call is a fast-path hit), poisoning a given `out` with NaN before each call (a fresh
+output or LSE comes from the library's allocator); the two answers must agree bit for bit,
+and the first must pass the project's bar (DESIGN.md: no NaN/Inf anywhere, rel L2 <=
 4e-3, max |err| <= 1e-2 max |ref|; LSE max |err| <= 2e-3, -inf where a row sees no key) on
 sampled query rows of every batch and head (the same rows for all, as tests/gpu_checks.py's
 check_rows).
