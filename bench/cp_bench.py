@@ -73,7 +73,8 @@ def _max_over_ranks(torch, dist, value: float) -> float:
 
 def run_case(torch, dist, args, L: int, causal: bool, rank: int, world: int) -> dict:
     import ptxattn
-    from ptxattn import bench, reference
+    from ptxattn import reference
+    from ptxattn.tools import bench
     from ptxattn import distributed as cp
 
     B, H, D, layout = args.batch, args.heads, args.head_dim, args.layout
@@ -189,9 +190,10 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     import ptxattn
-    from ptxattn import bench, driver
-    takes_causal = _takes(ptxattn.attention.attention, "causal") and \
-        _takes(ptxattn.attention.prepare, "causal")
+    from ptxattn import driver
+    from ptxattn.tools import bench
+    takes_causal = _takes(ptxattn.attention, "causal") and \
+        _takes(ptxattn.prepare, "causal")
     rows = []
     for L in (int(x) for x in args.lengths.split(",")):
         for mask in args.masks.split(","):

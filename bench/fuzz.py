@@ -414,7 +414,7 @@ def fuzz(cases: int = 2000, seconds: float = 150.0, seed: int = 0, paths=PATHS,
                        default=None)
         failures.append(CaseFailure(smallest, f"{type(e).__name__}: {e}") if smallest else
                         CaseFailure(FuzzCase(0, 0, 0, 0, 0, 0), f"{type(e).__name__}: {e}"))
-    from ptxattn.bench import source_id
+    from ptxattn.tools.bench import source_id
     source = source_id()
     summary = {
         "tool": "bench/fuzz.py",

@@ -15,11 +15,13 @@
 # every head dim's build (production:64/128/256) small and persistent in both layouts, its
 # masked build (causal), a sliding and a two-sided window, a masked persistent walk, GQA, MQA,
 # ragged tails (Lq, Lk not tile multiples, Lq < Lk and Lq > Lk), the top-left diagonal, and the
-# LSE written. New kernels (split-KV and combine, paged, varlen, backward, FP8) add rows there.
+# LSE written. Decode (flash_attn_with_kvcache: three splits and the combine, with device
+# lengths out of range) once per head dim. New kernels (paged, varlen, FP8) add rows there; the
+# backward has its own runner (bench/sanitize_bwd.sh).
 #
 # Device time (H200, compute-sanitizer 2025.3, 16 cores): one invocation takes 3-8 s (racecheck
-# the slowest); at JOBS=14 about 2 invocations finish a second. The full run (86 cases x 4
-# tools + 4 controls = 348 invocations, plus 86 plain runs) takes about 3 minutes; the script
+# the slowest); at JOBS=14 about 2 invocations finish a second. The full run (89 cases x 4
+# tools + 4 controls = 360 invocations, plus 89 plain runs) takes about 3 minutes; the script
 # prints its own estimate first. TOOLS="memcheck synccheck" / "racecheck initcheck" halves it.
 #
 # Negative controls (`sanitize_case.py --controls`), run under racecheck and synccheck: stage 1
@@ -174,7 +176,7 @@ LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 started=$SECONDS
 
-SOURCE=$("$PYTHON" -c 'from ptxattn.bench import source_id; s = source_id()
+SOURCE=$("$PYTHON" -c 'from ptxattn.tools.bench import source_id; s = source_id()
 if s.get("declared_commit"): print("commit:", s["declared_commit"], "(declared by the runner: PTXATTN_SOURCE_COMMIT)")
 print(("git HEAD here:" if s.get("declared_commit") else "commit:"), (s["commit"] or "? (no git here)") + (" (with local changes in ptx/ or ptxattn/)" if s["dirty"] else ""))
 print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One kernel, one launch, one small case: what bench/sanitize.sh runs under compute-sanitizer.
 
-    python3 bench/sanitize_case.py --list [--stages 1,14,production]
+    python3 bench/sanitize_case.py --list [--stages 1,14,production,decode]
         the cases, one a line, three tab-separated fields: NAME, CTAS (0: the kernel's own
         grid; else the PTXATTN_PERSISTENT_CTAS cap the script sets for that case) and the
         arguments of this script that run it
@@ -28,8 +28,12 @@ carve-up; D = 64: three consumers, 192-row tiles) the unmasked build small and p
 both layouts and the masked build (causal); and, at small shapes, a sliding window, a
 two-sided window, a masked persistent walk, GQA and MQA, ragged tails (Lq and Lk not tile
 multiples, Lq < Lk and Lq > Lk), the top-left diagonal, and the LSE written (alone and with
-the other features). New kernels (split-KV decode and combine, paged, varlen, backward, FP8)
-add rows there, and a runner in RUNNERS when their call is not attention()'s.
+the other features). Then decode (flash_attn_with_kvcache, DECODE_ROWS, one per head dim):
+Lq = 2 causal queries against caches of L positions (H / 4 K/V heads), two new keys appended,
+lengths planted on the device at -5, L + 1000 and L // 2 (clamped by the kernels: memcheck must
+see no access outside the caches, the lengths array or the workspace), three splits and the
+combine, checked against the clamped reference. New kernels (paged, varlen, backward, FP8) add
+rows the same way, and a runner in RUNNERS when their call is not attention()'s.
 
 Negative controls (CONTROLS): stage 1 built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync
 between the P stores and the PV wgmma dropped, plus an ordinary ld.shared of a word another
@@ -49,6 +53,7 @@ HAZARD = "PTXATTN_PLANT_HAZARD"
 PERSISTENT_CTAS = 2
 PRODUCTION_KEY = "production"
 PRODUCTION_NUMBER = 0          # what --stages calls it besides its name
+DECODE_KEY = "decode"
 LAYOUTS = ("bhld", "bshd")
 
 
@@ -162,9 +167,13 @@ def production_rows(head_dims) -> list[Case]:
     return rows
 
 
+# flash_attn_with_kvcache (see the docstring): B H L are the caches' batch, heads and length
+DECODE_ROWS = tuple(Case(f"{DECODE_KEY}:{d}", batch=3, heads=8, seq_q=600) for d in (64, 128, 256))
+
+
 def cases(stage_filter=None) -> list[Case]:
-    """CASES: the lineage's stages, then the production kernel's rows (--stages takes
-    "production" or 0 for those)."""
+    """CASES: the lineage's stages, then the production kernel's rows, then decode's
+    (--stages takes "production" or 0, and "decode", for those)."""
     from ptxattn import stages
     rows = []
     for s in stages.all_stages():
@@ -173,6 +182,8 @@ def cases(stage_filter=None) -> list[Case]:
     if not stage_filter or PRODUCTION_NUMBER in stage_filter:
         rows += [c for c in production_rows(stages.PRODUCTION.head_dims)
                  if int(c.kernel.partition(":")[2]) in stages.PRODUCTION.head_dims]
+    if not stage_filter or DECODE_KEY in stage_filter:
+        rows += DECODE_ROWS
     return rows
 
 
@@ -191,11 +202,12 @@ def stage_and_head_dim(key: str) -> tuple[str, int]:
     return name, int(d)
 
 
-def parse_stages(text: str) -> set[int] | None:
-    """--stages "1,14,production" -> {1, 14, 0}; empty -> None (every stage)."""
+def parse_stages(text: str) -> set | None:
+    """--stages "1,14,production,decode" -> {1, 14, 0, "decode"}; empty -> None (all)."""
     wanted = set()
     for word in text.replace(",", " ").split():
-        wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else int(word))
+        wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else
+                   DECODE_KEY if word == DECODE_KEY else int(word))
     return wanted or None
 
 
@@ -226,8 +238,8 @@ def _inputs(case: Case, head_dim: int, seed: int):
 
 def run_attention(case: Case, seed: int, defines=None) -> bool:
     """The forward kernels (a lineage stage, the production kernel): prepare + one launch."""
-    from ptxattn import attention as attn
-    from ptxattn import driver, reference, stages, tensors
+    from ptxattn import api as attn
+    from ptxattn import driver, launch, reference, stages, tensors
 
     key, head_dim = stage_and_head_dim(case.kernel)
     stage = stages.get_stage(key)
@@ -256,10 +268,10 @@ def run_attention(case: Case, seed: int, defines=None) -> bool:
         lse_nan = int(np.count_nonzero(np.isnan(lse)))
         ok = ok and lse_nan == 0 and err <= 2e-3
         lse_note = f" lse_max_abs={err:.2e} lse_nan={lse_nan}"
-    cap = os.environ.get(attn.PERSISTENT_CTAS_ENV, "")
+    cap = os.environ.get(launch.PERSISTENT_CTAS_ENV, "")
     print(f"case {case.name()} D={head_dim} kernel={stage.label} grid={prepared.grid} "
           f"block={prepared.block} smem={prepared.smem_bytes}"
-          f"{f' {attn.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
+          f"{f' {launch.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
           f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
           f"max_abs={m['max_abs']:.2e} nan={m['nan_count']}{lse_note} {'PASS' if ok else 'FAIL'}",
           flush=True)
@@ -281,9 +293,69 @@ def run_attention(case: Case, seed: int, defines=None) -> bool:
     return ok
 
 
+def run_decode(head_dim, b, h, length, seed) -> bool:
+    """One flash_attn_with_kvcache call with out-of-range device lengths (see the docstring)."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import decode_reference, driver, reference, tensors
+
+    rng = np.random.default_rng(seed)
+    hkv, lq, new = max(1, h // 4), 2, 2
+
+    def bf16(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(reference.BF16)
+    q, kc, vc = bf16(b, lq, h, head_dim), bf16(b, length, hkv, head_dim), bf16(b, length, hkv,
+                                                                           head_dim)
+    kn, vn = bf16(b, new, hkv, head_dim), bf16(b, new, hkv, head_dim)
+    raw = np.array(([-5, length + 1000, length // 2] * b)[:b], np.int32)
+    devs = [tensors.from_numpy(x) for x in (q, kc, vc, kn, vn)]
+    lens = driver.DeviceBuffer(raw.nbytes)
+    driver.memcpy_htod(lens.ptr, raw)
+
+    class Lengths:
+        __cuda_array_interface__ = {"shape": (b,), "typestr": "<i4", "data": (lens.ptr, False),
+                                    "strides": None, "version": 3}
+    out = tensors.empty(q.shape)
+    out.fill_u16(0xFFFF)
+    lse = tensors.empty((b, h, lq), dtype=np.float32)
+    driver.memset_u16(lse.ptr, 0xFFFF, 2 * lse.size)
+    ptxattn.flash_attn_with_kvcache(*devs[:3], k=devs[3], v=devs[4], cache_seqlens=Lengths(),
+                                    causal=True, num_splits=3, return_lse=True, out=out,
+                                    lse_out=lse)
+    driver.synchronize()
+    got, got_lse = out.to_numpy(), lse.to_numpy()
+    kc2, vc2 = decode_reference.appended_caches(kc, vc, kn, vn, raw)
+    eff = decode_reference.clamped_lengths(raw, new, length)
+    ref, ref_lse = decode_reference.kvcache_reference(q, kc2, vc2, eff, causal=True)
+    m = reference.error_metrics(got, ref)
+    fin = np.isfinite(ref_lse)
+    lse_ok = bool((np.isneginf(got_lse) == ~fin).all()
+                  and np.abs(got_lse[fin] - ref_lse[fin]).max(initial=0) <= 2e-3)
+    ok = reference.passes(m) and lse_ok
+    print(f"case decode:{head_dim} B={b} H={h}:{hkv} L={length} lengths={raw.tolist()} "
+          f"splits=3 append={new}: rel_l2={m['rel_l2']:.2e} max_abs={m['max_abs']:.2e} "
+          f"nan={m['nan_count']} lse={'ok' if lse_ok else 'WRONG'} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+    for x in (*devs, out, lse):
+        x.free()
+    lens.close()
+    gc.collect()
+    ctx = driver.context()
+    driver.synchronize()
+    ctx.alive = False
+    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
+    return ok
+
+
+def run_decode_case(case: Case, seed: int, defines=None) -> bool:
+    return run_decode(stage_and_head_dim(case.kernel)[1], case.batch, case.heads, case.seq_q,
+                      seed)
+
+
 # KIND (the part of --stage before ":"; lineage stages have none) -> how a case of it runs.
-# Kernels with another call (split-KV decode + combine, paged, varlen, backward) add theirs.
-RUNNERS = {PRODUCTION_KEY: run_attention}
+# Kernels with another call (paged, varlen, backward) add theirs.
+RUNNERS = {PRODUCTION_KEY: run_attention, DECODE_KEY: run_decode_case}
 
 
 def run(case: Case, seed: int = 0, defines=None) -> bool:

@@ -3,11 +3,11 @@
 #
 #   bash bench/trace_all.sh            (the run tool sets $OUT; carry .whl with the pcpp wheel)
 #
-# Records CTA (0, 0, 0) of every stage with trace points (ptxattn.trace.record_all) on one
+# Records CTA (0, 0, 0) of every stage with trace points (ptxattn.tools.trace.record_all) on one
 # shape and writes, into $OUT (at most 5 files, well under the 8-file limit):
 #   traces-<date>-h200.json   ALL the traces in one JSON (ptxattn-traces/1, one trace a line):
 #                             commit it as bench/results/traces-<date>-h200.json; the guide
-#                             (python -m ptxattn.guide) draws every page's SVGs from it on the CPU
+#                             (python -m ptxattn.tools.guide) draws every page's SVGs from it on the CPU
 #   trace_all.txt             per stage: the summary, the traced build's check, balance of the
 #                             begin/end pairs; then the GPU trace tests (unless SKIP_TESTS=1)
 #   trace-stage01.svg, trace-compare-06-07.svg, trace-stage14.svg   a first look

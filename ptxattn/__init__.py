@@ -13,8 +13,13 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "prepare": "attention",
-    "PreparedAttention": "attention",
+    "attention": "api",
+    "prepare": "api",
+    "PreparedAttention": "api",
+    "flash_attn_with_kvcache": "decode",
+    "attention_backward": "backward",
+    "prepare_backward": "backward",
+    "attention_backward_reference": "reference_backward",
     "attention_reference": "reference",
     "error_metrics": "reference",
     "passes": "reference",
@@ -34,15 +39,9 @@ _EXPORTS = {
     "CudaError": "errors",
     "JitError": "errors",
 }
-_SUBMODULES = ("attention", "bench", "driver", "errors", "ptx", "reference", "sass", "stages",
-               "tensors", "tma", "trace")
+_SUBMODULES = ("api", "backward", "driver", "errors", "ptx", "reference", "stages", "tensors", "tma")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
-
-
-# `attention` is the submodule ptxattn/attention.py, which is callable
-# (ptxattn.attention(q, k, v)): a function of the same name would be shadowed
-# by the submodule as soon as anything imported `ptxattn.attention`.
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
-"""`python -m ptxattn ...`, the same as the `ptxattn` console script."""
+"""`python -m ptxattn ...`, the same as the `ptxattn` console script (ptxattn.tools.cli)."""
 
-from .cli import main
+from .tools.cli import main
 
 main(prog_name="ptxattn")

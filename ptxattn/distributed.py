@@ -330,8 +330,8 @@ def torch_local_attention(q, k, v, *, causal: bool, scale: float, layout: str):
 
 
 def _ptxattn_takes_causal() -> bool:
-    from . import attention as module
-    return "causal" in inspect.signature(module.attention).parameters
+    from . import api
+    return "causal" in inspect.signature(api.attention).parameters
 
 
 def ptxattn_local_attention(q, k, v, *, causal: bool, scale: float, layout: str):
@@ -347,7 +347,7 @@ def ptxattn_local_attention(q, k, v, *, causal: bool, scale: float, layout: str)
     # ptxattn runs on one device per process, PTXATTN_DEVICE (read when its context is made):
     # under torchrun, one process per GPU, that is the device of this rank's tensors
     os.environ.setdefault("PTXATTN_DEVICE", str(q.device.index or 0))
-    from . import attention as module
+    from . import api
     kwargs = {}
     if causal:
         if not _ptxattn_takes_causal():
@@ -357,8 +357,8 @@ def ptxattn_local_attention(q, k, v, *, causal: bool, scale: float, layout: str)
                 "causal context parallel until it does")
         kwargs["causal"] = True
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _, lse = module.attention(q, k, v, scale=scale, layout=layout, return_lse=True, out=out,
-                              **kwargs)
+    _, lse = api.attention(q, k, v, scale=scale, layout=layout, return_lse=True, out=out,
+                           **kwargs)
     return out, torch.from_dlpack(lse)
 
 

@@ -165,8 +165,55 @@ def expand(stage: Stage | str | int, defines: dict | None = None) -> Expanded:
         path = ptx_root() / stage.file
         if not path.is_file():
             raise FileNotFoundError(f"{stage.label} ({stage.name}): no PTX file at {path}")
-        _CACHE[key] = expand_file(path, [path.parent / "include"], defines)
+        _CACHE[key] = expand_file(path, include_dirs(path), defines)
     return _CACHE[key]
+
+
+def include_dirs(path: Path) -> list[Path]:
+    """Where a kernel file's `#include "x.ptxh"` is searched, after the including file's own
+    folder (pcpp looks there first, for nested includes too): `include/` beside the file (the
+    lineage: ptx/sm90/include), then its lineage's shared ptx/<arch>/include (a kernel in a
+    folder of its own, ptx/sm90/production/forward.ptx)."""
+    path = Path(path).resolve()
+    dirs = [path.parent / "include"]
+    try:
+        arch = path.relative_to(ptx_root().resolve()).parts[0]
+    except ValueError:                           # a file outside ptx/ (a test's copy)
+        arch = None
+    if arch is not None and ptx_root().resolve() / arch / "include" not in dirs:
+        dirs.append(ptx_root().resolve() / arch / "include")
+    return [d for d in dirs if d.is_dir()]
+
+
+_INCLUDE_LINE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def source_files(stage: Stage | str | int) -> list[Path]:
+    """The stage's own file and every file its `#include "..."` lines reach, each once, in the
+    order first met: resolved as the preprocessor does (the including file's folder first, then
+    include_dirs), whatever #if around them decides. What a reader (or a tool reading the
+    sources' text) must read to see the whole kernel."""
+    stage = get_stage(stage)
+    top = (ptx_root() / stage.file).resolve()
+    search = include_dirs(top)
+    seen: list[Path] = []
+
+    def visit(path: Path) -> None:
+        if path in seen or not path.is_file():
+            return
+        seen.append(path)
+        for name in _INCLUDE_LINE.findall(path.read_text()):
+            found = next((d / name for d in [path.parent] + search if (d / name).is_file()), None)
+            if found is not None:
+                visit(found.resolve())
+
+    visit(top)
+    return seen
+
+
+def source_text(stage: Stage | str | int) -> str:
+    """The text of source_files(stage), concatenated (unexpanded: the sources as written)."""
+    return "\n".join(p.read_text() for p in source_files(stage))
 
 
 def source(stage: Stage | str | int, defines: dict | None = None) -> str:

@@ -12,8 +12,10 @@ it again.
     >>> selfcheck.ensure(stages.get_stage("sm100_stage01"))     # on a B200: checks once
     >>> selfcheck.results()                                    # what ran, and how it went
 
-Only attention._build calls ensure(), for kernels of another lineage than Hopper's; the
-Hopper path never comes here.
+Only api.prepare() calls ensure(), for kernels of another lineage than Hopper's; the Hopper
+path never comes here. The check's own launch is the full path without that call (_prepare:
+plan.validate, launch.target, launch.build), so this module imports the layers below the API
+and the API imports it, never the other way round.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ _PASSED = "passed"
 # (device ordinal, file, defines) -> _PASSED, _RUNNING, or the SelfCheckError's message
 _RESULTS: dict[tuple, object] = {}
 _METRICS: dict[tuple, dict] = {}
-# Reentrant: the check launches the kernel through attention.prepare(), which calls ensure()
-# again on the same thread (and finds _RUNNING). Other threads wait for the verdict.
+# Other threads wait here for the verdict. Reentrant, with _RUNNING, as a guard only: the
+# check's own launch goes around ensure() (_prepare), so nothing on its thread comes back.
 _LOCK = threading.RLock()
 
 
@@ -69,7 +71,7 @@ def run(stage: Stage, seed: int | None = None) -> dict:
     """Launch `stage` once on shape(stage) and compare it with the reference; the error
     figures (reference.error_metrics) plus "pass", "seed" and "shape". No caching: ensure()
     is what attention() calls. seed None: fresh inputs (a new seed each run)."""
-    from . import attention, driver, reference, tensors
+    from . import driver, reference, tensors
 
     b, h, seq, d = shape(stage)
     seed = secrets.randbits(32) if seed is None else seed
@@ -77,12 +79,22 @@ def run(stage: Stage, seed: int | None = None) -> dict:
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)            # bf16 NaN: a tile the kernel never writes shows up
-    prepared = attention.prepare(qd, kd, vd, stage=stage, layout=LAYOUT, out=out)
+    prepared = _prepare(qd, kd, vd, stage=stage, layout=LAYOUT, out=out)
     prepared.launch()
     driver.synchronize()
     metrics = reference.error_metrics(out.to_numpy(),
                                       reference.attention_reference(q, k, v, layout=LAYOUT))
     return {**metrics, "pass": reference.passes(metrics), "seed": seed, "shape": (b, h, seq, d)}
+
+
+def _prepare(q, k, v, *, stage, layout, out, scale=None):
+    """api.prepare() without the first-use check (this is that check's own launch): the
+    arguments validated, the device's choice and build, maps and parameters."""
+    from . import launch, plan
+
+    checked = plan.validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out,
+                            stream=None)
+    return launch.build(checked, launch.target(checked))
 
 
 def _verdict(stage: Stage, metrics: dict) -> str | None:

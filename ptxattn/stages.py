@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import builds, stages_sm100
+
 ENTRY = "ptxattn_fwd"
 
 # The lineages, by the arch their PTX is written for. Hopper's is the measured one and every
@@ -219,44 +221,39 @@ STAGES: tuple[Stage, ...] = (
 
 @dataclass(frozen=True)
 class Variant:
-    """One build of the production kernel: what the preprocessor defines select in the PTX
-    (ptx/sm90/production.ptx reads HEAD_DIM and PTXATTN_MASKED) and what the launcher needs."""
+    """One build of the production kernel as the launcher needs it: what the preprocessor
+    defines select in the PTX (ptx/sm90/production/forward.ptx reads HEAD_DIM and
+    PTXATTN_MASKED), its figures taken from the build table (ptxattn/builds.py)."""
     block_n: int               # key/value rows per tile
     kv_stages: int             # K/V ring depth
     smem_bytes: int            # dynamic shared memory per CTA
     block_m: int = 128         # query rows per tile: 64 per consumer warpgroup
     threads: int = 384         # a producer warpgroup and block_m / 64 consumers
 
+    @classmethod
+    def of(cls, build: builds.Build) -> "Variant":
+        return cls(block_n=build.block_n, kv_stages=build.kv_stages, smem_bytes=build.smem_bytes,
+                   block_m=build.block_m, threads=build.threads)
+
 
 # (head dim, masked) -> the build. masked: causal or sliding-window (the mask code is compiled
-# in only where it is used). One table, so the tile shape per design point is in one place.
-# The figures are those of the build table in production.ptx's header (smem: Q, the K/V ring,
-# O staging, then 10 or 12 mbarriers in 128 bytes, plus 1 KiB of slack to align the base to 1024);
-# tests/test_production_builds.py checks them against the PTX's own defines.
-# D = 64: three consumers (192 query rows a tile, 512 threads): Q 2 x 24 KiB, K/V 2 x 2 x 16 KiB,
-# O 3 x 8 KiB = 136 KiB
-_D64 = Variant(block_n=128, kv_stages=2, smem_bytes=136 * 1024 + 128 + 1024, block_m=192,
-               threads=512)
-_D128 = Variant(block_n=128, kv_stages=2, smem_bytes=14 * _KV16 + 128 + 1024)
-_D256 = Variant(block_n=64, kv_stages=2, smem_bytes=12 * _KV16 + 128 + 1024)
+# in only where it is used; the tiles and shared memory are the head dim's either way). Derived
+# from the build table, the one place each build's figures are written.
 PRODUCTION_VARIANTS: dict[tuple[int, bool], Variant] = {
-    # D = 64: three consumers, Q 2 x 24 KiB (loaded a tile ahead), K/V 2 x 2 x 16 KiB, O 24 KiB
-    (64, False): _D64, (64, True): _D64,
-    # D = 128: Q 2 x 32 KiB (loaded a tile ahead), K/V 2 x 2 x 32 KiB, O 32 KiB
-    (128, False): _D128, (128, True): _D128,
-    # D = 256: Q 64 KiB (O staged there), K/V 2 x 2 x 32 KiB of 64 rows: O's 128 registers
-    # per thread leave room for a 64 x 64 S tile only
-    (256, False): _D256, (256, True): _D256,
-}
+    (b.head_dim, masked): Variant.of(b) for b in builds.BUILDS for masked in (False, True)}
 
-# The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production.ptx).
-# attention() uses it by default; stage= picks a lineage stage instead.
-PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production.ptx",
+# The production kernel: stage 14 grown to the shapes real models send (ptx/sm90/production/,
+# composed by forward.ptx). attention() uses it by default; stage= picks a lineage stage instead.
+# Its geometry here is the default build's; specialize() gives each call's.
+_DEFAULT_BUILD = builds.get(builds.DEFAULT_HEAD_DIM)
+PRODUCTION = Stage(number=0, name="production", arch="sm_90a", file="sm90/production/forward.ptx",
                    idea="stage 14 + any lengths (ragged tiles masked), Lq != Lk, GQA/MQA, "
                         "log-sum-exp out, causal and sliding-window masks, Q loaded a tile "
                         "ahead; three consumer warpgroups at D = 64",
-                   block_n=128, persistent=True, production=True, head_dims=(64, 128, 256),
-                   smem_bytes=14 * _KV16 + 128 + 1024, **_TWO_CONSUMERS)
+                   threads=_DEFAULT_BUILD.threads, block_m=_DEFAULT_BUILD.block_m,
+                   block_n=_DEFAULT_BUILD.block_n, smem_bytes=_DEFAULT_BUILD.smem_bytes,
+                   swizzle=SWIZZLE_128B, persistent=True, production=True,
+                   head_dims=builds.HEAD_DIMS)
 
 
 # Fastest first, as measured on the H200 (bench/README.md, the latest results file): the order
@@ -302,16 +299,15 @@ def lineage_for(cc: tuple[int, int]) -> str | None:
     return {(9, 0): HOPPER, (10, 0): BLACKWELL}.get(tuple(cc))
 
 
-def _sm100_module():
-    # Imported on first use, not at import: stages_sm100 imports Stage from this module.
-    from . import stages_sm100
-    return stages_sm100
+# The Blackwell lineage (assembled and SASS-checked, never run here): stages_sm100's rows as
+# records. That module holds plain data and imports nothing of ours, so no import runs back.
+SM100_STAGES: tuple[Stage, ...] = tuple(Stage(**row) for row in stages_sm100.SM100_ROWS)
 
 
 def all_stages(arch: str | None = HOPPER) -> tuple[Stage, ...]:
     """A lineage (the textbook), in order: Hopper's by default, arch="sm_100a" Blackwell's."""
     arch = check_arch(arch)
-    return STAGES if arch == HOPPER else tuple(_sm100_module().SM100_STAGES)
+    return STAGES if arch == HOPPER else tuple(SM100_STAGES)
 
 
 def all_kernels(arch: str | None = HOPPER) -> tuple[Stage, ...]:
@@ -327,7 +323,7 @@ def by_speed(arch: str | None = HOPPER) -> tuple[Stage, ...]:
     defines one (a prediction), else by falling number, as the published lineage got faster
     step by step."""
     arch = check_arch(arch)
-    order = FASTEST_FIRST if arch == HOPPER else getattr(_sm100_module(), "FASTEST_FIRST", ())
+    order = FASTEST_FIRST if arch == HOPPER else getattr(stages_sm100, "FASTEST_FIRST", ())
     rank = {n: i for i, n in enumerate(order)}
     return tuple(sorted(all_stages(arch), key=lambda s: (rank.get(s.number, len(rank)),
                                                           -s.number)))
@@ -379,5 +375,9 @@ def get_stage(key: str | int | Stage, arch: str | None = None) -> Stage:
 
 
 def ptx_root() -> Path:
-    """The ptx/ folder: beside the package in a source tree or editable install."""
-    return Path(__file__).resolve().parent.parent / "ptx"
+    """The kernels' folder: the package's own copy where ptxattn was installed from a wheel
+    (`pip install .`, `pip install git+...`: ptx/ is package data, ptxattn/_ptx), else the
+    checkout's ptx/ beside the package (a source tree, `pip install -e .`)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "_ptx"
+    return installed if installed.is_dir() else package.parent / "ptx"

@@ -7,17 +7,20 @@ says what each stage is expected to do on a B200.
 
 Kept apart from stages.py (the Hopper lineage and the production kernel) so that the two
 lineages grow independently; stages.py's registry functions take an arch to reach these.
+The rows here are plain data, the fields of a stages.Stage; stages.py makes them the records
+(stages.SM100_STAGES). So this module imports nothing of ptxattn, and the registry, which
+imports it, is never imported back.
 """
 
 from __future__ import annotations
 
-from .stages import SWIZZLE_128B, Stage
+SWIZZLE_128B = "128B"          # stages.SWIZZLE_128B (a Stage's swizzle is this string)
 
 
-def _sm100(number: int, name: str, idea: str, **geometry) -> Stage:
-    """A Blackwell stage: ptx/sm100/NN_name.ptx, built for sm_100a."""
-    return Stage(number=number, name=name, idea=idea, arch="sm_100a",
-                 file=f"sm100/{number:02d}_{name}.ptx", **geometry)
+def _sm100(number: int, name: str, idea: str, **geometry) -> dict:
+    """A Blackwell stage's fields: ptx/sm100/NN_name.ptx, built for sm_100a."""
+    return dict(number=number, name=name, idea=idea, arch="sm_100a",
+                file=f"sm100/{number:02d}_{name}.ptx", **geometry)
 
 
 # Every stage: D = 128, BLOCK_N = 128 key rows a step, Q (and O) TMA boxes of 128 rows (one
@@ -29,8 +32,9 @@ _TWO_Q = dict(threads=384, block_m=256, block_n=128, q_box_rows=128, swizzle=SWI
 # Stage 12 on: two softmax warpgroups, a correction warpgroup and the issue warpgroup.
 _FOUR_WG = dict(_TWO_Q, threads=512)
 
-# In lineage order; a stage's diff from the one before it is its idea.
-SM100_STAGES: tuple[Stage, ...] = (
+# In lineage order; a stage's diff from the one before it is its idea. stages.SM100_STAGES holds
+# them as Stage records.
+SM100_ROWS: tuple[dict, ...] = (
     _sm100(1, "baseline",
            "one warpgroup, 128 query rows (a TMEM lane each); TMA without swizzle; tcgen05.mma "
            "into TMEM; P through shared memory; every step waited on",

@@ -178,7 +178,7 @@ def _device_name(device_type: int) -> str:
     return _DEVICE_NAMES.get(device_type, f"DLPack device type {device_type}")
 
 
-def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
+def _consume_capsule(capsule, producer, name: str, dtype=BF16) -> "DeviceArray":
     addr = id(capsule)
     for versioned in (True, False):
         if _capsule_is_valid(addr, _NAME[versioned]):
@@ -198,17 +198,18 @@ def _consume_capsule(capsule, producer, name: str) -> "DeviceArray":
     if dev[0] not in (kDLCUDA, kDLCUDAManaged):
         raise TypeError(f"{name}: expected a CUDA device array, got one on "
                         f"{_device_name(dev[0])} memory (pass host data as a NumPy array)")
-    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (kDLBfloat, 16, 1):
-        raise TypeError(f"{name}: expected dtype bfloat16, got "
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != _DLPACK_CODES[dtype]:
+        wanted = "bfloat16" if dtype == BF16 else str(dtype)
+        raise TypeError(f"{name}: expected dtype {wanted}, got "
                         f"{_dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)} (device arrays "
-                        "are used in place, never converted: cast to bfloat16 first)")
+                        f"are used in place, never converted: cast to {wanted} first)")
     ndim = t.ndim
     shape = tuple(t.shape[:ndim])          # a ctypes pointer slice: one call, plain ints
     strides = (tuple(t.strides[:ndim]) if t.strides
                else contiguous_strides(shape))
     readonly = bool(versioned and managed.flags & DLPACK_FLAG_READ_ONLY)
     return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, device=dev[1],
-                       owner=holder, readonly=readonly)
+                       owner=holder, readonly=readonly, dtype=dtype)
 
 
 def _dlpack_stream_arg(stream: int) -> int:
@@ -216,22 +217,25 @@ def _dlpack_stream_arg(stream: int) -> int:
     return 1 if stream == 0 else stream
 
 
-def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
+def as_device_array(obj, *, name: str = "array", stream=None, dtype=BF16) -> "DeviceArray":
     """Zero-copy view of a CUDA array from DLPack or __cuda_array_interface__.
 
     `stream` (an int handle, default: legacy default stream) is where the
     array will be used; a DLPack producer makes its pending writes visible
-    there. Raises TypeError for host arrays and non-bf16 dtypes, our own float32
-    DeviceArrays (the log-sum-exp's kind) included.
+    there. Raises TypeError for host arrays and for dtypes other than `dtype`
+    (bfloat16; float32 for the backward's log-sum-exp input), our own DeviceArrays included
+    (a float32 log-sum-exp is no q, k, v or out).
     """
+    dtype = np.dtype(dtype)
     if isinstance(obj, DeviceArray):
-        if obj.dtype != BF16:
-            raise TypeError(f"{name}: expected dtype bfloat16, got {obj.dtype} (a DeviceArray "
-                            "of another dtype, such as a float32 log-sum-exp; device arrays are "
-                            "used in place, never converted: cast to bfloat16 first)")
+        if obj.dtype != dtype:
+            wanted = "bfloat16" if dtype == BF16 else str(dtype)
+            raise TypeError(f"{name}: expected dtype {wanted}, got {obj.dtype} (a DeviceArray "
+                            "of another dtype; device arrays are used in place, never "
+                            f"converted: cast to {wanted} first)")
         return obj
     handle = driver.stream_handle(stream)
-    fast = _from_torch(obj, handle)
+    fast = _from_torch(obj, handle) if dtype == BF16 else None
     if fast is not None:
         return fast
     if hasattr(obj, "__dlpack__"):
@@ -252,10 +256,10 @@ def as_device_array(obj, *, name: str = "array", stream=None) -> "DeviceArray":
             kind = TypeError if isinstance(e, TypeError) else ValueError
             raise kind(f"{name}: its __dlpack__ refused to export it: "
                        f"{type(e).__name__}: {e}") from e
-        return _consume_capsule(capsule, obj, name)
+        return _consume_capsule(capsule, obj, name, dtype)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        return _from_cai(cai, obj, name)
+        return _from_cai(cai, obj, name, dtype)
     raise TypeError(f"{name}: expected a NumPy array or a CUDA array (DLPack or "
                     f"__cuda_array_interface__), got {type(obj).__name__}")
 
@@ -328,8 +332,13 @@ def _from_torch(obj, stream: int) -> "DeviceArray | None":
     return DeviceArray(ptr, shape, strides, device=device, owner=obj)
 
 
-def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
+def _from_cai(cai: dict, obj, name: str, dtype=BF16) -> "DeviceArray":
     typestr = cai.get("typestr", "")
+    if dtype != BF16:
+        if typestr != dtype.str:
+            raise TypeError(f"{name}: expected dtype {dtype} (typestr {dtype.str!r}), got "
+                            f"{_describe_typestr(typestr)}")
+        typestr = BF16.str      # (checked: the shape and stride handling below is shared)
     # NumPy has no bf16 typestr: the only one a producer can write is ml_dtypes'
     # "<V2" (what np.dtype(ml_dtypes.bfloat16).str says).
     if typestr != BF16.str:
@@ -344,16 +353,17 @@ def _from_cai(cai: dict, obj, name: str) -> "DeviceArray":
         strides = contiguous_strides(shape)
     else:
         byte_strides = tuple(int(s) for s in cai["strides"])
-        if any(s % BF16.itemsize for s in byte_strides):
-            raise ValueError(f"{name}: strides {byte_strides} (bytes) are not whole bf16 elements")
-        strides = tuple(s // BF16.itemsize for s in byte_strides)
+        if any(s % dtype.itemsize for s in byte_strides):
+            raise ValueError(f"{name}: strides {byte_strides} (bytes) are not whole "
+                             f"{'bf16' if dtype == BF16 else dtype} elements")
+        strides = tuple(s // dtype.itemsize for s in byte_strides)
     # The producer's stream (v3): its pending writes must be waited for before use.
     # 1 and 2 name the legacy and per-thread default streams; handle 1 is really 0.
     producer_stream = cai.get("stream")
     if producer_stream == 1:
         producer_stream = 0
     return DeviceArray(int(ptr or 0), shape, strides, device=None, owner=obj,
-                       readonly=bool(readonly), producer_stream=producer_stream)
+                       readonly=bool(readonly), producer_stream=producer_stream, dtype=dtype)
 
 
 def _describe_typestr(typestr: str) -> str:

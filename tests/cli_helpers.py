@@ -2,7 +2,7 @@
 
 from click.testing import CliRunner
 
-from ptxattn.cli import main
+from ptxattn.tools.cli import main
 
 
 def cli(*args):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptxattn import attention, bench, driver, reference, tensors
+from ptxattn import api, driver, reference, selfcheck, tensors
+from ptxattn.tools import bench
 
 
 class FakeDevice:
@@ -54,7 +55,8 @@ class FakePrepared:
 
 def install(monkeypatch, ms_by_stage: dict, *, fail=(), wrong=(), wrong_lse=False,
             masks=True) -> dict[int, int]:
-    """Patch the driver, tensors, attention.prepare and bench timing; returns the launch counts.
+    """Patch the driver, tensors, prepare (api.prepare, and the self-check's own selfcheck._prepare)
+    and bench timing; returns the launch counts.
 
     ms_by_stage: stage number -> ms of every launch; a key (number, "lse") times the LSE
     variant, (number, "causal") a masked call. fail: stage numbers whose prepare() raises;
@@ -97,6 +99,7 @@ def install(monkeypatch, ms_by_stage: dict, *, fail=(), wrong=(), wrong_lse=Fals
     monkeypatch.setattr(tensors, "from_numpy", lambda a, **_: FakeDevice(a))
     monkeypatch.setattr(tensors, "empty", lambda shape, **_: FakeDevice(
         np.zeros(shape, reference.BF16)))
-    monkeypatch.setattr(attention, "prepare", prepare_masks if masks else prepare_dense)
+    monkeypatch.setattr(api, "prepare", prepare_masks if masks else prepare_dense)
+    monkeypatch.setattr(selfcheck, "_prepare", prepare_masks if masks else prepare_dense)
     monkeypatch.setattr(bench, "_poison_f32", lambda a: a.array.fill(np.nan))
     return launches

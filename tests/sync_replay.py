@@ -1,6 +1,8 @@
 """A persistent kernel's synchronisation, executed from its own PTX and replayed against real
-barrier rules (CPU only). Shared by test_stage17_schedule.py (stage 17) and
-test_production_sync.py (the production kernel's builds); no tests here.
+barrier rules (CPU only). Shared by test_stage17_schedule.py and test_stage18_sync.py (stages 17
+and 18: a boundary step between tiles, two Q buffers) and test_production_sync.py (every build of
+the production kernel: two Q buffers at D = 64 and 128, one at D = 256, a tile at a time); no
+tests here.
 
 How: test_production_schedule's interpreter runs the PTX's integer/predicate code for the
 producer (thread 0) and every consumer (threads 128, 256[, 384]: thread 0 of each of the build's

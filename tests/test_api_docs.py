@@ -91,8 +91,8 @@ def test_sanitizer_cases_cover_every_stage():
     cases = _parsed_cases()
     by_stage, layouts = {}, {}
     for c, ctas in cases:
-        # the production kernel's cases: production:D
-        key = c.kernel if c.kernel.startswith("production:") else int(c.kernel)
+        # the production kernel's and decode's cases: production:D, decode:D
+        key = c.kernel if ":" in c.kernel else int(c.kernel)
         assert c.ctas == 0 and ctas in (0, 2)                # the cap comes from the script
         by_stage.setdefault(key, []).append((c.batch, c.heads, c.seq_q, ctas))
         layouts.setdefault(key, set()).add(c.layout)
@@ -116,7 +116,8 @@ def test_sanitizer_cases_cover_every_stage():
         tiles = -(-l // build.block_m) * h * b
         assert ctas == 2 and tiles >= 3 * ctas, (d, tiles)
     assert set(by_stage) == {s.number for s in stages.all_stages()} | {
-        f"production:{d}" for d in stages.PRODUCTION.head_dims}
+        f"production:{d}" for d in stages.PRODUCTION.head_dims} | {
+        f"decode:{d}" for d in (64, 128, 256)}
 
 
 def test_sanitizer_cases_cover_the_production_features():
@@ -158,14 +159,14 @@ def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
     assert case.parse_stages("1, production") == {1, 0} and case.parse_stages("") is None
     assert {c.kernel for c in case.cases({0})} == {f"production:{d}" for d in (64, 128, 256)}
 
-    from ptxattn import attention
+    from ptxattn import api
     seen = {}
 
     def prepare(q, k, v, *, stage, **kw):
         seen.update(stage=stage, d=q.shape[-1], k=k.shape, kw=kw)
         raise RuntimeError("stop here")          # the launch needs a GPU
 
-    monkeypatch.setattr(attention, "prepare", prepare)
+    monkeypatch.setattr(api, "prepare", prepare)
     from ptxattn import tensors
     monkeypatch.setattr(tensors, "from_numpy", lambda x, **kw: x)
     monkeypatch.setattr(tensors, "empty", lambda shape, **kw: type(
@@ -179,6 +180,10 @@ def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
     assert seen["kw"] == dict(layout="bshd", out=seen["kw"]["out"], defines=None,
                               return_lse=True, causal=False, window=(40, 8),
                               diagonal="top_left")
+    # decode's rows (and bench/decode_device.sh's command) go to its own runner
+    monkeypatch.setattr(case, "run_decode", lambda *a: seen.update(decode=a) or True)
+    assert case.main("--stage decode:128 -b 3 -H 8 -L 600".split()) == 0
+    assert seen["decode"] == (128, 3, 8, 600, 0)
 
 
 def test_sanitize_dry_run_names_every_command(tmp_path):
@@ -195,7 +200,7 @@ def test_sanitize_dry_run_names_every_command(tmp_path):
         mine = [l for l in lines if f"--tool {tool}" in l]
         assert len(mine) == n_cases, (tool, len(mine), n_cases)
     assert any("PTXATTN_PERSISTENT_CTAS=2" in l for l in lines)
-    assert all(re.search(r"--stage (\d+|production:\d+) ", l) for l in lines)
+    assert all(re.search(r"--stage (\d+|production:\d+|decode:\d+) ", l) for l in lines)
     assert any("--stage production:64 " in l for l in lines)
     assert not list(tmp_path.iterdir())            # a dry run writes no report
 
@@ -249,7 +254,8 @@ def _no_gpu_commands() -> list[list[str]]:
 def test_no_gpu_quick_start_runs_offline(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from ptxattn import cli, driver
+    from ptxattn import driver
+    from ptxattn.tools import cli
 
     def no_gpu():
         raise AssertionError("a 'No GPU?' command asked for the GPU")
@@ -270,6 +276,6 @@ def test_no_gpu_quick_start_runs_offline(tmp_path, monkeypatch):
 
 
 def test_the_no_gpu_error_names_the_quick_start_commands():
-    from ptxattn import cli
+    from ptxattn.tools import cli
     for command in {c[0] for c in _no_gpu_commands()}:
         assert command in cli.NO_GPU_COMMANDS, command

@@ -1,4 +1,4 @@
-"""ptxattn.bench on the CPU: FLOP/s arithmetic, timing logic with a fake timer, tables, plots."""
+"""ptxattn.tools.bench on the CPU: FLOP/s arithmetic, timing logic with a fake timer, tables, plots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptxattn import bench
+from ptxattn.tools import bench
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SYNTHETIC = FIXTURES / "bench_synthetic.json"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import fake_gpu
-from ptxattn import bench, driver, stages
+from ptxattn import driver, stages
+from ptxattn.tools import bench
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "experiments" / "variants.py"
 
@@ -23,8 +24,8 @@ def variants(monkeypatch):
     spec = importlib.util.spec_from_file_location("experiments_variants", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from ptxattn import attention
-    fake_prepare = attention.prepare
+    from ptxattn import api
+    fake_prepare = api.prepare
 
     def prepare(q, k, v, *, stage, defines=None, **kwargs):
         return fake_prepare(q, k, v, stage=stages.get_stage(stage), **kwargs)

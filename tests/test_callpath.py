@@ -15,8 +15,8 @@ import pytest
 from fakes import FAKE_BASE, FakeDLPack
 from test_prepare import MiB, OK, cu, gpu, launched  # noqa: F401  (gpu is a fixture)
 
-from ptxattn import attention as attn
-from ptxattn import driver, tma
+from ptxattn import api as attn
+from ptxattn import driver, fastpath, tma
 from ptxattn.tensors import DeviceArray
 
 SHAPE = (1, 2, 128, 128)
@@ -188,10 +188,10 @@ def test_callpath_bench_runs_with_the_pretend_driver(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import callpath
     saved_maps = dict(tma._MAPS)
-    saved_steady = dict(attn._STEADY)
+    saved_steady = dict(fastpath._STEADY)
     assert callpath.main(["--fake", "--profile", "--calls", "3", "--repeats", "1",
                           "--top", "5", "--label", "t", "--out", str(tmp_path)]) == 0
-    assert attn._STEADY == saved_steady          # no pretend launch is remembered after
+    assert fastpath._STEADY == saved_steady          # no pretend launch is remembered after
     record = json.loads((tmp_path / "callpath-t.json").read_text())
     calls = record["driver_calls_per_call"]
     assert calls["attention_out"] == {"cuLaunchKernelEx": 1.0}

@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli_helpers import cli, one_clean_error
-from ptxattn import driver, sass, stages
-from ptxattn.cli import main
+from ptxattn import driver, stages
+from ptxattn.tools import sass
+from ptxattn.tools.cli import main
 from ptxattn.errors import NoGpuError
 
 SYNTHETIC = Path(__file__).parent / "fixtures" / "bench_synthetic.json"
@@ -251,7 +252,7 @@ def test_bench_with_a_fake_gpu_writes_results(monkeypatch, tmp_path):
 
 
 def bench_tflops(*args):
-    from ptxattn import bench
+    from ptxattn.tools import bench
     return bench.tflops(*args)
 
 

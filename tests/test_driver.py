@@ -293,7 +293,7 @@ def test_kernel_param_types_follow_the_h200_facts():
 
 
 def test_importing_ptxattn_loads_no_cuda_bindings():
-    code = ("import sys, ptxattn, ptxattn.attention, ptxattn.reference, ptxattn.tensors, "
+    code = ("import sys, ptxattn, ptxattn.api, ptxattn.reference, ptxattn.tensors, "
             "ptxattn.tma, ptxattn.ptx, ptxattn.driver; "
             "print([m for m in sys.modules if m.startswith('cuda')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

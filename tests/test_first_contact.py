@@ -13,22 +13,50 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptxattn import reference, sass, stages
-from ptxattn import trace as T
+from ptxattn import reference, stages
+from ptxattn.tools import sass
+from ptxattn.tools import trace as T
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_tool_modules_are_attributes_and_listed():
-    # A fresh interpreter: in this one, importing ptxattn.sass elsewhere already set the attribute.
+def test_runtime_modules_are_attributes_and_tools_live_in_their_subpackage():
+    # A fresh interpreter: in this one, importing the modules elsewhere already set attributes.
     code = ("import ptxattn\n"
-            "names = ('sass', 'bench', 'trace')\n"
+            "names = ('api', 'stages', 'tensors')\n"
             "assert all(n in dir(ptxattn) for n in names), dir(ptxattn)\n"
-            "print(' '.join(getattr(ptxattn, n).__name__ for n in names))\n")
+            "print(' '.join(getattr(ptxattn, n).__name__ for n in names))\n"
+            "for tool in ('bench', 'sass', 'trace', 'cli'):\n"
+            "    assert tool not in dir(ptxattn) and not hasattr(ptxattn, tool), tool\n"
+            "import ptxattn.tools.sass, ptxattn.tools.bench, ptxattn.tools.trace\n"
+            "print(ptxattn.tools.sass.__name__, ptxattn.tools.bench.__name__)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["ptxattn.sass", "ptxattn.bench", "ptxattn.trace"]
+    assert proc.stdout.split() == ["ptxattn.api", "ptxattn.stages", "ptxattn.tensors",
+                                   "ptxattn.tools.sass", "ptxattn.tools.bench"]
+
+
+def test_attention_and_prepare_are_the_functions_with_their_signatures_and_help():
+    """ptxattn.attention is the function (not a callable module): its signature starts
+    (q, k, v, *, ...) and help() shows its docstring; ptxattn.prepare likewise."""
+    import inspect
+    import pydoc
+
+    import ptxattn
+    from ptxattn import api
+    assert ptxattn.attention is api.attention and ptxattn.prepare is api.prepare
+    for fn in (ptxattn.attention, ptxattn.prepare):
+        params = list(inspect.signature(fn).parameters.values())
+        assert [p.name for p in params[:3]] == ["q", "k", "v"], fn
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params[:3])
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[3:]), fn
+        assert {"stage", "scale", "layout", "out", "return_lse", "causal", "window"} <= {
+            p.name for p in params[3:]}
+    text = pydoc.render_doc(ptxattn.attention, renderer=pydoc.plaintext)
+    assert "function attention" in text and "Help on module" not in text
+    assert "softmax(scale * q k^T + mask) v" in text
+    assert ptxattn.attention.__module__ == "ptxattn.api"
 
 
 @pytest.mark.parametrize("bad", ["q", "k", "v"])

@@ -2,14 +2,16 @@
 instruction stream as when tests/golden/fingerprints.json was written (CPU only, no ptxas).
 
 A refactor of the sources (macros, generated headers) must keep these green. A change meant to
-alter a stage rewrites the file with `python -m ptxattn.golden --update` in a commit of its own.
+alter a stage rewrites the file with `python -m ptxattn.tools.golden --update` in a commit of its own.
 """
 
+import re
 import shutil
 
 import pytest
 
-from ptxattn import golden, ptx, stages
+from ptxattn import ptx, stages
+from ptxattn.tools import golden
 
 GOLDEN = golden.load()
 WRITTEN = [s for s in stages.all_kernels() if (stages.ptx_root() / s.file).is_file()]
@@ -23,7 +25,7 @@ def test_the_golden_file_covers_every_stage_with_a_file():
 def test_stage_matches_its_golden_fingerprints(stage):
     actual = golden.compute([stage], workers=1)
     diff = golden.differences({stage.label: GOLDEN[stage.label]}, actual)
-    assert not diff, ("the expanded instruction stream changed (see `python -m ptxattn.golden "
+    assert not diff, ("the expanded instruction stream changed (see `python -m ptxattn.tools.golden "
                       "--dump N`):\n  " + "\n  ".join(diff))
 
 
@@ -36,6 +38,17 @@ def test_variant_table():
         assert [v for v in names[n] if v.startswith("SW_EXP2")] == \
             [f"SW_EXP2_PER_8={k}" for k in range(9)], n
     assert not any(v.startswith("SW_EXP2") for n in range(1, 9) for v in names[n])
+
+
+def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
+    """The production kernel's trace points and head-dim rows live in its includes, not in
+    forward.ptx: its variants are found through ptx.source_files all the same."""
+    own = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    assert not re.search(r"^\s*TRACE\(", own, re.M) and not re.search(r"^#if HEAD_DIM\b", own, re.M)
+    names = [v for v, _ in golden.variants(stages.PRODUCTION)]
+    assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
+                     "PTXATTN_MASKED=1", "HEAD_DIM=64", "HEAD_DIM=256"]
+    assert sorted(names) == sorted(GOLDEN["production"])
 
 
 # ---- the normalizer: blind to layout, sensitive to any instruction ----------------------------

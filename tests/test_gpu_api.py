@@ -24,8 +24,8 @@ from gpu_checks import skip_or_fail
 from readme_blocks import imported_packages, python_blocks
 
 import ptxattn
-from ptxattn import attention as attn
-from ptxattn import driver, stages, tensors
+from ptxattn import api as attn
+from ptxattn import driver, launch, stages, tensors
 from ptxattn.reference import attention_reference, error_metrics, passes, random_qkv
 from ptxattn.tensors import BF16
 
@@ -441,7 +441,7 @@ def test_threads_calling_at_once_get_the_single_threaded_bits(monkeypatch):
         (q, k, v), qkv = device_qkv(1, 2, 256, seed=20 + i)
         cases.append((stage, (q, k, v), qkv, bits(ptxattn.attention(*qkv, stage=stage).to_numpy())))
     # fresh caches, so that the threads also race to JIT-compile (each stage must load once)
-    monkeypatch.setattr(attn, "_KERNELS", {})
+    monkeypatch.setattr(launch, "_KERNELS", {})
     monkeypatch.setattr(driver, "_MODULES", {})
     loads = Counter()
     real_load = driver.load_module
@@ -499,13 +499,13 @@ def test_ten_thousand_calls_do_not_grow_memory():
 
     calls(300)                               # warm-up: JIT, caches, allocator pools
     gc.collect()
-    caches = (len(attn._KERNELS), len(driver._MODULES))
+    caches = (len(launch._KERNELS), len(driver._MODULES))
     free0, rss0, objects0 = driver.mem_get_info()[0], _rss_bytes(), len(gc.get_objects())
     last = calls(10_000)
     del last
     gc.collect()
     free1, rss1, objects1 = driver.mem_get_info()[0], _rss_bytes(), len(gc.get_objects())
-    assert (len(attn._KERNELS), len(driver._MODULES)) == caches
+    assert (len(launch._KERNELS), len(driver._MODULES)) == caches
     assert free0 - free1 <= 8 << 20, f"device memory fell by {(free0 - free1) >> 20} MiB"
     assert rss1 - rss0 <= 16 << 20, f"host RSS grew by {(rss1 - rss0) >> 20} MiB"
     assert objects1 - objects0 <= 2000, f"{objects1 - objects0} more Python objects"

@@ -238,7 +238,7 @@ def test_remembered_calls_give_the_full_paths_bits(case):
     """attention()'s steady path (a call with the same metadata as an earlier one replays its
     launch) against prepare().launch() (the full path) on the same inputs: the same bits, for
     the first call (a miss) and for hits, with fresh outputs from the pool or the caller's."""
-    from ptxattn import attention as attn
+    from ptxattn import api as attn
     kw = dict(STEADY_CASES[case])
     shape = kw.pop("shape", SHAPE)
     kv_shape = kw.pop("kv_shape", shape)
@@ -255,7 +255,7 @@ def test_remembered_calls_give_the_full_paths_bits(case):
     mask = {n: kw[n] for n in ("causal", "window", "diagonal") if n in kw}
     assert_passes(check_rows(*host, full.out.to_numpy(), layout=kw.get("layout", "bhld"),
                              **mask), case)
-    attn.clear_steady_cache()
+    fastpath.clear_steady_cache()
     for i in range(4):
         out = poisoned(shape) if want_out else None
         result = ptxattn.attention(q, k, v, out=out, **kw)
@@ -265,7 +265,7 @@ def test_remembered_calls_give_the_full_paths_bits(case):
             assert lse.to_numpy().tobytes() == expected_lse, f"{case}: lse of call {i}"
         if want_out:
             assert got is out
-    assert len(attn._STEADY) >= 1
+    assert len(fastpath._STEADY) >= 1
 
 
 def test_a_new_torch_tensor_at_a_remembered_address_is_read_afresh():
@@ -312,7 +312,7 @@ def test_a_remembered_call_captured_in_a_torch_graph_is_one_kernel_node():
     """Warm on the capture's own stream, so the captured call is a hit of the steady path:
     it must record one kernel node and replay the same bits."""
     torch = cuda_torch()
-    from ptxattn import attention as attn
+    from ptxattn import api as attn
     q, k, v = torch_qkv(torch, seed=51)
     out = torch.empty_like(q)
     side = torch.cuda.Stream()
@@ -322,13 +322,13 @@ def test_a_remembered_call_captured_in_a_torch_graph_is_one_kernel_node():
             ptxattn.attention(q, k, v, out=out)      # a miss, then hits on this stream
     side.synchronize()
     direct = out.clone()
-    entries = len(attn._STEADY)
+    entries = len(fastpath._STEADY)
     out.fill_(float("nan"))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         ptxattn.attention(q, k, v, out=out)
-    assert len(attn._STEADY) == entries                 # a hit: nothing new remembered
+    assert len(fastpath._STEADY) == entries                 # a hit: nothing new remembered
     assert torch.isnan(out).all()
     raw = getattr(graph, "raw_cuda_graph", None)
     if raw is not None:

@@ -1,4 +1,4 @@
-"""The lineage guide (ptxattn.guide): the committed pages are what regenerating gives, pages work
+"""The lineage guide (ptxattn.tools.guide): the committed pages are what regenerating gives, pages work
 before timelines exist and take them in once a traces JSON is committed. CPU only, no ptxas."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ import shutil
 
 import pytest
 
-from ptxattn import guide, stages
-from ptxattn import trace as T
+from ptxattn import stages
+from ptxattn.tools import guide
+from ptxattn.tools import trace as T
 
 
 def test_committed_guide_is_current():
     bad = guide.stale()
-    assert not bad, (f"docs/lineage is stale ({', '.join(bad)}): run `python -m ptxattn.guide` "
+    assert not bad, (f"docs/lineage is stale ({', '.join(bad)}): run `python -m ptxattn.tools.guide` "
                      f"and commit the result")
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from fakes import FAKE_BASE, FakeCAI, FakeDLPack, at_once
 
-from ptxattn import attention as attn
-from ptxattn import driver, stages, tma
+from ptxattn import api as attn
+from ptxattn import driver, launch, stages, tma
 from ptxattn.tensors import BF16, DeviceArray
 
 from cuda.bindings import driver as cu   # a hard dependency: missing, it fails (never skips)
@@ -47,7 +47,7 @@ def gpu(monkeypatch):
     ctx = FakeContext()
     monkeypatch.setattr(driver, "context", lambda: ctx)
     monkeypatch.setattr(driver, "_MODULES", {})
-    monkeypatch.setattr(attn, "_KERNELS", {})
+    monkeypatch.setattr(launch, "_KERNELS", {})
     monkeypatch.setattr(tma, "_MAPS", {})              # every test sees its own encodes
     monkeypatch.setattr(driver, "_CONFIGS", {})
     heap = [0x7E00_0000_0000]

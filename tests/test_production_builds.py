@@ -1,8 +1,9 @@
-"""The production kernel's builds per head dim (CPU only): the build table in
-ptx/sm90/production.ptx agrees with stages.PRODUCTION_VARIANTS and with itself (shared-memory
-carve-up, transaction bytes, descriptor steps, register lists), the launcher's TMA boxes move
-exactly the bytes the PTX expects, and each build assembles without spills with the HGMMA,
-STSM and MUFU counts its tile shape implies.
+"""The production kernel's builds per head dim (CPU only): the build table as the PTX reads it
+(ptx/sm90/production/layout.ptxh, generated from ptxattn/builds.py) agrees with
+stages.PRODUCTION_VARIANTS and with itself (shared-memory carve-up, transaction bytes,
+descriptor steps, register lists), the launcher's TMA boxes move exactly the bytes the PTX
+expects, and each build assembles without spills with the HGMMA, STSM and MUFU counts its tile
+shape implies.
 
 The GPU side (every build against the reference) is tests/test_gpu_production.py.
 """
@@ -13,10 +14,12 @@ import re
 
 import pytest
 
-from ptxattn import attention as attn
-from ptxattn import sass, stages, tma
+from ptxattn import api as attn
+from ptxattn import choice, ptx, stages, tma
+from ptxattn.tools import sass
 
-SOURCE = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+LAYOUT = (stages.ptx_root() / "sm90" / "production" / "layout.ptxh").read_text()
+SOURCE = ptx.source_text(stages.PRODUCTION)     # the kernel's file and every include
 DESC_HEADER = (stages.ptx_root() / "sm90" / "include" / "wgmma_desc.ptxh").read_text()
 MAX_DYNAMIC_SMEM = 227 * 1024          # per CTA on sm_90
 BARRIER_BYTES = 128                    # the 10 or 12 mbarriers' room at the end of the carve-up
@@ -26,10 +29,10 @@ UNMASKED = [d for d in HEAD_DIMS if (d, False) in stages.PRODUCTION_VARIANTS]
 
 
 def build_defines(head_dim: int) -> dict[str, str]:
-    """The #defines of one row of production.ptx's build table (`#if HEAD_DIM == d` up to the
+    """The #defines of one row of the generated build table (`#if HEAD_DIM == d` up to the
     next #elif/#else), value text with any trailing comment removed."""
-    m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", SOURCE, re.M | re.S)
-    assert m, f"production.ptx has no build table row for HEAD_DIM {head_dim}"
+    m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", LAYOUT, re.M | re.S)
+    assert m, f"layout.ptxh has no build table row for HEAD_DIM {head_dim}"
     out = {}
     for line in m.group(1).splitlines():
         d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
@@ -51,7 +54,7 @@ def desc_fields(bits_name: str) -> dict[str, int]:
 
 
 def test_the_registry_and_the_ptx_cover_the_same_head_dims():
-    in_ptx = sorted({int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$", SOURCE, re.M)})
+    in_ptx = sorted({int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$", LAYOUT, re.M)})
     assert in_ptx == HEAD_DIMS == [64, 128, 256]
     assert stages.PRODUCTION.head_dims == (64, 128, 256)
     assert set(UNMASKED) == {64, 128, 256}
@@ -104,7 +107,7 @@ def test_build_table_row_is_consistent(d):
     for name in ("ROW_MAX_LO", "ROW_MAX_HI", "ROW_SUM_ADD_LO", "ROW_SUM_ADD_HI", "MASK_COLS",
                  "PACK_P", "SCALE_EXP2"):
         assert f[name].startswith(f"{name}_N{n}"), (name, f[name])
-    assert f'#include "gen_n{n}.ptxh"' in SOURCE and f'#include "gen_d{d}.ptxh"' in SOURCE
+    assert f'#include "gen_n{n}.ptxh"' in LAYOUT and f'#include "gen_d{d}.ptxh"' in LAYOUT
 
 
 @pytest.mark.parametrize("d", UNMASKED)
@@ -121,7 +124,7 @@ def test_v_descriptor_strides_match_the_tile(d):
 @pytest.mark.parametrize("d", UNMASKED)
 def test_tma_boxes_move_the_bytes_the_barriers_expect(d):
     """The launcher's boxes (tma.map_geometry with the build's rows) against the PTX's
-    expect_tx counts: a Q box is Q_TILE_BYTES (2 per CTA), a K or V box KV_TILE_BYTES."""
+    expect_tx counts: a Q box is Q_TILE_BYTES (one a consumer), a K or V box KV_TILE_BYTES."""
     build = stages.PRODUCTION.specialize(d)
     f = build_defines(d)
     chunk = build.tma_chunk
@@ -133,7 +136,10 @@ def test_tma_boxes_move_the_bytes_the_barriers_expect(d):
             box = g["box"]
             assert max(box) <= 256 and box[0] * 2 == 128
             assert box[0] * box[1] * box[2] * 2 == expected, (layout, box)
-    assert "2 * Q_TILE_BYTES" in SOURCE and SOURCE.count("], KV_TILE_BYTES;") == 2
+    # the expect_tx the producer announces: a box a consumer for Q, one tile for K and for V
+    assert eval(f["Q_TX_BYTES"]) == num(f, "CONSUMERS") * num(f, "Q_TILE_BYTES")
+    assert num(f, "KV_TX_BYTES") == num(f, "KV_TILE_BYTES")
+    assert SOURCE.count("], Q_TX_BYTES;") == 2 and SOURCE.count("], KV_TX_BYTES;") == 2
 
 
 @pytest.mark.parametrize("d", UNMASKED)
@@ -152,9 +158,9 @@ def test_a_head_dim_without_a_build_is_refused():
 @pytest.mark.parametrize("d", [64, 256])
 def test_the_default_kernel_takes_head_dims_64_and_256(d):
     for lq, lk in ((1, 1), (1000, 63), (129, 8191)):
-        assert attn._pick_stage(None, d, lq, lk, gqa=True, lse=True) is stages.PRODUCTION
+        assert choice.pick_stage(None, d, lq, lk, gqa=True, lse=True) is stages.PRODUCTION
     with pytest.raises(ValueError, match=f"head dim {d} \\(takes 128\\)"):
-        attn._pick_stage(14, d, 128, 128)
+        choice.pick_stage(14, d, 128, 128)
 
 
 requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
@@ -162,29 +168,23 @@ requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
 
 
 @requires_ptxas
-@pytest.mark.parametrize("d, back_to_back", [(64, False), (256, False), (128, True)])
-def test_build_assembles_without_spills_and_with_its_instruction_counts(d, back_to_back):
+@pytest.mark.parametrize("d", UNMASKED)
+def test_build_assembles_without_spills_and_with_its_instruction_counts(d):
     """ptxas on the HEAD_DIM build: no spills or local memory (O is 128 registers per thread at
     D = 256), setmaxnreg kept, wgmma not serialized, and the counts the tile shape implies:
     QK^T is D/16 k-steps and PV BLOCK_N/16, each issued three times (QK^T: the prologue and the
-    loop's plain and masked steps; PV: the two steps and the last tile) and a fourth time in the
-    boundary step of the PTXATTN_BACK_TO_BACK knob (two Q buffers); exponentials BLOCK_N/2 per
-    thread and 2 corrections, once per S; one stmatrix per 8 of O's D/2 registers, per epilogue
-    (with the knob: the boundary's and the last tile's)."""
+    loop's plain and masked steps; PV: the two steps and the last tile); exponentials BLOCK_N/2
+    per thread and 2 corrections, once per S; one stmatrix per 8 of O's D/2 registers."""
     n = stages.PRODUCTION.specialize(d).block_n
-    copies, epilogues = (4, 2) if back_to_back else (3, 1)
-    defines = {"HEAD_DIM": str(d)}
-    if back_to_back:
-        assert int(build_defines(d)["Q_BUFFERS"]) == 2
-        defines["PTXATTN_BACK_TO_BACK"] = "1"
-    result = sass.inspect_stage(stages.PRODUCTION, defines=defines)
+    copies = 3
+    result = sass.inspect_stage(stages.PRODUCTION, defines={"HEAD_DIM": str(d)})
     s = result.summary
     assert s.spill_bytes == 0 and s.stack_frame == 0, (s.spill_bytes, s.stack_frame)
     assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")
     assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
     assert s.classes["USETMAXREG"] == 2
     assert s.classes["HGMMA"] == copies * (d // 16 + n // 16)
-    assert s.classes["STSM"] == epilogues * d // 16
+    assert s.classes["STSM"] == d // 16
     # every build's exponentials are all MUFU (SW_EXP2_PER_8 0: no FMA polynomials)
     sw = 0
     assert s.classes["MUFU.EX2"] == copies * (n // 2 * (8 - sw) // 8 + 2)   # + 2 corrections
@@ -195,7 +195,7 @@ def test_build_assembles_without_spills_and_with_its_instruction_counts(d, back_
 @pytest.mark.parametrize("d,masked", sorted(stages.PRODUCTION_VARIANTS))
 def test_the_launch_grid_never_exceeds_the_kernels_tile_count(d, masked):
     """The kernel starts every CTA on tile %ctaid.x without checking it against its tile count
-    (production.ptx, the consumer and producer tile loops): a CTA past the last tile would load,
+    (production/forward.ptx, the consumer and producer tile loops): a CTA past the last tile would load,
     compute and store a (batch, head) that does not exist (its lse rows are checked against
     seq_q only). So the launcher's grid must stay within the PTX's own count,
     ceil(seq_q / BLOCK_M) * heads * batch, BLOCK_M from this build's row (192 at D = 64), for

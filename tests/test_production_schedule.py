@@ -1,6 +1,7 @@
 """The production kernel's schedule, executed from its own PTX (CPU only).
 
-ptx/sm90/production.ptx walks two nested schedules that no GPU test covers exhaustively:
+The production kernel (ptx/sm90/production/) walks two nested schedules that no GPU test covers
+exhaustively:
   - the persistent tile walk: CTA c of G takes round k's tile k*G + c, or k*G + G-1-c on odd
     rounds in the masked build (SNAKE_TILE); %p_last_tile must be true on its last tile only
     (consumer 1's last turn hand-over is skipped there, so a wrong flag hangs or races);
@@ -16,7 +17,8 @@ they read sets it true (an mbarrier wait succeeds at once, "some row rebased"). 
 instruction that writes an integer register they read is an error, so the model cannot
 silently drift from the PTX. The interpreter records where each thread goes; the test compares that with the
 attention mask's definition, row by row, over small exhaustive grids of lengths, windows,
-diagonals and grid sizes. BLOCK_M and BLOCK_N come from the build (its #defines), not from here.
+diagonals and grid sizes, for every build of the build table (D = 64, 128, 256). BLOCK_M and
+BLOCK_N come from the build (its generated layout header), not from here.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from ptxattn import attention as attn
-from ptxattn import ptx, stages
-from ptxattn.attention import UNBOUNDED   # an unbounded window side, as the kernel reads it
+from ptxattn import api as attn
+from ptxattn import builds, ptx, stages
+from ptxattn.tools import ptxgen_layout
+from ptxattn.launch import UNBOUNDED   # an unbounded window side, as the kernel reads it
 from test_prepare import dev, gpu         # noqa: F401 - gpu is a fixture (a pretend driver)
 
 MASK32 = 0xFFFFFFFF
@@ -285,27 +288,27 @@ class Thread:
 
 # ---- the builds ------------------------------------------------------------------------
 
+HEAD_DIMS = builds.HEAD_DIMS          # every build of the table
+
+
 @lru_cache(maxsize=None)
-def program(head_dim: int, masked: bool, round_robin: bool = False,
-            elements: bool = False, back_to_back: bool = False) -> Program:
+def program(head_dim: int, masked: bool, elements: bool = False,
+            head_major: bool = False) -> Program:
+    """The build's PTX as the model runs it; head_major: the PTXATTN_HEAD_MAJOR measurement
+    knob (the masked walk head-major at any head count)."""
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
     defines = dict(st.defines)
-    if round_robin:
-        defines["PTXATTN_ROUND_ROBIN"] = "1"
-    if back_to_back:
-        defines["PTXATTN_BACK_TO_BACK"] = "1"
+    if head_major:
+        defines["PTXATTN_HEAD_MAJOR"] = "1"
     watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
     return Program(ptx.source(st, defines), watched, elements)
 
 
 @lru_cache(maxsize=None)
 def build_constant(head_dim: int, name: str) -> int:
-    """A #define of production.ptx's build table: the row of this head dim (`#if HEAD_DIM == d`
-    up to the next #elif/#else)."""
-    src = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
-    row = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", src,
-                    re.M | re.S)
-    return int(re.search(rf"^#define {name} (\d+)", row.group(1), re.M).group(1))
+    """A figure of the build table's row of this head dim, as the generated layout header
+    (ptx/sm90/production/layout.ptxh) defines it."""
+    return ptxgen_layout.numbers(builds.get(head_dim))[name]
 
 
 CONSUMER_WATCH = {
@@ -314,11 +317,6 @@ CONSUMER_WATCH = {
     "wait_q": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
     "mask_first_done": ("%p_edge", "%kv_base", "%key_base"),
     "mask_done_first": ("%kv_base", "%p_tail"),
-    # tiles back to back: a CTA's later tiles start in the boundary step, not the prologue
-    "wait_q_next": ("%m_block", "%head", "%batch", "%kv_first", "%kv_count", "%p_last_tile"),
-    "wait_full_k_next": (),                      # (the boundary's score mask follows)
-    "mask_next_done": ("%p_edge", "%kv_base", "%key_base"),
-    "mask_done_next": ("%kv_base", "%p_tail"),
     "masked_wait_full_k": ("%kv_global", "%kv_base", "%key_base"),
     "plain_wait_full_k": ("%kv_global", "%kv_base"),
     "tile_end": ("%kv_global", "%kv_end", "%p_last_tile"),
@@ -338,10 +336,10 @@ def params(seq_q, seq_k, heads=1, batch=1, heads_per_kv=1, diag=0, left=UNBOUNDE
                 diag_offset=diag, window_left=left, window_right=right)
 
 
-def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None, tids=None):
+def run_cta(head_dim, masked, prm, ctaid, nctaid, prog=None, tids=None):
     """(producer, consumer 0, consumer 1[, consumer 2]) of one CTA (thread 0 of each warpgroup,
     the build's CONSUMERS), each a list of watched events."""
-    prog = prog or program(head_dim, masked, round_robin)
+    prog = prog or program(head_dim, masked)
     if tids is None:
         tids = tuple(128 * w for w in range(build_constant(head_dim, "CONSUMERS") + 1))
     out = []
@@ -352,22 +350,19 @@ def run_cta(head_dim, masked, prm, ctaid, nctaid, round_robin=False, prog=None, 
 
 
 def consumer_tiles(events):
-    """Per tile of one consumer: its tile, the info at wait_q (or wait_q_next: "start" says
-    whether it began in the prologue or in the boundary step with the tile before), its steps
-    [(kv position, masked?, key_base)], the info at tile_end ("last") and, where the tile's own
-    last PV ran apart from a boundary, at last_pv."""
+    """Per tile of one consumer: its tile, the info at wait_q, its steps [(kv position, masked?,
+    key_base)], the info at tile_end ("last") and at last_pv (its own last PV)."""
     tiles, cur = [], None
     for name, v in events:
         if name == "consumer_tile_loop":
             cur = {"tile": v["%tile"], "kv_base": v["%kv_base"], "steps": []}
             tiles.append(cur)
-        elif name in ("wait_q", "wait_q_next"):
+        elif name == "wait_q":
             cur.update(v)
-            cur["start"] = "prologue" if name == "wait_q" else "boundary"
-        elif name in ("wait_full_k0", "wait_full_k_next"):
+        elif name == "wait_full_k0":
             prologue = v                       # its "masks" come before mask_*_done
-        elif name in ("mask_first_done", "mask_done_first", "mask_next_done", "mask_done_next"):
-            # tile 0 of the Q tile (prologue or boundary): masked when the edge test held
+        elif name in ("mask_first_done", "mask_done_first"):
+            # tile 0 of the Q tile (the prologue): masked when the edge test held
             flag = v["%p_edge"] if name.endswith("_done") else v["%p_tail"]
             cur["steps"].append((v["%kv_base"], bool(flag), v.get("%key_base")))
             cur.setdefault("masks", []).append(prologue.get("masks"))
@@ -409,18 +404,19 @@ def straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right, key_base
 
 @lru_cache(maxsize=None)
 def mblock_major_max_bh() -> int:
-    """production.ptx's MBLOCK_MAJOR_MAX_BH: up to this many (batch, head) pairs the masked
-    build walks its tiles m_block-major."""
-    text = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
+    """The scheduler's MBLOCK_MAJOR_MAX_BH (production/scheduler.ptxh): up to this many (batch,
+    head) pairs the masked build walks its tiles m_block-major."""
+    text = ptx.source_text(stages.PRODUCTION)
     return int(re.search(r"^#define MBLOCK_MAJOR_MAX_BH (\d+)", text, re.M).group(1))
 
 
-def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
-    """One consumer's record of one Q tile against the definition."""
+def check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major=False):
+    """One consumer's record of one Q tile against the definition (head_major: the
+    PTXATTN_HEAD_MAJOR knob's walk)."""
     seq_q, seq_k = prm["seq_q"], prm["seq_k"]
     m_blocks = -(-seq_q // block_m)
     bh_count = prm["heads"] * prm["batch"]
-    if masked and bh_count <= mblock_major_max_bh():
+    if masked and not head_major and bh_count <= mblock_major_max_bh():
         m, bh = divmod(t["tile"], bh_count)          # m_block-major: few heads (TILE_TO_BLOCK)
     else:
         bh, m = divmod(t["tile"], m_blocks)          # head-major: m_block fastest
@@ -462,15 +458,14 @@ def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
     return count
 
 
-def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
-                 back_to_back=False):
+def check_launch(head_dim, masked, prm, grid, prog=None, head_major=False):
     """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
     block_m = build_constant(head_dim, "BLOCK_M")
     block_n = build_constant(head_dim, "BLOCK_N")
     tiles = -(-prm["seq_q"] // block_m) * prm["heads"] * prm["batch"]
     done = []
     for c in range(grid):
-        producer, *consumers = run_cta(head_dim, masked, prm, c, grid, round_robin, prog)
+        producer, *consumers = run_cta(head_dim, masked, prm, c, grid, prog)
         assert len(consumers) == build_constant(head_dim, "CONSUMERS")
         seqs = [consumer_tiles(events) for events in consumers]
         t0 = seqs[0]
@@ -485,7 +480,7 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
         assert [v["%kv_global"] for v in loads] == consumed
         i = 0
         for t in t0:
-            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n)
+            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major)
             first = t["%kv_first"] if masked else 0
             for j in range(count):
                 v = loads[i + j]
@@ -493,22 +488,19 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
                 assert v["%batch"] == t["%batch"]
                 assert v["%head_kv"] == t["%head"] // prm["heads_per_kv"]
             i += count
+        # the producer's Q boxes: the consumers' tile (the second box 64 rows on)
         qs = [v for name, v in producer if name == "produce_q"]
+        assert len(qs) == len(t0)
         for t, q in zip(t0, qs):
-            assert q["%q_row"] == t["%m_block"] * block_m if masked else True
-        # the last tile flag: true on this CTA's last tile only, for both consumers; with tiles
-        # back to back (the PTXATTN_BACK_TO_BACK knob) every tile but the first starts in the
-        # boundary step, and only the last tile's PV runs on its own
+            assert (q["%head"], q["%batch"]) == (t["%head"], t["%batch"])
+            assert q["%q_row"] == t["%m_block"] * block_m, (q, t["%m_block"])
+            assert q["%q_row1"] == q["%q_row"] + 64
+        # the last tile flag: true on this CTA's last tile only, for every consumer; each tile
+        # runs from its own prologue to its own last PV
         for seq in seqs:
             flags = [t["last"]["%p_last_tile"] for t in seq]
             assert flags == [False] * (len(seq) - 1) + [True], flags
-            starts = [t["start"] for t in seq]
-            own_last_pv = ["last_pv" in t for t in seq]
-            if back_to_back:
-                assert starts == ["prologue"] + ["boundary"] * (len(seq) - 1), starts
-                assert own_last_pv == [False] * (len(seq) - 1) + [True], own_last_pv
-            else:
-                assert starts == ["prologue"] * len(seq) and all(own_last_pv), starts
+            assert all("last_pv" in t for t in seq)
         done += [t["tile"] for t in t0]
     assert sorted(done) == list(range(tiles)), f"grid {grid}: tiles done {sorted(done)}"
     return done
@@ -517,11 +509,15 @@ def check_launch(head_dim, masked, prm, grid, round_robin=False, prog=None,
 # ---- the tests -------------------------------------------------------------------------
 
 def test_the_interpreter_reads_the_builds_constants():
+    assert HEAD_DIMS == (64, 128, 256)
     assert build_constant(128, "BLOCK_N") == 128 and build_constant(256, "BLOCK_N") == 64
     assert build_constant(64, "BLOCK_N") == 128 and build_constant(128, "BLOCK_M") == 128
     assert build_constant(64, "BLOCK_M") == 192 and build_constant(64, "CONSUMERS") == 3
-    for d in (64, 128, 256):
+    for d in HEAD_DIMS:
         assert build_constant(d, "BLOCK_N") == stages.PRODUCTION_VARIANTS[(d, True)].block_n
+        # the build the model runs is the one the table describes
+        text = ptx.source(stages.PRODUCTION.specialize(d, True))
+        assert f".maxntid {build_constant(d, 'CTA_THREADS')}, 1, 1" in text
 
 
 def test_the_interpreter_fails_a_wrong_schedule():
@@ -535,25 +531,48 @@ def test_the_interpreter_fails_a_wrong_schedule():
         check_q_tile(bad, prm, 128, True, 128, 128)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_masked_kv_runs_cover_each_tile_once_with_the_right_copy(head_dim):
-    """Front run / plain loop / back run, exhaustive over small lengths, windows, diagonals."""
-    n = build_constant(head_dim, "BLOCK_N")
-    lengths = sorted({1, n + 1, 2 * n + 5, 5 * n})
+def masked_kv_cases(head_dim):
+    """Small lengths, windows and diagonals around the build's tile sizes (both BLOCK_N and
+    BLOCK_M: a Q tile's row range ends at q_row + BLOCK_M - 1)."""
+    n, m = build_constant(head_dim, "BLOCK_N"), build_constant(head_dim, "BLOCK_M")
+    lengths = sorted({1, n + 1, 2 * n + 5, 5 * n, m - 1, m + 1})
     sides = sorted({0, 1, n - 1, n + 1, UNBOUNDED})
-    cases = 0
     for seq_q, seq_k in itertools.product(lengths, repeat=2):
         diags = sorted({0, seq_k - seq_q, -3, 5})
         for diag, left, right in itertools.product(diags, sides, sides):
             if left == right == UNBOUNDED:
                 continue                       # the unmasked build's case
-            prm = params(seq_q, seq_k, diag=diag, left=left, right=right)
-            (c0,) = run_cta(head_dim, True, prm, 0, 1, tids=(128,))
-            block_m = build_constant(head_dim, "BLOCK_M")
-            for t in consumer_tiles(c0):
-                check_q_tile(t, prm, head_dim, True, block_m, n)
-            cases += 1
-    assert cases > 500
+            yield params(seq_q, seq_k, diag=diag, left=left, right=right)
+
+
+def check_masked_kv_runs(head_dim, prog=None):
+    n, m = build_constant(head_dim, "BLOCK_N"), build_constant(head_dim, "BLOCK_M")
+    cases = 0
+    for prm in masked_kv_cases(head_dim):
+        (c0,) = run_cta(head_dim, True, prm, 0, 1, prog=prog, tids=(128,))
+        for t in consumer_tiles(c0):
+            check_q_tile(t, prm, head_dim, True, m, n)
+        cases += 1
+    return cases
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_masked_kv_runs_cover_each_tile_once_with_the_right_copy(head_dim):
+    """Front run / plain loop / back run, exhaustive over small lengths, windows, diagonals,
+    for every build of the table."""
+    assert check_masked_kv_runs(head_dim) > 500
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_the_exhaustive_check_catches_a_q_row_range_off_by_one(head_dim):
+    """A Q tile's last row one short (q_last = q_row + BLOCK_M - 2) in the K/V range: the last
+    row's keys past the second-last's would go unvisited or unmasked. Caught in every build,
+    D = 64's 192-row tiles among them."""
+    block_m = build_constant(head_dim, "BLOCK_M")
+    old = f"add.u32 %q_last, %q_row, {block_m} - 1;"
+    prog = mutated(head_dim, old, f"add.u32 %q_last, %q_row, {block_m} - 2;")
+    with pytest.raises(AssertionError, match=r"visits K/V tiles .*, sees|copy, but some row"):
+        check_masked_kv_runs(head_dim, prog)
 
 
 def kv_cases(head_dim):
@@ -591,7 +610,7 @@ def check_elements(t, prm, tid, block_m, block_n):
                                    f"{'masked' if hidden else 'kept'}")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_score_mask_of_sampled_threads(head_dim):
     """The element mask (MASK_TILE_RANGE / MASK_RANGE) on the masked steps, for threads of
     every consumer, every lane % 4 and several warps and rows, over kv_cases."""
@@ -657,7 +676,7 @@ def test_the_model_catches_a_wrong_snake():
         check_launch(128, True, prm, 4, prog=prog)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("masked", [True, False])
 def test_every_tile_once_across_ctas_and_the_last_tile_flag(head_dim, masked):
     """Tile walk (snake in the masked build) for every grid size up to the tile count."""
@@ -686,31 +705,17 @@ def test_many_heads_walk_head_major_and_few_m_block_major():
             check_launch(128, True, prm, grid)
 
 
-def test_round_robin_knob_still_covers_every_tile():
-    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
-    for grid in (1, 3, 7, 19, 20):
-        check_launch(128, True, prm, grid, round_robin=True)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("masked", [True, False])
-def test_back_to_back_knob_covers_every_tile_from_boundary_steps(head_dim, masked):
-    """The PTXATTN_BACK_TO_BACK knob (tiles back to back, a measured negative kept for
-    measurement): every tile covered once with the right masks, every tile after a CTA's first
-    started in the boundary step, the last PV apart only on the last tile; and the same check
-    fails on the default build (it can fail)."""
-    prog = program(head_dim, masked, back_to_back=True)
-    n = build_constant(head_dim, "BLOCK_N")
-    for seq_q, seq_k, heads in [(513, 300, 2), (129, n - 5, 3), (300, 2 * n + 1, 1)]:
-        prm = params(seq_q, seq_k, heads=heads, batch=2, heads_per_kv=heads,
-                     diag=(seq_k - seq_q) if masked else 0, left=(n + 7) if masked else UNBOUNDED,
-                     right=0 if masked else UNBOUNDED)
-        tiles = -(-seq_q // build_constant(head_dim, "BLOCK_M")) * heads * 2
-        for grid in (1, 2, 3, 7):
-            if grid <= tiles:                  # the launcher: min(SMs, tiles) CTAs
-                check_launch(head_dim, masked, prm, grid, prog=prog, back_to_back=True)
+def test_head_major_knob_walks_head_major_at_few_heads(head_dim):
+    """The PTXATTN_HEAD_MAJOR measurement knob: the masked walk head-major even at few (batch,
+    head) pairs, every tile once; and the default's check (m_block-major there) fails it."""
+    prog = program(head_dim, True, head_major=True)
+    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
+    assert prm["heads"] * prm["batch"] <= mblock_major_max_bh()
+    for grid in (1, 3, 7):
+        check_launch(head_dim, True, prm, grid, prog=prog, head_major=True)
     with pytest.raises(AssertionError):
-        check_launch(head_dim, masked, prm, 3, back_to_back=True)
+        check_launch(head_dim, True, prm, 3, prog=prog)
 
 
 def test_snake_order_is_the_documented_one():

@@ -1,19 +1,17 @@
-"""The production kernel's synchronisation with two Q buffers, replayed from its own PTX (CPU
-only), with its build's consumer warpgroups (CONSUMERS: three at D = 64, 192-row tiles; two at
-D = 128 and 256).
+"""The production kernel's synchronisation, replayed from its own PTX (CPU only), for every build
+of the build table with its consumer warpgroups (CONSUMERS: three at D = 64, 192-row tiles; two
+at D = 128 and 256).
 
-At D = 64 and 128 (Q_BUFFERS 2 in the build table) ptx/sm90/production.ptx double-buffers Q and
-loads it a tile ahead, so the Q parities, the K/V ring positions and the pingpong turns are
-counted across a persistent CTA's whole walk. The knob PTXATTN_BACK_TO_BACK=1 (tiles back to
-back, a measured negative kept for measurement) also starts every tile after a CTA's first in
-the boundary step, which issues its first S beside the previous tile's last PV (one turn). Both
-are replayed. test_production_schedule checks the walk, the K/V runs and the
-masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q buffers,
-ring slots, turns, last-tile flag) under several interleavings, for the unmasked and masked
-builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile, and
-mutants of the protocol that it must catch (three-consumer ones at D = 64: the turn ring, the
-last hand-over, EMPTY counts, the third Q box). Also: the traced build (PTXATTN_TRACE=1) and D = 256
-(one Q buffer); the default and the knob are told apart by their turn counts.
+At D = 64 and 128 (two Q buffers in the build table) the kernel (ptx/sm90/production/)
+double-buffers Q and loads it a tile ahead, so the Q parities, the K/V ring positions and the
+pingpong turns are counted across a persistent CTA's whole walk; at D = 256 (O staged in Q) one
+Q buffer is released after the O store. test_production_schedule checks the walk, the K/V runs
+and the masks; this replays the barrier protocol (tests/sync_replay.py: mbarrier parities, Q
+buffers, ring slots, turns, last-tile flag) under several interleavings, for the unmasked and
+masked builds, ragged lengths, GQA, causal and windowed masks, grids from 1 CTA to one a tile,
+and mutants of the protocol that it must catch (three-consumer ones at D = 64: the turn ring,
+the last hand-over, EMPTY counts, the third Q box). Also: the traced build (PTXATTN_TRACE=1);
+each tile takes one turn a K/V tile plus its own last PV's.
 
 The references (BLOCK_M from the build's row: m_blocks = ceil(seq_q / BLOCK_M); Q one 64-row
 box a consumer): unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
@@ -32,21 +30,20 @@ from functools import lru_cache
 
 import pytest
 
-from ptxattn import ptx, stages
-from ptxattn.attention import UNBOUNDED
+from ptxattn import builds, ptx, stages
+from ptxattn.launch import UNBOUNDED
 import sync_replay
 from sync_replay import q_content, round_robin
 from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
 
-BACK_TO_BACK_DIMS = (64, 128)     # the build table's rows with Q_BUFFERS 2
-# the default (a tile at a time) and the tiles-back-to-back knob, as build() keyword arguments
-FLOWS = {"tile": {}, "b2b": {"PTXATTN_BACK_TO_BACK": True}}
+HEAD_DIMS = builds.HEAD_DIMS                                           # every build
+TWO_Q_BUFFERS = tuple(d for d in HEAD_DIMS if builds.get(d).q_buffers == 2)   # D = 64, 128
 
 
 def defines(head_dim: int) -> dict:
     """The replay's #defines from the build table's row of this head dim."""
     names = sync_replay.BARRIERS + sync_replay.SIZES     # (CONSUMERS and BLOCK_M among them)
-    if build_constant(head_dim, "Q_BUFFERS") == 2:
+    if builds.get(head_dim).q_buffers == 2:
         names += ("SMEM_BAR_Q_1", "SMEM_BAR_Q_EMPTY_1")
     return {n: build_constant(head_dim, n) for n in names}
 
@@ -150,48 +147,46 @@ MASKED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-def test_the_replay_sees_every_synchronising_statement(flow):
-    for head_dim in BACK_TO_BACK_DIMS:
-        for masked in (False, True):
-            m = build(head_dim, masked, **FLOWS[flow]).model
-            kinds = sorted({k for k, _, _ in m.ops.values()})
-            assert kinds == ["bar.arrive", "bar.sync", "mbarrier.arrive",
-                             "mbarrier.arrive.expect_tx", "mbarrier.init",
-                             "mbarrier.try_wait.parity"]
-            body = m.text[m.text.index(".entry"):]
-            lines = [ln for ln in body.splitlines()
-                     if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
-            assert len(lines) == len(m.ops)
-            assert m.q_buffers == 2
-            assert m.consumers == build_constant(head_dim, "CONSUMERS") == {64: 3, 128: 2}[head_dim]
-            assert m.tids == tuple(128 * w for w in range(m.consumers + 1))
-            # the producer's TMA loads: Q (a 64-row box a consumer), K, V; what they read
-            loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
-            assert loads == [("%tmap_q", "%head")] * m.consumers + [
-                ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_the_replay_sees_every_synchronising_statement(head_dim):
+    row = builds.get(head_dim)
+    for masked in (False, True):
+        m = build(head_dim, masked).model
+        kinds = sorted({k for k, _, _ in m.ops.values()})
+        assert kinds == ["bar.arrive", "bar.sync", "mbarrier.arrive",
+                         "mbarrier.arrive.expect_tx", "mbarrier.init",
+                         "mbarrier.try_wait.parity"]
+        body = m.text[m.text.index(".entry"):]
+        lines = [ln for ln in body.splitlines()
+                 if re.match(r"\s*(@!?%\w+\s+)?(mbarrier\.|bar\.)", ln)]
+        assert len(lines) == len(m.ops)
+        assert m.q_buffers == row.q_buffers == {64: 2, 128: 2, 256: 1}[head_dim]
+        assert m.consumers == row.consumers == {64: 3, 128: 2, 256: 2}[head_dim]
+        assert m.tids == tuple(128 * w for w in range(m.consumers + 1))
+        # the producer's TMA loads: Q (a 64-row box a consumer), K, V; what they read
+        loads = [(args[1], args[-3]) for _, _, args in m.loads.values()]
+        assert loads == [("%tmap_q", "%head")] * m.consumers + [
+            ("%tmap_k", "%head_kv"), ("%tmap_v", "%head_kv")], loads
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_builds_across_tiles(head_dim, flow, masked):
-    b = build(head_dim, masked, **FLOWS[flow])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_builds_across_tiles(head_dim, masked):
+    b = build(head_dim, masked)
     for prm in MASKED_CASES if masked else UNMASKED_CASES:
         for grid in grids(tile_count(b, prm)):
             b.play(prm, grid)
 
 
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-def test_long_walks_wrap_the_q_buffers(flow):
+def test_long_walks_wrap_the_q_buffers():
     """CTAs with 8-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
     ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
     head) pairs is head-major (two m_blocks: BLOCK_M + 1 query rows). Grids stay within the
     tile count, as the launcher's min(SMs, tiles) does (a CTA without a tile still runs one)."""
     cap = mblock_major_max_bh()
-    for head_dim in BACK_TO_BACK_DIMS:
-        plain = build(head_dim, False, **FLOWS[flow])
-        masked = build(head_dim, True, **FLOWS[flow])
+    for head_dim in HEAD_DIMS:
+        plain = build(head_dim, False)
+        masked = build(head_dim, True)
         prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)   # 40 tiles (24 at D = 64)
         for grid in (1, 3):
             plain.play(prm, grid, seeds=1)
@@ -201,59 +196,40 @@ def test_long_walks_wrap_the_q_buffers(flow):
         masked.play(prm, 40, seeds=1, ctas=(0, 39))
 
 
-def expected_turns(b: Build, prm, ctaid, grid, back_to_back: bool) -> int:
-    """A consumer's turns: one a K/V tile (its S, beside the previous tile's PV), plus the last
-    PV on its own: once a CTA with tiles back to back, once a tile otherwise."""
+def expected_turns(b: Build, prm, ctaid, grid) -> int:
+    """A consumer's turns: one a K/V tile (its S, beside the previous K/V tile's PV), plus each
+    tile's last PV on its own."""
     tiles, _, kv = b.reference(prm, ctaid, grid)
-    return sum(map(len, kv)) + (1 if back_to_back else len(tiles))
+    return sum(map(len, kv)) + len(tiles)
 
 
-@pytest.mark.parametrize("head_dim", BACK_TO_BACK_DIMS)
-def test_the_knob_merges_turns_and_the_default_keeps_a_tile_at_a_time(head_dim):
-    """With PTXATTN_BACK_TO_BACK=1 every tile after a CTA's first starts in the boundary step
-    (its first S in the previous tile's last PV turn); the default keeps both Q buffers but runs
-    each tile from its own prologue to its own last PV."""
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_each_tile_runs_from_its_own_prologue_to_its_own_last_pv(head_dim):
+    """Turn counts: two Q buffers (D = 64, 128) load a tile's Q a tile ahead, one (D = 256:
+    O staged in Q, Q EMPTY after the O store) after the tile before's store; either way each tile
+    takes a turn a K/V tile and one for its last PV."""
     for masked, prm in ((False, UNMASKED_CASES[1]), (True, MASKED_CASES[0])):
-        b2b = build(head_dim, masked, **FLOWS["b2b"])
-        one = build(head_dim, masked)
-        assert one.model.q_buffers == 2
+        b = build(head_dim, masked)
+        assert b.model.q_buffers == builds.get(head_dim).q_buffers
         for grid in (1, 3):
-            for b, back_to_back in ((b2b, True), (one, False)):
-                for c in range(grid):
-                    r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                    for order in sync_replay.orders(1, b.consumers):
-                        turns = r.play(order)
-                        want = expected_turns(b, prm, c, grid, back_to_back)
-                        assert turns == [want] * b.consumers, (back_to_back, turns, want)
+            for c in range(grid):
+                r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
+                for order in sync_replay.orders(1, b.consumers):
+                    want = expected_turns(b, prm, c, grid)
+                    assert r.play(order) == [want] * b.consumers
 
 
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-def test_the_traced_build_synchronises_as_the_plain_one(flow):
+def test_the_traced_build_synchronises_as_the_plain_one():
     """PTXATTN_TRACE=1 (`ptxattn trace`) adds trace points around the waits: the same
     statements, the same replay."""
-    for head_dim, masked in ((64, True), (128, False)):
-        traced = build(head_dim, masked, PTXATTN_TRACE=True, **FLOWS[flow])
-        plain = build(head_dim, masked, **FLOWS[flow])
+    for head_dim, masked in ((64, True), (128, False), (256, True)):
+        traced = build(head_dim, masked, PTXATTN_TRACE=True)
+        plain = build(head_dim, masked)
         assert sorted(k for k, _, _ in traced.model.ops.values()) == \
             sorted(k for k, _, _ in plain.model.ops.values())
         prm = MASKED_CASES[3] if masked else UNMASKED_CASES[1]
         for grid in (1, 3, tile_count(traced, prm)):
             traced.play(prm, grid, seeds=1)
-
-
-def test_head_dim_256_keeps_a_tile_at_a_time():
-    """D = 256 has one Q buffer (O staged in it; Q EMPTY after the O store): its replay, with the
-    turn count of a tile at a time."""
-    for masked, prm in ((False, params(300, 129, heads=2, heads_per_kv=2)),
-                        (True, causal(300, 385, heads=2))):
-        b = build(256, masked)
-        assert b.model.q_buffers == 1
-        for grid in (1, 2, 6):
-            for c in range(grid):
-                r = sync_replay.Replay(b.model, prm, c, grid, b.reference)
-                for order in sync_replay.orders(1, b.consumers):
-                    want = expected_turns(b, prm, c, grid, back_to_back=False)
-                    assert r.play(order) == [want] * b.consumers
 
 
 # ---- mutants: the replay must catch a broken protocol ----------------------------------
@@ -269,7 +245,7 @@ def mutate(text: str, old: str, new: str, count: int = 1, after: str | None = No
     return text.replace(old, new)
 
 
-MUTANTS = {        # name: (old, new, count, anchor, what the replay must say[, flow])
+MUTANTS = {        # name: (old, new, count, anchor, what the replay must say)
     # the consumer's Q parity without the buffer's use count: wrong from the 2nd tile (parity
     # 1 on a fresh barrier passes at once) or the 3rd
     "q parity without use count": (
@@ -286,16 +262,16 @@ MUTANTS = {        # name: (old, new, count, anchor, what the replay must say[, 
     # the consumers never release Q (the tile-end arrive dropped): the producer waits for ever
     "q empty arrive dropped": ("mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];", "",
                                1, None, "deadlock"),
-    # the boundary step keeps the finished tile's Q buffer: the consumer's Q_BUFFER_OF_TILE
-    # reads local_tile as it was before tile_end's increment (its first tile: 0 either way)
-    "boundary keeps the q buffer": (
+    # the consumer's Q buffer one tile behind (local_tile - 1): it waits on the other
+    # buffer's barrier, or reads a buffer it did not wait for (from its second tile)
+    "consumer q buffer one tile behind": (
         "and.b32 %q_buf, %local_tile, 1;",
         "setp.ne.u32 %p_buf1, %local_tile, 0;\n    selp.b32 %q_buf, 1, 0, %p_buf1;\n"
         "    sub.u32 %q_buf, %local_tile, %q_buf;\n    and.b32 %q_buf, %q_buf, 1;",
-        None, "consumer_tile_loop:", "passed on fill", "b2b"),
-    # the boundary step's PV hand-over dropped: the other consumer never gets its turn
-    "boundary hand-over dropped": ("bar.arrive %other_turn, 256;", "", None, "\nboundary:",
-                                   "deadlock", "b2b"),
+        None, "consumer_tile_loop:", "passed on fill|deadlock|reads buffer"),
+    # the first PV's hand-over dropped (the prologue's): the other consumer never gets its turn
+    "prologue hand-over dropped": ("bar.arrive %other_turn, 256;", "", None,
+                                   "wait_full_k0:", "deadlock"),
     # K and V loaded from the query head, not its K/V head (GQA/MQA)
     "k/v loads read the query head": ("%zero, %head_kv, %batch}", "%zero, %head, %batch}", 2,
                                       None, "producer's K loads"),
@@ -309,12 +285,10 @@ MUTANTS = {        # name: (old, new, count, anchor, what the replay must say[, 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_the_replay_catches_a_broken_protocol(name, masked):
-    """Each mutant of production.ptx (D = 128; the default build, or the knob's where the
-    mutant is of its boundary step) fails the replay, for its own reason (MQA: 5 query heads
+    """Each mutant of the D = 128 build fails the replay, for its own reason (MQA: 5 query heads
     read K/V head 0)."""
-    old, new, count, after, reason, *flow = MUTANTS[name]
-    knobs = FLOWS[flow[0] if flow else "tile"]
-    b = Build(128, masked, mutate(source(128, masked, **knobs), old, new, count, after))
+    old, new, count, after, reason = MUTANTS[name]
+    b = Build(128, masked, mutate(source(128, masked), old, new, count, after))
     make = causal if masked else params
     with pytest.raises(AssertionError, match=reason):
         for seq_k in (128, 385):                 # one K/V tile a Q tile, then four
@@ -322,19 +296,15 @@ def test_the_replay_catches_a_broken_protocol(name, masked):
                 b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)
 
 
-@pytest.mark.parametrize("flow", sorted(FLOWS))
-def test_the_replay_catches_q_released_before_the_tiles_last_s(flow):
+def test_the_replay_catches_q_released_before_the_tiles_last_s():
     """The Q EMPTY arrive moved from tile_end to right after a tile's first S: harmless with one
     K/V tile a Q tile (its first S is its last), caught with more (a later S reads a released
     Q, which the producer may overwrite)."""
     arrive = "mbarrier.arrive.shared::cta.b64 %state, [%q_buf_empty];"
-    text = mutate(source(128, False, **FLOWS[flow]), arrive, "")
-    # where the K/V runs start, after the prologue (and the knob's boundary step)
-    if flow == "b2b":                      # past the label both paths reach
-        text = mutate(text, "\nkv_runs:\n", f"\nkv_runs:\n    {arrive}\n")
-    else:
-        runs = "\n    add.u32 %kv_end, %kv_base"
-        text = mutate(text, runs, f"\n    {arrive}{runs}")
+    text = mutate(source(128, False), arrive, "")
+    # where the K/V runs start, after the prologue
+    runs = "\n    add.u32 %kv_end, %kv_base"
+    text = mutate(text, runs, f"\n    {arrive}{runs}")
     b = Build(128, False, text)
     b.play(params(129, 128, heads=5), 2, seeds=1)
     with pytest.raises(AssertionError, match="whose fill it has released|overwritten in use"):
@@ -348,18 +318,19 @@ def test_named_barriers_of_every_consumer():
     consumer c's (its bar.sync) and the previous consumer's hand-over (the last consumer's to
     consumer 0); then one O staging barrier of 128 threads a consumer, c + CONSUMERS + 1
     (4, 5, 6 at D = 64; 3, 4 at D = 128), within the 16 of the hardware."""
-    for head_dim in BACK_TO_BACK_DIMS:
-        for flow in sorted(FLOWS):
-            b = build(head_dim, True, **FLOWS[flow])
-            n = b.consumers
-            r = sync_replay.Replay(b.model, MASKED_CASES[0], 0, 2, b.reference)
-            r.play(sync_replay.orders(0, n)[0])
-            want = {0: {t: 128 * (n + 1) for t in range(n + 1)}}
-            for c in range(n):
-                want[c + 1] = {c + 1: 256, (c - 1) % n + 1: 256}
-                want[n + 1 + c] = {c + 1: 128}
-            assert r.named_uses == want, (head_dim, flow, r.named_uses)
-            assert max(want) < 16
+    for head_dim in HEAD_DIMS:
+        row = builds.get(head_dim)
+        b = build(head_dim, True)
+        n = b.consumers
+        r = sync_replay.Replay(b.model, MASKED_CASES[0], 0, 2, b.reference)
+        r.play(sync_replay.orders(0, n)[0])
+        want = {row.bar_cta: {t: 128 * (n + 1) for t in range(n + 1)}}
+        for c in range(n):
+            want[row.bar_turn(c)] = {c + 1: 256, (c - 1) % n + 1: 256}
+            want[row.bar_o(c)] = {c + 1: 128}
+        assert sorted(want) == list(range(1 + 2 * n)) and row.named_barriers == 1 + 2 * n
+        assert r.named_uses == want, (head_dim, r.named_uses)
+        assert max(want) < 16
 
 
 def test_the_references_take_the_rows_block_m():
@@ -443,19 +414,48 @@ THREE_CONSUMER_MUTANTS = {        # name: (old, new, what the replay must say)
 }
 
 
-@pytest.mark.parametrize("flow", sorted(FLOWS))
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", sorted(THREE_CONSUMER_MUTANTS))
-def test_the_replay_catches_a_broken_three_consumer_protocol(name, masked, flow):
+def test_the_replay_catches_a_broken_three_consumer_protocol(name, masked):
     """Each mutant of the D = 64 build's three-consumer protocol fails the replay, for its own
     reason (5 tiles of 192 rows; one K/V tile a Q tile, then three)."""
     old, new, reason = THREE_CONSUMER_MUTANTS[name]
-    knobs = FLOWS[flow]
-    text = source(64, masked, **knobs)
+    text = source(64, masked)
     b = Build(64, masked, mutate(text, old, new, text.count(old) or 1))
     assert b.consumers == 3
     make = causal if masked else params
     with pytest.raises(AssertionError, match=reason):
         for seq_k in (128, 385):
+            for grid in (1, 2):
+                b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)
+
+
+# ---- one Q buffer, O staged in it (D = 256) ---------------------------------------------------
+
+ONE_BUFFER_MUTANTS = {        # name: (old, new, what the replay must say)
+    # the consumers never release Q after the O store: the producer waits for ever
+    "q empty after the store dropped": ("mbarrier.arrive.shared::cta.b64 %state, [%bar_q_empty];",
+                                        "", "deadlock"),
+    # the producer's Q EMPTY parity one fill late: it waits for a release that is not due
+    "q empty parity off by one": ("add.u32 %q_phase, %local_tile, 1;",
+                                  "mov.u32 %q_phase, %local_tile;",
+                                  "passed after|deadlock"),
+    # the producer never waits for Q EMPTY: the next tile's Q lands on a consumer's O (and Q)
+    "q empty wait skipped": ("setp.eq.u32 %p_first, %local_tile, 0;",
+                             "setp.ge.u32 %p_first, %local_tile, 0;", "overwritten in use"),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", sorted(ONE_BUFFER_MUTANTS))
+def test_the_replay_catches_a_broken_one_buffer_protocol(name, masked):
+    """Each mutant of the D = 256 build's single Q buffer (released after the O store) fails the
+    replay, for its own reason."""
+    old, new, reason = ONE_BUFFER_MUTANTS[name]
+    b = Build(256, masked, mutate(source(256, masked), old, new))
+    assert b.model.q_buffers == 1
+    make = causal if masked else params
+    with pytest.raises(AssertionError, match=reason):
+        for seq_k in (64, 385):                  # one K/V tile a Q tile (BLOCK_N 64), then seven
             for grid in (1, 2):
                 b.play(make(129, seq_k, heads=5, heads_per_kv=5), grid, seeds=1)

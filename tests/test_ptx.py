@@ -230,6 +230,44 @@ def test_a_production_build_expands_as_itself(head_dim, masked):
     assert text == ptx.source(stages.PRODUCTION, dict(build.defines))
     assert text != ptx.source(stages.PRODUCTION)
     assert f".maxntid {build.threads}, 1, 1" in text
-    # tool defines add to the build's (what attention.kernel() hands the JIT)
+    # tool defines add to the build's (what launch.kernel() hands the JIT)
     traced = ptx.source(build, {"PTXATTN_TRACE": "1"})
     assert traced == ptx.source(stages.PRODUCTION, {**dict(build.defines), "PTXATTN_TRACE": "1"})
+
+
+def test_a_kernel_in_its_own_folder_finds_its_includes_and_the_lineages(monkeypatch, tmp_path):
+    """ptx/<arch>/<kernel>/main.ptx: `#include "x"` is searched beside the including file first
+    (nested includes too), then in ptx/<arch>/include; source_files lists what is reached."""
+    root = tmp_path.resolve() / "ptx"
+    (root / "sm90" / "include").mkdir(parents=True)
+    (root / "sm90" / "kern").mkdir()
+    (root / "sm90" / "include" / "shared.ptxh").write_text("#define SHARED_VALUE 7\n")
+    (root / "sm90" / "include" / "part.ptxh").write_text("#define PART_VALUE 1\n")   # shadowed
+    (root / "sm90" / "kern" / "part.ptxh").write_text('#include "nested.ptxh"\n#define PART_VALUE 2\n')
+    (root / "sm90" / "kern" / "nested.ptxh").write_text("#define NESTED_VALUE 3\n")
+    (root / "sm90" / "kern" / "main.ptx").write_text(
+        '#include "shared.ptxh"\n#include "part.ptxh"\n'
+        ".visible .entry ptxattn_fwd()\n{\n    mov.u32 %r, SHARED_VALUE;\n"
+        "    mov.u32 %r, PART_VALUE;\n    mov.u32 %r, NESTED_VALUE;\n}\n")
+    monkeypatch.setattr(ptx, "ptx_root", lambda: root)
+    ptx._CACHE.clear()
+    stage = dataclasses.replace(stages.get_stage(14), file="sm90/kern/main.ptx")
+    text = ptx.source(stage)
+    assert "mov.u32 %r, 7;" in text and "mov.u32 %r, 2;" in text and "mov.u32 %r, 3;" in text
+    assert ptx.include_dirs(root / "sm90" / "kern" / "main.ptx") == [root / "sm90" / "include"]
+    files = [p.relative_to(root).as_posix() for p in ptx.source_files(stage)]
+    assert files == ["sm90/kern/main.ptx", "sm90/include/shared.ptxh", "sm90/kern/part.ptxh",
+                     "sm90/kern/nested.ptxh"]
+    ptx._CACHE.clear()
+
+
+def test_the_production_kernels_sources_are_its_folder_and_the_shared_includes():
+    files = ptx.source_files(stages.PRODUCTION)
+    assert files[0] == stages.ptx_root() / stages.PRODUCTION.file
+    production = stages.ptx_root() / "sm90" / "production"
+    assert {p.name for p in files if p.parent == production} == {
+        p.name for p in production.iterdir() if p.suffix in (".ptx", ".ptxh")}
+    assert {p.parent for p in files} == {production, stages.ptx_root() / "sm90" / "include"}
+    # the lineage's sources are its file and the shared includes, as before
+    assert [p.parent for p in ptx.source_files(14)][1:] == [
+        stages.ptx_root() / "sm90" / "include"] * (len(ptx.source_files(14)) - 1)

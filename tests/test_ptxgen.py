@@ -1,4 +1,4 @@
-"""The generated fragment headers (ptxattn/ptxgen.py): committed = generated, and what they
+"""The generated fragment headers (ptxattn/tools/ptxgen.py): committed = generated, and what they
 generate is the fragment layout of fragments.ptxh (CPU only)."""
 
 import os
@@ -9,11 +9,12 @@ import textwrap
 
 import pytest
 
-from ptxattn import ptx, ptxgen
+from ptxattn import ptx
+from ptxattn.tools import ptxgen
 
 
 def test_committed_headers_equal_the_generator_output():
-    assert ptxgen.stale() == [], "run `python -m ptxattn.ptxgen` and commit the headers"
+    assert ptxgen.stale() == [], "run `python -m ptxattn.tools.ptxgen` and commit the headers"
 
 
 def test_a_hand_edit_of_a_header_is_caught(tmp_path):

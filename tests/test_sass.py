@@ -1,4 +1,4 @@
-"""ptxattn.sass: the parsers on committed ptxas/nvdisasm/cuobjdump output, tool discovery, and
+"""ptxattn.tools.sass: the parsers on committed ptxas/nvdisasm/cuobjdump output, tool discovery, and
 every registered stage through the real ptxas (CPU only: no GPU needed)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ptxattn import sass, stages
+from ptxattn import stages
+from ptxattn.tools import sass
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,6 +1,6 @@
 """The Blackwell (sm_100a) lineage's PTX, checked without a B200 (CPU only).
 
-Every stage in ptxattn.stages_sm100.SM100_STAGES expands (pcpp) and assembles with
+Every stage in ptxattn.stages.SM100_STAGES expands (pcpp) and assembles with
 `ptxas -arch=sm_100a` with no spills, and its SASS holds the opcodes its idea needs
 (SASS_NEEDS). The registry rows agree with the defines in the PTX they describe, the
 descriptor constants in include/umma.ptxh decode to the fields their comments promise, and
@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ptxattn import ptx, ptxgen_sm100, sass
+from ptxattn import ptx
+from ptxattn.tools import ptxgen_sm100, sass
 from ptxattn.stages import SWIZZLE_128B, SWIZZLE_NONE, ptx_root
-from ptxattn.stages_sm100 import HOPPER_SAME_IDEA, SASS_NEEDS, SM100_STAGES
+from ptxattn.stages import SM100_STAGES
+from ptxattn.stages_sm100 import HOPPER_SAME_IDEA, SASS_NEEDS
 
 SM100 = ptx_root() / "sm100"
 INCLUDE = SM100 / "include"
@@ -71,7 +73,7 @@ def _built(file: str) -> tuple[dict, str]:
 # --------------------------------------------------------------------------- generated header
 
 def test_committed_header_equals_the_generator_output():
-    assert ptxgen_sm100.stale() == [], "run `python -m ptxattn.ptxgen_sm100` and commit the header"
+    assert ptxgen_sm100.stale() == [], "run `python -m ptxattn.tools.ptxgen_sm100` and commit the header"
 
 
 def test_a_hand_edit_of_the_header_is_caught(tmp_path):

@@ -3,7 +3,7 @@
 No B200 is lent to this project, so the device is faked: a context of compute capability 10.0
 (test_prepare's recorded driver calls) for the dispatch and the launch, and tests/fake_gpu.py
 (a "launch" writes the NumPy reference, or something wrong) for the self-check's figures. The
-sm100 rows are made here and patched into stages_sm100.SM100_STAGES, so these tests do not
+sm100 rows are made here and patched into stages.SM100_STAGES, so these tests do not
 depend on the PTX stages that another branch writes.
 """
 
@@ -17,8 +17,10 @@ import pytest
 from cli_helpers import cli, one_clean_error
 from test_prepare import dev, gpu, launched, maps     # noqa: F401 - gpu is a fixture
 
-from ptxattn import attention as attn
-from ptxattn import driver, sass, selfcheck, stages, stages_sm100
+from ptxattn import api as attn
+from ptxattn import choice, driver, selfcheck, stages, stages_sm100
+from ptxattn.launch import PERSISTENT_CTAS_ENV
+from ptxattn.tools import sass
 from ptxattn.selfcheck import SelfCheckError
 
 H100, B200 = (9, 0), (10, 0)
@@ -46,7 +48,7 @@ def sm100(tmp_path, monkeypatch):
                         arch=stages.BLACKWELL, file=fake_ptx(tmp_path, "14_persistent"),
                         threads=384, block_m=256, block_n=128, smem_bytes=200_000,
                         swizzle=stages.SWIZZLE_128B, persistent=True)
-    monkeypatch.setattr(stages_sm100, "SM100_STAGES", (one, last))
+    monkeypatch.setattr(stages, "SM100_STAGES", (one, last))
     monkeypatch.setattr(selfcheck, "_RESULTS", {})
     monkeypatch.setattr(selfcheck, "_METRICS", {})
     return one, last
@@ -94,7 +96,7 @@ def test_lineage_lookups_refuse_what_does_not_exist(sm100):
 
 
 def test_an_empty_blackwell_registry_says_so(monkeypatch):
-    monkeypatch.setattr(stages_sm100, "SM100_STAGES", ())
+    monkeypatch.setattr(stages, "SM100_STAGES", ())
     with pytest.raises(ValueError, match="no sm_100a stage is registered yet"):
         stages.get_stage(1, arch="sm_100a")
 
@@ -112,18 +114,18 @@ def test_compute_capability_names_a_lineage():
     assert stages.lineage_for(H100) == "sm_90a" and stages.lineage_for(B200) == "sm_100a"
     # sm_100a code runs on 10.0 only (arch-specific features are not forward compatible)
     assert stages.lineage_for((10, 3)) is None and stages.lineage_for((8, 0)) is None
-    assert attn._arch_ok("sm_100a", B200) and not attn._arch_ok("sm_100a", (10, 3))
-    assert not attn._arch_ok("sm_100a", H100) and not attn._arch_ok("sm_90a", B200)
+    assert choice.arch_ok("sm_100a", B200) and not choice.arch_ok("sm_100a", (10, 3))
+    assert not choice.arch_ok("sm_100a", H100) and not choice.arch_ok("sm_90a", B200)
 
 
 # --------------------------------------------------------------------------- dispatch
 
 def test_the_dispatch_picks_by_the_devices_lineage(sm100):
     one, last = sm100
-    assert attn._pick_stage(None, D, 512, 512, H100) is stages.PRODUCTION
-    assert attn._pick_stage(None, D, 512, 512, B200) is last           # the fastest that takes it
-    assert attn._pick_stage(None, D, 128, 512, B200) is one           # 128 rows: not 14's tiles
-    assert attn._pick_stage(None, D, 512, 512, None) is stages.PRODUCTION   # device unknown yet
+    assert choice.pick_stage(None, D, 512, 512, H100) is stages.PRODUCTION
+    assert choice.pick_stage(None, D, 512, 512, B200) is last           # the fastest that takes it
+    assert choice.pick_stage(None, D, 128, 512, B200) is one           # 128 rows: not 14's tiles
+    assert choice.pick_stage(None, D, 512, 512, None) is stages.PRODUCTION   # device unknown yet
 
 
 @pytest.mark.parametrize("what, kwargs, shape", [
@@ -135,10 +137,10 @@ def test_the_dispatch_picks_by_the_devices_lineage(sm100):
 def test_shapes_that_need_a_production_kernel_say_there_is_none_on_sm100(sm100, what, kwargs,
                                                                          shape):
     with pytest.raises(ValueError, match="no production kernel for sm_100a") as info:
-        attn._pick_stage(None, D, *shape, B200, **kwargs)
+        choice.pick_stage(None, D, *shape, B200, **kwargs)
     assert "no registered stage takes this shape" in str(info.value), what
     # the same call on Hopper goes to the production kernel
-    assert attn._pick_stage(None, D, *shape, H100, **kwargs) is stages.PRODUCTION
+    assert choice.pick_stage(None, D, *shape, H100, **kwargs) is stages.PRODUCTION
 
 
 def test_a_stage_of_the_other_lineage_is_refused_clearly(sm100):
@@ -146,29 +148,29 @@ def test_a_stage_of_the_other_lineage_is_refused_clearly(sm100):
     with pytest.raises(ValueError, match=r"stage: stage01 \(baseline\) is built for sm_90a, "
                                          r"which this GPU \(compute capability 10.0\) cannot run"
                        ) as info:
-        attn._pick_stage(1, D, 512, 512, B200)
+        choice.pick_stage(1, D, 512, 512, B200)
     assert "sm100_stage01" in str(info.value) and "arch='sm_100a'" in str(info.value)
     assert "sm100_stage14 (persistent)" in str(info.value)           # what would take it
     with pytest.raises(ValueError, match=r"stage: stage05 \(two_q_tiles\) is built for sm_90a") \
             as info:
-        attn._pick_stage(5, D, 512, 512, B200)
+        choice.pick_stage(5, D, 512, 512, B200)
     assert "sm100_stage05" not in str(info.value)         # no Blackwell stage 5 to point to
     with pytest.raises(ValueError, match="production is built for sm_90a.*no production kernel "
                                          "for sm_100a"):
-        attn._pick_stage("production", D, 512, 512, B200)
+        choice.pick_stage("production", D, 512, 512, B200)
     with pytest.raises(ValueError, match=r"sm100_stage14 \(persistent\) is built for sm_100a, "
                                          r"which this GPU \(compute capability 9.0\) cannot run.*"
                                          r"compute capability 10.0 .*never been run"):
-        attn._pick_stage("sm100_stage14", D, 512, 512, H100)
-    assert attn._pick_stage("sm100_stage14", D, 512, 512, B200) is last
-    assert attn._pick_stage(last, D, 512, 512, None) is last         # validation: no device yet
+        choice.pick_stage("sm100_stage14", D, 512, 512, H100)
+    assert choice.pick_stage("sm100_stage14", D, 512, 512, B200) is last
+    assert choice.pick_stage(last, D, 512, 512, None) is last         # validation: no device yet
 
 
 def test_no_blackwell_stage_registered_is_said_on_a_b200(monkeypatch):
-    monkeypatch.setattr(stages_sm100, "SM100_STAGES", ())
+    monkeypatch.setattr(stages, "SM100_STAGES", ())
     with pytest.raises(ValueError, match=r"no registered stage runs on compute capability 10.0 "
                                          r"\(no sm_100a stage is registered\)"):
-        attn._pick_stage(None, D, 512, 512, B200)
+        choice.pick_stage(None, D, 512, 512, B200)
 
 
 # --------------------------------------------------------------------------- the launch path
@@ -248,8 +250,8 @@ def test_device_arrays_are_checked_against_the_stage_the_b200_runs(gpu, sm100, m
     gpu["ctx"].compute_capability = B200
     monkeypatch.setattr(selfcheck, "run", passing)
     seen = []
-    real = attn._check_device_geometry
-    monkeypatch.setattr(attn, "_check_device_geometry", lambda name, arr, plan, seq, rows:
+    real = attn.check_device_geometry
+    monkeypatch.setattr(attn, "check_device_geometry", lambda name, arr, plan, seq, rows:
                         seen.append((name, plan.stage, rows)) or real(name, arr, plan, seq, rows))
     attn.prepare(*qkv())
     # validation (no device yet) checked against production; the launch against stage 14
@@ -311,7 +313,7 @@ def test_self_check_sees_the_poison_of_a_kernel_that_writes_nothing(sm100, monke
         poisoned.append(out)
         return out
     monkeypatch.setattr(fake_gpu.tensors, "empty", empty)
-    monkeypatch.setattr(attn, "prepare", lambda *a, **kw: Silent())
+    monkeypatch.setattr(selfcheck, "_prepare", lambda *a, **kw: Silent())
     with pytest.raises(SelfCheckError, match=r"\d+ NaN/Inf"):
         selfcheck.ensure(one)
     assert np.isnan(poisoned[0].array.astype(np.float32)).all()     # NaN before the launch
@@ -450,7 +452,7 @@ def test_list_shows_both_lineages_and_says_the_blackwell_one_never_ran(sm100):
 
 
 def test_list_with_no_blackwell_stage_yet(monkeypatch):
-    monkeypatch.setattr(stages_sm100, "SM100_STAGES", ())
+    monkeypatch.setattr(stages, "SM100_STAGES", ())
     result = cli("list")
     assert result.exit_code == 0 and "(no stage registered yet)" in result.output
 
@@ -468,7 +470,7 @@ def test_ptx_and_diff_take_the_lineage(sm100):
 
 
 def test_sass_arch_names_the_lineage_or_only_the_target(sm100, monkeypatch):
-    from ptxattn import cli as cli_module
+    from ptxattn.tools import cli as cli_module
     one, last = sm100
     assert cli_module._resolve("14", "sm_100a") == (last, "sm_100a")
     assert cli_module._resolve("14", "blackwell") == (last, "sm_100a")
@@ -534,9 +536,10 @@ def test_gpu_the_self_check_passes_a_correct_kernel(no_verdicts):
 @pytest.mark.gpu
 def test_gpu_the_self_check_refuses_a_wrong_result(no_verdicts, monkeypatch):
     stage = stages.get_stage(14)
-    real = attn.prepare
+    real = selfcheck._prepare
     # twice the softmax scale: the kernel runs as it should, on the wrong question
-    monkeypatch.setattr(attn, "prepare", lambda *a, **kw: real(*a, scale=2.0 / D ** 0.5, **kw))
+    monkeypatch.setattr(selfcheck, "_prepare",
+                        lambda *a, **kw: real(*a, scale=2.0 / D ** 0.5, **kw))
     with pytest.raises(SelfCheckError, match=r"stage14 \(persistent\) \(sm_90a\) failed its "
                                              r"first-launch self-check"):
         selfcheck.ensure(stage)
@@ -599,7 +602,7 @@ def test_a_b200_tries_the_predicted_order_then_falling_numbers():
     order = [s.number for s in stages.by_speed("sm_100a")]
     assert order[:3] == [16, 14, 15]                    # the static scheduler before the dynamic
     assert order[3:] == sorted(order[3:], reverse=True)
-    assert sorted(order) == [s.number for s in stages_sm100.SM100_STAGES]
+    assert sorted(order) == [s.number for s in stages.SM100_STAGES]
 
 
 def _launch_on_a_b200(gpu, monkeypatch, number):
@@ -646,7 +649,7 @@ def _on_a_b200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage", stages_sm100.SM100_STAGES, ids=lambda s: s.label)
+@pytest.mark.parametrize("stage", stages.SM100_STAGES, ids=lambda s: s.label)
 @pytest.mark.parametrize("layout", ["bhld", "bshd"])
 def test_gpu_b200_stage_matches_the_reference(stage, layout, no_verdicts):
     from gpu_checks import assert_passes, check_rows
@@ -672,7 +675,7 @@ def test_gpu_b200_the_dynamic_scheduler_leaves_its_counter_zero(no_verdicts, mon
     from ptxattn import tensors
     from ptxattn.reference import random_qkv
     _on_a_b200()
-    monkeypatch.setenv(attn.PERSISTENT_CTAS_ENV, "2")
+    monkeypatch.setenv(PERSISTENT_CTAS_ENV, "2")
     stage = stages.get_stage(15, arch="sm_100a")
     q, k, v = random_qkv(2, 3, 512, 512, D, "bhld", seed=6)     # 2 x 3 x 2 = 12 tiles
     prepared = attn.prepare(*(tensors.from_numpy(x) for x in (q, k, v)), stage=stage)

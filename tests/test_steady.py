@@ -1,4 +1,4 @@
-"""attention()'s steady-call fast path (attention._steady_call), on CPU with the driver calls
+"""attention()'s steady-call fast path (fastpath.steady_call), on CPU with the driver calls
 recorded (tests/test_prepare.py's `gpu` fixture):
 
 - a hit launches the same parameter bytes as the full path would for that call (maps, O and
@@ -16,7 +16,9 @@ import pytest
 from fakes import FAKE_BASE, at_once
 from test_prepare import MiB, OK, cu, gpu  # noqa: F401  (gpu is a fixture)
 
-from ptxattn import attention as attn
+from ptxattn import api as attn
+from ptxattn import driver, fastpath, stages
+from ptxattn.launch import PERSISTENT_CTAS_ENV, slot
 from ptxattn.tensors import DeviceArray, contiguous_strides
 
 SHAPE = (1, 2, 128, 128)
@@ -41,13 +43,13 @@ def tagged(gpu, monkeypatch):
         return OK, tmap
     monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", encode)
     builds = []
-    real_validate = attn._validate
+    real_validate = attn.validate
 
     def validate(*args, **kwargs):
         builds.append(kwargs)
         return real_validate(*args, **kwargs)
-    monkeypatch.setattr(attn, "_validate", validate)
-    monkeypatch.setattr(attn, "_STEADY", {})
+    monkeypatch.setattr(attn, "validate", validate)
+    monkeypatch.setattr(fastpath, "_STEADY", {})
     gpu["builds"] = builds
     return gpu
 
@@ -75,7 +77,7 @@ def expected_bytes(q, k, v, out, lse_ptr=None, **kw):
     values, types = p._spec.params
     values = list(values)
     if lse_ptr is not None:
-        values[attn._LSE_SLOT] = lse_ptr
+        values[slot(p.abi, "lse_ptr")] = lse_ptr
     return [ctypes.string_at(int(v.getPtr()), 128) if t is None else bytes(t(v))
             for v, t in zip(values, types)], types
 
@@ -104,7 +106,7 @@ def test_a_hit_launches_what_the_full_path_builds(tagged, case):
     if kw.pop("out", False):
         kw["out"] = dev(shape, 3)
     first = attn.attention(q, k, v, **kw)
-    assert len(tagged["builds"]) == 1 and len(attn._STEADY) == 1
+    assert len(tagged["builds"]) == 1 and len(fastpath._STEADY) == 1
     for _ in range(2):                       # hits: the second packs, the third reuses
         result = attn.attention(q, k, v, **kw)
         assert len(tagged["builds"]) == 1, "a repeated call must not validate again"
@@ -168,7 +170,7 @@ CHANGES = {
     "window": dict(window=(8, 8)),
     "diagonal": dict(diagonal="top_left"),
     "stream": dict(stream=0x51),
-    "stream_object": dict(stream=attn.driver.Stream(0x52)),
+    "stream_object": dict(stream=driver.Stream(0x52)),
 }
 
 
@@ -209,14 +211,14 @@ def test_every_key_field_changed_alone_is_a_miss(tagged, change):
 def test_the_persistent_grid_knob_is_a_key_field(tagged, monkeypatch):
     q, k, v, o = (dev(SHAPE, i) for i in range(4))
     attn.attention(q, k, v, out=o)
-    monkeypatch.setenv(attn.PERSISTENT_CTAS_ENV, "1")
+    monkeypatch.setenv(PERSISTENT_CTAS_ENV, "1")
     attn.attention(q, k, v, out=o)
     assert len(tagged["builds"]) == 2
     assert tagged["cuLaunchKernelEx"][-1][0].gridDimX == 1
-    monkeypatch.setenv(attn.PERSISTENT_CTAS_ENV, "0")
-    with pytest.raises(ValueError, match=attn.PERSISTENT_CTAS_ENV):
+    monkeypatch.setenv(PERSISTENT_CTAS_ENV, "0")
+    with pytest.raises(ValueError, match=PERSISTENT_CTAS_ENV):
         attn.attention(q, k, v, out=o)
-    monkeypatch.delenv(attn.PERSISTENT_CTAS_ENV)
+    monkeypatch.delenv(PERSISTENT_CTAS_ENV)
     attn.attention(q, k, v, out=o)
     assert len(tagged["builds"]) == 3          # the knob unset again: the first entry
 
@@ -226,10 +228,10 @@ def test_another_context_or_registry_is_a_miss(tagged, monkeypatch):
     attn.attention(q, k, v, out=o)
     from test_prepare import FakeContext
     other = FakeContext()
-    monkeypatch.setattr(attn.driver, "context", lambda: other)
+    monkeypatch.setattr(driver, "context", lambda: other)
     attn.attention(q, k, v, out=o)
     assert len(tagged["builds"]) == 2
-    monkeypatch.setattr(attn.stages, "FASTEST_FIRST", tuple(list(attn.stages.FASTEST_FIRST)))
+    monkeypatch.setattr(stages, "FASTEST_FIRST", tuple(list(stages.FASTEST_FIRST)))
     attn.attention(q, k, v, out=o)
     assert len(tagged["builds"]) == 3
 
@@ -303,7 +305,7 @@ def test_bad_input_raises_the_same_error_on_a_warm_cache(tagged, bad):
         attn.attention(q, k, v, out=o)
         attn.attention(q, k, v)
         attn.attention(q, k, v, out=o, causal=True)
-    assert len(attn._STEADY) == 3
+    assert len(fastpath._STEADY) == 3
     launches = len(tagged["cuLaunchKernelEx"])
     assert _error(lambda: BAD[bad](q, k, v, o)) == cold
     assert len(tagged["cuLaunchKernelEx"]) == launches    # and nothing was launched
@@ -312,7 +314,7 @@ def test_bad_input_raises_the_same_error_on_a_warm_cache(tagged, bad):
 def test_the_cache_is_bounded_and_pins_no_array(tagged, monkeypatch):
     import gc
     import weakref
-    monkeypatch.setattr(attn, "_STEADY_MAX", 3)
+    monkeypatch.setattr(fastpath, "_STEADY_MAX", 3)
     refs = []
     for i in range(5):
         q, k, v = (dev(SHAPE, 3 * i + j) for j in range(3))
@@ -320,7 +322,7 @@ def test_the_cache_is_bounded_and_pins_no_array(tagged, monkeypatch):
         refs += [weakref.ref(x) for x in (q, k, v)]
     del q, k, v
     gc.collect()
-    assert len(attn._STEADY) <= 3
+    assert len(fastpath._STEADY) <= 3
     assert all(r() is None for r in refs), "a remembered call must not keep arrays alive"
 
 

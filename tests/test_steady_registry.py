@@ -1,10 +1,10 @@
 """The steady call and the stage pick's memory notice every registry the pick reads (CPU, the
 recorded driver of test_prepare and the made-up Blackwell rows of test_sm100_runtime).
 
-_pick_uncached reads, on a compute capability 10.0 device, stages_sm100.SM100_STAGES and
+choice._pick_uncached reads, on a compute capability 10.0 device, stages.SM100_STAGES and
 stages_sm100.FASTEST_FIRST (through stages.by_speed). A remembered call replayed after either
 changed would launch the stage the old registry picked, where the full path now picks another
-(or raises): the steady call's registry check must cover them, as _pick_stage's memory must.
+(or raises): the steady call's registry check must cover them, as choice.pick_stage's memory must.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import pytest
 from test_prepare import dev, gpu       # noqa: F401 - gpu is a fixture
 from test_sm100_runtime import B200, D, passing, sm100   # noqa: F401 - sm100 is a fixture
 
-from ptxattn import attention as attn
-from ptxattn import selfcheck, stages_sm100
+from ptxattn import api as attn
+from ptxattn import choice, fastpath, selfcheck, stages, stages_sm100
 
 
 @pytest.fixture
 def b200(gpu, sm100, monkeypatch):
     gpu["ctx"].compute_capability = B200
     monkeypatch.setattr(selfcheck, "run", passing)
-    monkeypatch.setattr(attn, "_STEADY", {})
+    monkeypatch.setattr(fastpath, "_STEADY", {})
     return gpu
 
 
@@ -36,8 +36,8 @@ def call(gpu):
 def test_a_swapped_blackwell_registry_is_a_miss(b200, sm100, monkeypatch):
     one, last = sm100
     assert call(b200) == call(b200) == last.threads          # the second call is a steady hit
-    assert len(attn._STEADY) == 1
-    monkeypatch.setattr(stages_sm100, "SM100_STAGES", (one,))
+    assert len(fastpath._STEADY) == 1
+    monkeypatch.setattr(stages, "SM100_STAGES", (one,))
     assert call(b200) == one.threads                         # what the full path picks now
 
 
@@ -45,7 +45,7 @@ def test_a_changed_blackwell_speed_order_is_a_miss(b200, sm100, monkeypatch):
     one, last = sm100
     assert call(b200) == call(b200) == last.threads
     monkeypatch.setattr(stages_sm100, "FASTEST_FIRST", (1, 14), raising=False)
-    assert attn._pick_stage(None, D, 512, 512, B200) is one  # the pick's memory noticed too
+    assert choice.pick_stage(None, D, 512, 512, B200) is one  # the pick's memory noticed too
     assert call(b200) == one.threads
 
 
@@ -60,10 +60,10 @@ def test_a_new_parameter_pack_outlives_another_threads_eviction(gpu, monkeypatch
 
     from test_prepare import cu
     from test_steady import dev as array
-    monkeypatch.setattr(attn, "_STEADY", {})
+    monkeypatch.setattr(fastpath, "_STEADY", {})
     q, k, v = (array((1, 2, 128, 128), i) for i in range(3))
     attn.attention(q, k, v)                 # the full path: remembered (a fresh output)
-    (entry,) = attn._STEADY.values()
+    (entry,) = fastpath._STEADY.values()
     alive = []
 
     def launch(config, function, address, extra):

@@ -63,8 +63,8 @@ def routed(monkeypatch):
 # --------------------------------------------------------------------------- decisions
 
 def test_core_never_imports_torch():
-    code = ("import sys, ptxattn, ptxattn.attention, ptxattn.reference, ptxattn.bench; "
-            "import ptxattn.cli; print('torch' in sys.modules)")
+    code = ("import sys, ptxattn, ptxattn.api, ptxattn.reference, ptxattn.tools.bench; "
+            "import ptxattn.tools.cli; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

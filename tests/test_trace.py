@@ -1,4 +1,4 @@
-"""ptxattn.trace on the CPU: the event table, the traced build, parse/intervals/render, the CLI.
+"""ptxattn.tools.trace on the CPU: the event table, the traced build, parse/intervals/render, the CLI.
 
 The buffers here are built the way trace.ptxh writes them (32-byte records in per-warp slots),
 so everything after the copy back from the GPU is covered; tests/test_trace_gpu.py records
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from cli_helpers import cli, one_clean_error
-from ptxattn import driver, ptx, sass, stages
-from ptxattn import trace as T
+from ptxattn import driver, ptx, stages
+from ptxattn.tools import sass
+from ptxattn.tools import trace as T
 from ptxattn.errors import NoGpuError
 
 TRACE_PTXH = stages.ptx_root() / "sm90" / "include" / "trace.ptxh"
@@ -354,7 +355,8 @@ def test_json_round_trip(warp_specialized, tmp_path):
 
 def test_record_builds_the_traced_variant_and_zeroes_the_buffer(monkeypatch):
     """record() with the driver replaced: what it asks prepare() for, and the order of work."""
-    from ptxattn import attention, bench
+    from ptxattn import api
+    from ptxattn.tools import bench
 
     log = []
     device = {}
@@ -412,7 +414,7 @@ def test_record_builds_the_traced_variant_and_zeroes_the_buffer(monkeypatch):
     monkeypatch.setattr(driver, "memset_u8", memset)
     monkeypatch.setattr(driver, "memcpy_dtoh", dtoh)
     monkeypatch.setattr(driver, "EventPair", Timer)
-    monkeypatch.setattr(attention, "prepare", prepare)
+    monkeypatch.setattr(api, "prepare", prepare)
     monkeypatch.setattr(bench, "check_output", lambda q, k, v, out, layout: {
         "rel_l2": 1e-3, "max_abs": 1e-2, "pass": out == "out" and layout == "bshd"})
 
@@ -430,7 +432,8 @@ def test_record_builds_the_traced_variant_and_zeroes_the_buffer(monkeypatch):
 def test_record_of_the_production_kernel_at_d64_says_its_512_threads(monkeypatch):
     """The D = 64 production build runs three consumers (512 threads, warps 0, 4, 8 and 12
     record): the Trace says the CTA of the build that ran, not the unspecialized Stage's 384."""
-    from ptxattn import attention, bench, stages
+    from ptxattn import api, stages
+    from ptxattn.tools import bench
 
     events = {0: producer_records(), 4: consumer_records(100), 8: consumer_records(400),
               12: consumer_records(700)}
@@ -476,7 +479,7 @@ def test_record_of_the_production_kernel_at_d64_says_its_512_threads(monkeypatch
     monkeypatch.setattr(driver, "memset_u8", lambda *a, **kw: None)
     monkeypatch.setattr(driver, "memcpy_dtoh", dtoh)
     monkeypatch.setattr(driver, "EventPair", Timer)
-    monkeypatch.setattr(attention, "prepare", prepare)
+    monkeypatch.setattr(api, "prepare", prepare)
     monkeypatch.setattr(bench, "check_output", lambda *a: {"pass": True})
 
     t = T.record("production", batch=1, heads=2, seq_len=384, head_dim=64, check=False)

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from ptxattn import driver, stages
-from ptxattn import trace as T
+from ptxattn.tools import trace as T
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from fakes import FAKE_BASE, FakeCAI, FakeDLPack, LegacyDLPack
 
-from ptxattn import attention as attn
+from ptxattn import api as attn
 from ptxattn import stages
+from ptxattn.plan import validate
 from ptxattn.tensors import BF16, DeviceArray
 
 pytestmark = pytest.mark.usefixtures("no_driver")
@@ -67,8 +68,8 @@ def test_numpy_dtypes_other_than_bf16_f32_f64_are_type_errors(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
 def test_float_numpy_inputs_are_accepted(dtype):
-    plan = attn._validate(host(dtype=dtype), host(dtype=dtype), host(dtype=dtype), stage=None,
-                          scale=None, layout="bhld", out=None, stream=None)
+    plan = validate(host(dtype=dtype), host(dtype=dtype), host(dtype=dtype), stage=None,
+                    scale=None, layout="bhld", out=None, stream=None)
     assert plan.host and plan.seq_q == L and plan.head_dim == D
 
 
@@ -156,27 +157,28 @@ def test_another_stage_that_would_take_it_is_named(monkeypatch):
     small = dataclasses.replace(base, number=2, name="small_tiles", block_m=32, block_n=32)
     monkeypatch.setattr(stages, "STAGES", (base, small))
     # the production kernel out of the way (as if it took no head dim of this call)
-    monkeypatch.setattr(attn, "PRODUCTION", dataclasses.replace(stages.PRODUCTION, head_dims=(64,)))
-    monkeypatch.setattr(stages, "PRODUCTION", attn.PRODUCTION)
+    monkeypatch.setattr(stages, "PRODUCTION", dataclasses.replace(stages.PRODUCTION,
+                                                                 head_dims=(64,)))
     with raises(ValueError, "q:", "stage01 (baseline)", "query length 96",
                 "stage02 (small_tiles) would take it"):
         call(host((B, H, 96, D)), host(), host(), stage=1)
-    plan = attn._validate(host((B, H, 96, D)), host(), host(), stage=None, scale=None,
-                          layout="bhld", out=None, stream=None)
+    plan = validate(host((B, H, 96, D)), host(), host(), stage=None, scale=None,
+                    layout="bhld", out=None, stream=None)
     assert plan.stage is small            # stage=None: the only one that takes it
 
 
 def test_default_is_the_production_kernel():
     for lq, lk in ((L, L), (100, 37), (1, 4095)):
-        plan = attn._validate(host((B, H, lq, D)), host((B, H, lk, D)), host((B, H, lk, D)),
-                              stage=None, scale=None, layout="bhld", out=None, stream=None)
+        plan = validate(host((B, H, lq, D)), host((B, H, lk, D)), host((B, H, lk, D)),
+                        stage=None, scale=None, layout="bhld", out=None, stream=None)
         assert plan.stage is stages.PRODUCTION, (lq, lk)
 
 
 def test_default_falls_back_to_the_fastest_lineage_stage(monkeypatch):
-    monkeypatch.setattr(attn, "PRODUCTION", dataclasses.replace(stages.PRODUCTION, head_dims=(64,)))
-    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
-                          out=None, stream=None)
+    monkeypatch.setattr(stages, "PRODUCTION", dataclasses.replace(stages.PRODUCTION,
+                                                                 head_dims=(64,)))
+    plan = validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                    out=None, stream=None)
     takers = [s for s in stages.by_speed() if s.unsupported(D, L, L) is None]
     assert plan.stage == takers[0]
 
@@ -186,8 +188,8 @@ def test_gqa_heads_must_divide():
         with raises(ValueError, "k:", f"heads {hk}", f"heads {hq}", "divid"):
             call(host((B, hq, L, D)), host((B, hk, L, D)), host((B, hk, L, D)))
     for hq, hk in ((8, 2), (8, 1), (6, 3)):     # GQA and MQA are accepted by the default kernel
-        plan = attn._validate(host((B, hq, L, D)), host((B, hk, L, D)), host((B, hk, L, D)),
-                              stage=None, scale=None, layout="bhld", out=None, stream=None)
+        plan = validate(host((B, hq, L, D)), host((B, hk, L, D)), host((B, hk, L, D)),
+                        stage=None, scale=None, layout="bhld", out=None, stream=None)
         assert plan.stage is stages.PRODUCTION and plan.heads_kv == hk and plan.heads == hq
 
 
@@ -233,11 +235,11 @@ def test_scale():
         call(host(), host(), host(), scale=float("nan"))
     with raises(TypeError, "scale:", "str"):
         call(host(), host(), host(), scale="0.1")
-    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
-                          out=None, stream=None)
+    plan = validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                    out=None, stream=None)
     assert plan.scale == pytest.approx(1 / np.sqrt(D))
-    plan = attn._validate(host(), host(), host(), stage=None, scale=np.float32(0.25),
-                          layout="bhld", out=None, stream=None)
+    plan = validate(host(), host(), host(), stage=None, scale=np.float32(0.25),
+                    layout="bhld", out=None, stream=None)
     assert plan.scale == 0.25
 
 
@@ -248,11 +250,11 @@ def test_stream():
     class TorchLike:
         cuda_stream = 0xABC0
     q, k, v = qkv_dev()
-    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=TorchLike())
+    validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=TorchLike())
     # the stream goes to the producer, as DLPack wants; the legacy default stream is 1
     assert q.calls[-1]["stream"] == 0xABC0
     q, k, v = qkv_dev()
-    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+    validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
     assert q.calls[-1] == {"stream": 1, "max_version": (1, 0)}
 
 
@@ -262,7 +264,7 @@ def test_device_inputs_validate_without_a_gpu():
     for make in (lambda s, i: dev(s, i), lambda s, i: LegacyDLPack(s, ptr=FAKE_BASE + i * 64 * MiB),
                  lambda s, i: FakeCAI(s, ptr=FAKE_BASE + i * 64 * MiB)):
         q, k, v = make((B, H, L, D), 0), make((B, H, 256, D), 1), make((B, H, 256, D), 2)
-        plan = attn._validate(q, k, v, stage=1, scale=None, layout="bhld", out=None, stream=None)
+        plan = validate(q, k, v, stage=1, scale=None, layout="bhld", out=None, stream=None)
         assert not plan.host and (plan.seq_q, plan.seq_k) == (L, 256)
 
 
@@ -294,7 +296,7 @@ def test_strided_views_and_size_one_dims_are_fine():
     q = dev((1, H, L, D), strides=(7, L * 256, 256, 1))
     k = dev((1, H, L, D), slot=1, strides=(3, L * 256, 256, 1))
     v = dev((1, H, L, D), slot=2)
-    attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+    validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
 
 
 # --------------------------------------------------------------------------- out=
@@ -466,15 +468,15 @@ def _framework(monkeypatch, package: str, handle: int):
 def test_stream_none_is_the_frameworks_current_stream(monkeypatch, package):
     Tensor = _framework(monkeypatch, package, 0x7A00)
     q, k, v = (Tensor((B, H, L, D), ptr=FAKE_BASE + i * 64 * MiB) for i in range(3))
-    plan = attn._validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
+    plan = validate(q, k, v, stage=None, scale=None, layout="bhld", out=None, stream=None)
     assert plan.stream == 0x7A00
     assert [a.calls[-1]["stream"] for a in (q, k, v)] == [0x7A00] * 3   # producers sync there
     # a given stream wins; other producers (jax, fakes) keep the legacy default stream
-    plan = attn._validate(*(Tensor((B, H, L, D), ptr=FAKE_BASE + i * 64 * MiB) for i in range(3)),
-                          stage=None, scale=None, layout="bhld", out=None, stream=0x5100)
+    plan = validate(*(Tensor((B, H, L, D), ptr=FAKE_BASE + i * 64 * MiB) for i in range(3)),
+                    stage=None, scale=None, layout="bhld", out=None, stream=0x5100)
     assert plan.stream == 0x5100
-    plan = attn._validate(*qkv_dev(), stage=None, scale=None, layout="bhld", out=None,
-                          stream=None)
+    plan = validate(*qkv_dev(), stage=None, scale=None, layout="bhld", out=None,
+                    stream=None)
     assert plan.stream == 0
 
 
@@ -509,18 +511,18 @@ def test_causal_takes_a_right_edge_of_0_or_unbounded(right):
 
 
 def test_masks_pick_the_masked_build():
-    plan = attn._validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
-                          stage=None, scale=None, layout="bhld", out=None, stream=None,
-                          causal=True)
+    plan = validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
+                    stage=None, scale=None, layout="bhld", out=None, stream=None,
+                    causal=True)
     assert plan.masked and plan.window == (-1, 0) and plan.diag_offset == 200
     build = plan.stage.specialize(D, plan.masked)
     assert ("PTXATTN_MASKED", "1") in build.defines
-    plan = attn._validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
-                          out=None, stream=None, window=(-1, -1))
+    plan = validate(host(), host(), host(), stage=None, scale=None, layout="bhld",
+                    out=None, stream=None, window=(-1, -1))
     assert not plan.masked                       # (-1, -1) hides nothing: the unmasked build
-    plan = attn._validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
-                          stage=None, scale=None, layout="bhld", out=None, stream=None,
-                          causal=True, window=(64, -1), diagonal="top_left")
+    plan = validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
+                    stage=None, scale=None, layout="bhld", out=None, stream=None,
+                    causal=True, window=(64, -1), diagonal="top_left")
     assert plan.window == (64, 0) and plan.diag_offset == 0
 
 

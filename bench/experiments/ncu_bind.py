@@ -16,8 +16,9 @@ import sys
 
 import numpy as np
 
-from ptxattn import bench, driver, reference, tensors
-from ptxattn.attention import prepare
+from ptxattn import driver, reference, tensors
+from ptxattn.tools import bench
+from ptxattn.api import prepare
 
 
 def main(argv=None) -> int:

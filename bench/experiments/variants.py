@@ -1,7 +1,7 @@
 """Same-run comparison of kernel builds on one shape: the tool for "predict, change, measure".
 
     python bench/experiments/variants.py --shape 2x16x16384x128 --rounds 20 --reps 10 \
-        base=production 14=stage14 nomask=production:PTXATTN_NO_TAIL_MASK=1
+        base=production 14=stage14 sw1=production:SW_EXP2_PER_8=1
 
 Each variant is LABEL=KERNEL[:NAME=VALUE,...] (a kernel as `ptxattn run` names it, then build
 defines). Every round times all variants interleaved launch by launch in a fresh random order;
@@ -20,8 +20,9 @@ import time
 
 import numpy as np
 
-from ptxattn import bench, driver, reference, tensors
-from ptxattn.attention import prepare
+from ptxattn import driver, reference, tensors
+from ptxattn.tools import bench
+from ptxattn.api import prepare
 
 
 def parse_variant(text: str):

@@ -6,7 +6,10 @@
   the call, torch's SDPA elsewhere (warned once per reason, counted: fallback_counts()).
 - `register_diffusers()`: a "ptxattn" attention backend for diffusers
   (`transformer.set_attention_backend("ptxattn")`).
-- `register_transformers()`: `attn_implementation="ptxattn"` for transformers models.
+- `register_transformers()`: `attn_implementation="ptxattn"` for transformers models (decode
+  steps on the split-KV decode kernel).
+- `flash_attn_with_kvcache(...)`: FlashAttention's KV-cache call as the op
+  `ptxattn::flash_attn_with_kvcache` (fake implementation; compile- and graph-safe).
 
 Importing this module registers the op (torch.library needs torch >= 2.4).
 """
@@ -23,6 +26,7 @@ if not hasattr(_torch.library, "custom_op"):  # pragma: no cover
                       f"this is torch {_torch.__version__}")
 
 from ._op import attention, library_takes_causal  # noqa: E402
+from .kvcache import flash_attn_with_kvcache  # noqa: E402
 from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_counts,  # noqa: E402
                    scaled_dot_product_attention)
 
@@ -61,6 +65,7 @@ def register_transformers() -> str:
     return register()
 
 
-__all__ = ["attention", "scaled_dot_product_attention", "fallback_counts",
+__all__ = ["attention", "flash_attn_with_kvcache", "scaled_dot_product_attention",
+           "fallback_counts",
            "reset_fallback_counts", "fallback_reason", "REASONS", "library_takes_causal",
            "register_diffusers", "register_transformers", "MissingModelLibraryError"]

@@ -16,8 +16,8 @@ import math
 import torch
 
 from ptxattn import tensors, tma
-from ptxattn.attention import _steady_call
-from ptxattn.attention import attention as _attention
+from ptxattn.api import attention as _attention
+from ptxattn.fastpath import steady_call
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
 LAYOUTS = ("bhld", "bshd")
@@ -143,8 +143,8 @@ def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> 
         out = q.new_empty((*shape[:-1], d))
     # stream=None: torch's current stream, read by the library (one raw handle, no Stream
     # object: with out= given it allocates nothing that would have to hold one)
-    if _steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
-                    "bottom_right", qkv_meta)[0] is not None:
+    if steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
+                   "bottom_right", qkv_meta)[0] is not None:
         return out
     q, k, v = _inputs(q, k, v, layout, is_causal)
     _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)

@@ -11,6 +11,10 @@ causal prefill with no padding it returns no mask and the call is `is_causal`. A
 kernel does not take (a padding or sliding-window mask, causal before the kernel has it,
 position bias, softcap, fp16 ...) goes whole to transformers' own "sdpa" function, warned once
 per reason and counted (ptxattn.torch.fallback_counts()).
+
+Decode steps (1 to 16 queries, no mask: transformers' dynamic-cache decode) go to the split-KV
+decode kernel (ptxattn.torch.kvcache.decode_step), which computes what the "sdpa" function
+would for the same call.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from . import sdpa
 
 NAME = "ptxattn"
+_DECODE_MAX_QUERIES = 16         # decode_builds.MAX_QUERIES: calls the decode kernel takes
 
 
 def _sdpa_forward():
@@ -50,6 +55,12 @@ def ptxattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         # (transformers' sdpa function does the same slice)
         k, v = key[:, :, :q_len], value[:, :, :q_len]
     groups = getattr(module, "num_key_value_groups", 1)
+    if q_len <= _DECODE_MAX_QUERIES:
+        # a decode step (1 to 16 queries against the cache): the split-KV decode kernel
+        from .kvcache import decode_step
+        out = decode_step(query, key, value, attention_mask, dropout, scaling, causal, groups)
+        if out is not None:
+            return out, None
     qb, kb, vb = (t.transpose(1, 2) for t in (query, k, v))
     why = sdpa.fallback_reason(qb, kb, vb, attention_mask, dropout, causal, groups > 1, "bshd")
     if why is not None:

@@ -1,0 +1,293 @@
+"""The backward's build table: tiles per head dim, and every shared-memory offset derived from it.
+
+One CTA owns BLOCK_N keys of one (batch, K/V head) and walks the query blocks (BLOCK_M rows
+each) of every query head of its group, keeping dK and dV in fp32 registers. Two consumer
+warpgroups share the work in one of two ways (`key_split`):
+
+  - key split (D = 64, 128): consumer c owns keys 64c..64c+63 and all of D for dK and dV;
+    S^T = K Q^T and dP^T = V dO^T are computed once, each consumer for its own keys.
+  - D split (D = 256): both consumers own the same 64 keys; consumer c accumulates columns
+    128c..128c+127 of dK and dV. S^T and dP^T are computed by both (two of the five GEMMs run
+    twice) because 64 keys x 256 columns of dK plus dV are 256 fp32 registers a thread in one
+    warpgroup, more than the 240 setmaxnreg leaves a consumer. FlashAttention-3 keeps all five
+    GEMMs single at D = 256 by computing dK^T and dV^T (A = dO^T, Q^T from shared memory,
+    P and dS written to shared memory), 64 x 80 tiles: the next thing to try here.
+
+dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
+block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2).
+
+`python -m ptxattn.tools.ptxgen_bwd` writes this table into ptx/sm90/include/gen_bwd_layout.ptxh;
+the launcher (ptxattn/backward.py) reads the same rows, so a tile, an offset or a byte count
+lives in one place. tests/test_backward_builds.py checks the header against the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THREADS = 384                # a producer warpgroup (a load warp, a dQ warp) + 2 consumers
+CONSUMERS = 2
+CONSUMER_ROWS = 64           # rows of a wgmma accumulator: one consumer's keys
+PRODUCER_REGS = 24           # setmaxnreg: 24 * 128 + 240 * 256 = 64512 <= 65536
+CONSUMER_REGS = 240
+SLACK = 1024                 # the launcher's dynamic shared memory covers aligning the base
+MAX_SMEM = 227 * 1024        # per CTA on an H100/H200 (opt-in)
+LEAD_ALIGN = 1024            # 128-byte swizzle atoms are 8 rows x 128 B: tiles 1024-aligned
+
+
+@dataclass(frozen=True)
+class Build:
+    """One head dim's tiles; everything else (register counts, offsets) is derived."""
+    head_dim: int
+    block_m: int             # query rows per step: the N of S^T = K Q^T
+    block_n: int             # keys per CTA
+    key_split: bool          # see the module docstring
+    q_stages: int            # depth of the Q / dO (+ LSE, delta) ring
+    why: str
+    # dV += P^T dO issued before dS^T is computed (it runs under that math), which keeps the
+    # packed P^T live beside S^T and dP^T; off where that does not fit the registers (D = 64)
+    early_dv: bool = True
+
+    # ---- the split of the work between the two consumers
+    @property
+    def dkv_cols(self) -> int:
+        """Columns of dK and dV in one consumer's accumulators (its 64 keys)."""
+        return self.head_dim if self.key_split else self.head_dim // 2
+
+    @property
+    def dq_split_rows(self) -> bool:
+        """dQ split by rows (each consumer 64 query rows x D) rather than by columns."""
+        return self.block_m == 2 * CONSUMER_ROWS
+
+    @property
+    def dq_cols(self) -> int:
+        """Columns of one consumer's dQ slice (its rows: 64)."""
+        return self.head_dim if self.dq_split_rows else self.head_dim // 2
+
+    @property
+    def ds_keys(self) -> int:
+        """Keys in the dS tile that dQ = dS K reduces over."""
+        return self.block_n
+
+    # ---- registers per consumer thread (fp32 accumulators and bf16 pairs)
+    @property
+    def registers(self) -> dict[str, int]:
+        s = CONSUMER_ROWS * self.block_m // 128
+        return {"S^T (then P^T)": s, "dP^T (then dS^T)": s,
+                "P^T packed": s // 2, "dS^T packed": s // 2,
+                "dV": CONSUMER_ROWS * self.dkv_cols // 128,
+                "dK": CONSUMER_ROWS * self.dkv_cols // 128,
+                "dQ": CONSUMER_ROWS * self.dq_cols // 128}
+
+    @property
+    def peak_registers(self) -> int:
+        """The most that is live at once, by the schedule (production's consumer): dV, dK, S^T
+        (P^T), dP^T (dS^T), and with early_dv the packed P^T that the in-flight dV GEMM reads;
+        dQ lives once S^T and dP^T are dead."""
+        r = self.registers
+        at_ds = r["dV"] + r["dK"] + r["S^T (then P^T)"] + r["dP^T (then dS^T)"] + \
+            (r["P^T packed"] if self.early_dv else 0)
+        at_dq = r["dV"] + r["dK"] + r["dS^T packed"] + r["dQ"]
+        return max(at_ds, at_dq)
+
+    # ---- shared memory
+    @property
+    def tile_bytes(self) -> dict[str, int]:
+        d = self.head_dim
+        return {"K": self.block_n * d * 2, "V": self.block_n * d * 2,
+                "Q": self.block_m * d * 2, "dO": self.block_m * d * 2,
+                "dS": self.ds_keys * self.block_m * 2, "dQ": self.block_m * d * 4,
+                "LSE": self.block_m * 4, "delta": self.block_m * 4}
+
+    def layout(self) -> dict[str, int]:
+        """Offset of every region from the 1024-aligned base, the barriers last; "end" is the
+        end of the barriers, "smem_bytes" what a launch asks for (end + SLACK)."""
+        t = self.tile_bytes
+        return place([("K", t["K"]), ("V", t["V"]), ("Q", self.q_stages * t["Q"]),
+                      ("dO", self.q_stages * t["dO"]), ("dS", 2 * t["dS"]), ("dQ", t["dQ"]),
+                      ("LSE", self.q_stages * t["LSE"]), ("delta", self.q_stages * t["delta"])],
+                     [("BAR_KV_FULL", 1), ("BAR_Q_FULL", self.q_stages),
+                      ("BAR_Q_EMPTY", self.q_stages)])
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.layout()["smem_bytes"]
+
+    @property
+    def q_stage_tx(self) -> int:
+        """Bytes one Q FULL barrier expects: Q, dO, and the LSE and delta of its rows."""
+        t = self.tile_bytes
+        return t["Q"] + t["dO"] + t["LSE"] + t["delta"]
+
+
+def place(regions, barriers) -> dict[str, int]:
+    """Offsets of (name, bytes) regions in order, tiles 1024-aligned (128-byte swizzle atoms;
+    LSE and delta rows 16-aligned for bulk copies), then (name, count) mbarriers of 8 bytes;
+    "end" past the last barrier, "smem_bytes" = end + SLACK."""
+    out, at = {}, 0
+    for name, size in regions:
+        align = 16 if name in ("LSE", "delta") else LEAD_ALIGN
+        at = -(-at // align) * align
+        out[name] = at
+        at += size
+    at = -(-at // 8) * 8
+    for name, count in barriers:
+        out[name] = at
+        at += 8 * count
+    out["end"] = at
+    out["smem_bytes"] = at + SLACK
+    return out
+
+
+BUILDS: dict[int, Build] = {b.head_dim: b for b in (
+    Build(64, block_m=128, block_n=128, key_split=True, q_stages=2, early_dv=False,
+          why="128 x 128 (FlashAttention-3's D = 64 tile): S^T and dP^T are 64 registers each, "
+              "dK and dV 32; 128 query rows a step halve the K/V-side work per Q load; dV is "
+              "issued after dS^T is packed (S^T, dP^T and a packed P^T would not fit)"),
+    Build(128, block_m=64, block_n=128, key_split=True, q_stages=2,
+          why="64 query rows a step: dK and dV (64 + 64) with S^T and dP^T (32 + 32) and the "
+              "packed P^T fit a consumer's 240 registers; FlashAttention-3 runs 80 rows when "
+              "unmasked (m64n80 wgmma), a power of two keeps tile counts to shifts here"),
+    Build(256, block_m=64, block_n=64, key_split=False, q_stages=1,
+          why="dK and dV are 64 x 256 each: the two consumers split D (128 columns each, 64 + "
+              "64 registers); one Q/dO stage, since K, V, Q, dO (32 KiB each), dS and a 64 KiB "
+              "fp32 dQ staging tile fill 208 KiB"),
+)}
+
+HEAD_DIMS = tuple(sorted(BUILDS))
+
+
+def build(head_dim: int) -> Build:
+    try:
+        return BUILDS[head_dim]
+    except KeyError:
+        raise ValueError(f"q: head dim {head_dim} has no backward build (takes "
+                         f"{', '.join(map(str, HEAD_DIMS))})") from None
+
+
+def dq_accum_offset(row, col, head_dim: int, block_m: int, dq_cols: int):
+    """Float offset of dQ element (row, col) inside one head's fp32 accumulator (NumPy arrays
+    or ints). The accumulator is (Lq rounded up to block_m) x D floats per (batch, head), laid
+    out per query block as the consumers' slices one after the other ([slice][64 rows]
+    [dq_cols]), and in each slice row the 8-float chunks are permuted by XOR with the row's
+    position mod 8: the consumers' stores to shared memory (and the red.global adds of the
+    lineage) hit every bank once, and a slice is one contiguous bulk reduce-add. The
+    postprocess kernel reads it back with the same formula."""
+    m, r = row // block_m, row % block_m
+    slice_ = (r // CONSUMER_ROWS) * (head_dim // dq_cols) + col // dq_cols
+    r64, cc = r % CONSUMER_ROWS, col % dq_cols
+    chunk = cc // 8
+    phys = (chunk // 8) * 8 + ((chunk % 8) ^ (r64 % 8))
+    return m * block_m * head_dim + (slice_ * CONSUMER_ROWS + r64) * dq_cols + phys * 8 + cc % 8
+
+
+def padded_rows(seq_q: int, block_m: int) -> int:
+    """Query rows of the workspaces: Lq rounded up to the query block."""
+    return -(-seq_q // block_m) * block_m
+
+
+# ---- the backward lineage and its production kernel ------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    """A backward kernel: a lineage stage (D = 128, no mask, no GQA, lengths multiples of the
+    tiles, heads equal) or the production kernel (everything, one build per head dim)."""
+    number: int              # 1, 2, 3 for b1..b3; 0 for the production kernel
+    name: str
+    idea: str
+    file: str                # relative to ptx/
+    threads: int
+    smem_bytes: int          # the lineage's; the production kernel's is per build
+    production: bool = False
+
+    @property
+    def label(self) -> str:
+        return "bwd_production" if self.production else f"b{self.number}"
+
+    @property
+    def title(self) -> str:
+        return self.label if self.production else f"{self.label} ({self.name})"
+
+    @property
+    def predecessor(self) -> int | None:
+        return self.number - 1 if self.number > 1 else None
+
+    def smem_for(self, head_dim: int) -> int:
+        return build(head_dim).smem_bytes if self.production else self.smem_bytes
+
+    def unsupported(self, head_dim: int, seq_q: int, seq_k: int, *, gqa: bool, masked: bool,
+                    deterministic: bool) -> tuple[str, str] | None:
+        """(argument, why) this kernel cannot take the call, or None."""
+        if self.production:
+            if head_dim not in BUILDS:
+                return "q", f"head dim {head_dim} (takes {', '.join(map(str, HEAD_DIMS))})"
+            return None
+        if head_dim != LINEAGE_HEAD_DIM:
+            return "q", f"head dim {head_dim} (the lineage takes {LINEAGE_HEAD_DIM})"
+        if gqa:
+            return "k", "k/v with fewer heads than q (GQA/MQA)"
+        if masked:
+            return "causal", "causal or window masks"
+        if deterministic:
+            return "deterministic", "deterministic=True"
+        if seq_q % LINEAGE_BLOCK_M:
+            return "q", f"query length {seq_q} (takes multiples of {LINEAGE_BLOCK_M})"
+        if seq_k % LINEAGE_BLOCK_N:
+            return "k", f"key length {seq_k} (takes multiples of {LINEAGE_BLOCK_N})"
+        return None
+
+
+# The lineage's tiles are the production build's at D = 128 (checked in the tests).
+LINEAGE_HEAD_DIM, LINEAGE_BLOCK_M, LINEAGE_BLOCK_N = 128, 64, 128
+_KV, _Q, _STAT = 128 * 128 * 2, 64 * 128 * 2, 64 * 4
+# Each lineage stage's shared memory, region by region (its .ptx spells the offsets out as
+# literals; tests/test_backward_builds.py checks them against this).
+LINEAGE_LAYOUTS: dict[int, dict[str, int]] = {
+    # b1: K, V | Q, dO | dS^T (128 keys x 64 queries) | neg_lse, delta | 2 mbarriers
+    1: place([("K", _KV), ("V", _KV), ("Q", _Q), ("dO", _Q), ("dS", 128 * 64 * 2),
+              ("LSE", _STAT), ("delta", _STAT)], [("BAR_KV", 1), ("BAR_Q", 1)]),
+}
+# b2: the Q / dO / neg_lse / delta ring of 2 stages, K/V FULL, Q FULL[2], Q EMPTY[2]
+LINEAGE_LAYOUTS[2] = place([("K", _KV), ("V", _KV), ("Q", 2 * _Q), ("dO", 2 * _Q),
+                            ("dS", 128 * 64 * 2), ("LSE", 2 * _STAT), ("delta", 2 * _STAT)],
+                           [("BAR_KV_FULL", 1), ("BAR_Q_FULL", 2), ("BAR_Q_EMPTY", 2)])
+# b3: the production layout at D = 128 (two dS^T buffers, the fp32 dQ staging tile)
+LINEAGE_LAYOUTS[3] = BUILDS[LINEAGE_HEAD_DIM].layout()
+
+STAGES: tuple[Stage, ...] = (
+    Stage(1, "baseline",
+          "one CTA per 128 keys keeps dK, dV in registers over every query block; scores "
+          "transposed so P^T and dS^T feed RS GEMMs; dQ through shared memory and "
+          "red.global.add; every step waited on",
+          "sm90/backward/01_baseline.ptx", threads=256,
+          smem_bytes=LINEAGE_LAYOUTS[1]["smem_bytes"]),
+    Stage(2, "warp_specialized",
+          "a producer warp loads Q, dO, neg_lse and delta through a 2-stage mbarrier ring; "
+          "setmaxnreg gives its registers to the consumers",
+          "sm90/backward/02_warp_specialized.ptx", threads=THREADS,
+          smem_bytes=LINEAGE_LAYOUTS[2]["smem_bytes"]),
+    Stage(3, "dq_reduce",
+          "dQ staged in shared memory and added by a dQ warp with one bulk reduce-add a block; "
+          "the production schedule: S^T and dP^T back to back, dV under the dS^T math, dK "
+          "under the dS^T stores, two dS^T buffers",
+          "sm90/backward/03_dq_reduce.ptx", threads=THREADS,
+          smem_bytes=LINEAGE_LAYOUTS[3]["smem_bytes"]),
+)
+
+PRODUCTION = Stage(0, "production", "the production backward", "sm90/production/bwd.ptx",
+                   threads=THREADS, smem_bytes=0, production=True)
+
+
+def get_stage(key) -> Stage:
+    """A backward kernel by label ("b1", 1, "baseline", "production") or as it is."""
+    if isinstance(key, Stage):
+        return key
+    text = str(key).strip().lower()
+    if text in ("production", "bwd_production", "prod"):
+        return PRODUCTION
+    for stage in STAGES:
+        if text in (stage.label, str(stage.number), stage.name, f"stage{stage.number}"):
+            return stage
+    raise ValueError(f"stage: unknown backward kernel {key!r}; kernels are production (the "
+                     f"default) and the lineage "
+                     f"{', '.join(s.label for s in STAGES)}")

@@ -1,0 +1,254 @@
+"""The decode kernels on the device: JIT, parameter tables, and one launch sequence per call.
+
+Three kernels, each hand-written PTX under ptx/sm90/production/:
+- ptxattn_append (decode_append.ptx): new keys/values into the caches, when the call has some;
+- ptxattn_decode (decode.ptx): split-KV attention with packed GQA;
+- ptxattn_combine (combine.ptx): the splits' partials into the output, when splits > 1.
+
+Each kernel's parameters are one table here (name, ctypes type), in the PTX's order;
+tests/test_decode_cpu.py checks every table against the .entry's parameter list. A Launcher
+holds what does not change between calls of one shape (functions, tensor maps of the caches,
+grids, parameters packed once) and re-packs per call only what does: q, the output, the
+workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bounds word.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+
+from . import driver, tma
+from .decode_builds import APPEND_THREADS, COMBINE_THREADS, THREADS, DecodeBuild
+from .errors import CudaError
+from .stages import SWIZZLE_128B, ptx_root
+
+KERNEL_DIR = Path("sm90") / "production"
+DECODE_FILE, DECODE_ENTRY = "decode.ptx", "ptxattn_decode"
+COMBINE_FILE, COMBINE_ENTRY = "combine.ptx", "ptxattn_combine"
+APPEND_FILE, APPEND_ENTRY = "decode_append.ptx", "ptxattn_append"
+TMA_CHUNK = 64                   # elements of D per innermost box dim (128-byte swizzle)
+PDL_ENV = "PTXATTN_DECODE_PDL"   # 0: the combine launches plainly (a measurement knob)
+COMBINE_ROWS_PER_CTA = COMBINE_THREADS // 32
+
+MAP, PTR, U64, U32, S32, F32 = (driver.BY_VALUE, driver.PTR, driver.U64, driver.U32,
+                                driver.S32, driver.F32)
+
+# ---- the ABI: one table per kernel, in the .entry's order ---------------------------------
+DECODE_PARAMS = (
+    ("tmap_k", MAP), ("tmap_v", MAP),
+    ("q_ptr", PTR), ("q_batch_stride", U64), ("q_row_stride", U64), ("q_head_stride", U64),
+    ("o_ptr", PTR), ("o_batch_stride", U64), ("o_row_stride", U64), ("o_head_stride", U64),
+    ("lse_ptr", PTR), ("ws_ptr", PTR), ("ws_lse_ptr", PTR), ("seqlens_ptr", PTR),
+    ("bounds_ptr", PTR),
+    ("seqlen_const", U32), ("seq_new", U32), ("cache_len", U32), ("seq_q", U32),
+    ("heads", U32), ("heads_kv", U32), ("group", U32), ("batch", U32), ("m_tiles", U32),
+    ("splits", U32), ("softmax_scale", F32), ("window_left", S32), ("window_right", S32),
+)
+COMBINE_PARAMS = (
+    ("ws_ptr", PTR), ("ws_lse_ptr", PTR),
+    ("o_ptr", PTR), ("o_batch_stride", U64), ("o_row_stride", U64), ("o_head_stride", U64),
+    ("lse_ptr", PTR), ("rows", U32), ("seq_q", U32), ("heads", U32), ("splits", U32),
+)
+APPEND_PARAMS = (
+    ("k_new", PTR), ("v_new", PTR),
+    ("new_batch_stride", U64), ("new_row_stride", U64), ("new_head_stride", U64),
+    ("k_cache", PTR), ("v_cache", PTR),
+    ("cache_batch_stride", U64), ("cache_row_stride", U64), ("cache_head_stride", U64),
+    ("seqlens_ptr", PTR), ("seqlen_const", U32), ("seq_new", U32), ("cache_len", U32),
+    ("heads_kv", U32), ("chunks", U32), ("total", U32),
+)
+# What changes per call, by parameter name, in the order Launcher.run fills them (the rest is
+# fixed by the Launcher's key)
+DECODE_PER_CALL = ("q_ptr", "o_ptr", "lse_ptr", "ws_ptr", "ws_lse_ptr", "seqlens_ptr",
+                   "bounds_ptr", "seqlen_const")
+COMBINE_PER_CALL = ("ws_ptr", "ws_lse_ptr", "o_ptr", "lse_ptr")
+APPEND_PER_CALL = ("k_new", "v_new", "seqlens_ptr", "seqlen_const")
+
+
+def kernel_path(file: str) -> Path:
+    return ptx_root() / KERNEL_DIR / file
+
+
+@functools.lru_cache(maxsize=32)
+def kernel_source(file: str, head_dim: int) -> str:
+    """The expanded PTX of one kernel for one head dim (the build row of gen_decode.ptxh)."""
+    from . import ptx
+    path = kernel_path(file)
+    return ptx.expand_file(path, [ptx_root() / "sm90" / "include"], {"HEAD_DIM": head_dim}).text
+
+
+_FUNCTIONS: dict[tuple, driver.Function] = {}
+_FUNCTIONS_LOCK = threading.RLock()
+
+
+def function(file: str, entry: str, head_dim: int, smem_bytes: int = 0) -> driver.Function:
+    """The kernel, JIT-compiled once per (device, file, head dim), shared-memory opt-in done."""
+    ctx = driver.context()
+    key = (ctx.ordinal, file, head_dim)
+    hit = _FUNCTIONS.get(key)
+    if hit is not None:
+        return hit
+    with _FUNCTIONS_LOCK:
+        if key not in _FUNCTIONS:
+            label = f"{file} -DHEAD_DIM={head_dim}"
+            module = driver.load_module(kernel_source(file, head_dim), label)
+            fn = module.function(entry)
+            if smem_bytes:
+                fn.set_max_dynamic_smem(smem_bytes)
+            _FUNCTIONS[key] = fn
+        return _FUNCTIONS[key]
+
+
+class Pack:
+    """One kernel's parameters packed once into a void*[] (driver.pack_params), with named
+    slots that a call rewrites in place before its launch (under the Launcher's lock: the
+    driver copies the values at cuLaunchKernelEx, so the next call may rewrite them)."""
+
+    def __init__(self, table, values: dict, per_call: tuple[str, ...]):
+        names = [name for name, _ in table]
+        missing = set(names) ^ set(values)
+        if missing:
+            raise ValueError(f"kernel parameters: {sorted(missing)} missing or unknown")
+        self.address, self.holders = driver.pack_params(
+            ([values[n] for n in names], [ctype for _, ctype in table]))
+        self.slot = {n: self.holders[i] for i, n in enumerate(names)}
+        self.per_call = tuple(self.slot[n] for n in per_call)
+
+    def fill(self, *values) -> None:
+        """The per-call slots, in the order of the kernel's *_PER_CALL names."""
+        for holder, value in zip(self.per_call, values):
+            holder.value = value
+
+
+class Launcher:
+    """Everything of a call that its shape fixes: functions, the caches' tensor maps, grids,
+    packed parameters. `run` re-packs the per-call slots and enqueues the kernels in order
+    (append, decode, combine) on one stream."""
+
+    def __init__(self, call, stream: int, attention: bool = True):
+        build: DecodeBuild = call.build
+        self.build, self.stream = build, stream
+        self.splits = call.splits
+        self.rows = call.rows
+        self.append = call.seq_new > 0
+        self._launch = driver.cu().cuLaunchKernelEx
+        self.lock = threading.Lock()
+        d = call.head_dim
+        self.decode_fn = function(DECODE_FILE, DECODE_ENTRY, d, build.smem_bytes) \
+            if attention else None
+        self.combine_fn = function(COMBINE_FILE, COMBINE_ENTRY, d) \
+            if attention and self.splits > 1 else None
+        self.append_fn = function(APPEND_FILE, APPEND_ENTRY, d) if self.append else None
+        from .decode_plan import bytes_strides
+        if self.append_fn is not None:
+            self._pack_append(call, bytes_strides)
+        if attention:
+            self._pack_attention(call, bytes_strides)
+
+    def _pack_attention(self, call, bytes_strides) -> None:
+        build, stream, d = self.build, self.stream, call.head_dim
+        maps = tuple(tma.encode_qkvo_map(arr.ptr, call.layout, call.batch, call.heads_kv,
+                                         call.cache_len, d, build.block_n, SWIZZLE_128B,
+                                         TMA_CHUNK, arr.strides, name=name)
+                     for name, arr in (("k_cache", call.k_cache), ("v_cache", call.v_cache)))
+        self._maps = maps                            # the packs point at their bytes
+        qs = bytes_strides(call.q, call.layout, "q")
+        os_ = call.out_strides
+        left, right = call.window_params
+        self.decode_grid = call.m_tiles * self.splits * call.batch * call.heads_kv
+        self.decode = Pack(DECODE_PARAMS, dict(
+            tmap_k=maps[0], tmap_v=maps[1], q_ptr=0, q_batch_stride=qs[0], q_row_stride=qs[1],
+            q_head_stride=qs[2], o_ptr=0, o_batch_stride=os_[0], o_row_stride=os_[1],
+            o_head_stride=os_[2], lse_ptr=0, ws_ptr=0, ws_lse_ptr=0, seqlens_ptr=0,
+            bounds_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
+            seq_q=call.seq_q, heads=call.heads, heads_kv=call.heads_kv, group=call.group,
+            batch=call.batch, m_tiles=call.m_tiles, splits=self.splits,
+            softmax_scale=call.scale, window_left=left, window_right=right), DECODE_PER_CALL)
+        self.decode_config = driver._launch_config((self.decode_grid, 1, 1), (THREADS, 1, 1),
+                                                   build.smem_bytes, (1, 1, 1), stream)[0]
+        if self.combine_fn is not None:
+            self.combine = Pack(COMBINE_PARAMS, dict(
+                ws_ptr=0, ws_lse_ptr=0, o_ptr=0, o_batch_stride=os_[0], o_row_stride=os_[1],
+                o_head_stride=os_[2], lse_ptr=0, rows=call.rows, seq_q=call.seq_q,
+                heads=call.heads, splits=self.splits), COMBINE_PER_CALL)
+            grid = -(-call.rows // COMBINE_ROWS_PER_CTA)
+            if programmatic_combine():
+                self.combine_config, self._combine_attrs = _dependent_config(
+                    (grid, 1, 1), (COMBINE_THREADS, 1, 1), stream)
+            else:
+                self.combine_config = driver._launch_config(
+                    (grid, 1, 1), (COMBINE_THREADS, 1, 1), 0, (1, 1, 1), stream)[0]
+
+    def _pack_append(self, call, bytes_strides) -> None:
+        ns = bytes_strides(call.k_new, call.layout, "k")
+        cs = bytes_strides(call.k_cache, call.layout, "k_cache")
+        chunks = call.head_dim // 8
+        total = call.batch * call.seq_new * call.heads_kv * chunks
+        self.append_pack = Pack(APPEND_PARAMS, dict(
+            k_new=0, v_new=0, new_batch_stride=ns[0], new_row_stride=ns[1],
+            new_head_stride=ns[2], k_cache=call.k_cache.ptr, v_cache=call.v_cache.ptr,
+            cache_batch_stride=cs[0], cache_row_stride=cs[1], cache_head_stride=cs[2],
+            seqlens_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
+            heads_kv=call.heads_kv, chunks=chunks, total=total), APPEND_PER_CALL)
+        grid = -(-total // APPEND_THREADS)
+        self.append_config = driver._launch_config((grid, 1, 1), (APPEND_THREADS, 1, 1), 0,
+                                                   (1, 1, 1), self.stream)[0]
+
+    def run(self, q_ptr: int, out_ptr: int, lse_ptr: int, ws_ptr: int, seqlens_ptr: int,
+            seqlen_const: int, k_new_ptr: int = 0, v_new_ptr: int = 0,
+            bounds_ptr: int = 0) -> None:
+        """Enqueue the call's kernels. With splits > 1 the decode kernel writes the workspace
+        (partials at ws_ptr, LSEs after them) and the combine writes out_ptr and lse_ptr."""
+        split = self.splits > 1
+        ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
+        launch = self._launch
+        with self.lock:
+            if self.append_fn is not None:
+                p = self.append_pack
+                p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const)
+                _check(launch(self.append_config, self.append_fn.handle, p.address, 0),
+                       "ptxattn_append")
+            if self.decode_fn is None:
+                return
+            p = self.decode
+            p.fill(q_ptr, 0 if split else out_ptr, 0 if split else lse_ptr,
+                   ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const)
+            _check(launch(self.decode_config, self.decode_fn.handle, p.address, 0),
+                   "ptxattn_decode")
+            if split:
+                p = self.combine
+                p.fill(ws_ptr, ws_lse, out_ptr, lse_ptr)
+                _check(launch(self.combine_config, self.combine_fn.handle, p.address, 0),
+                       "ptxattn_combine")
+
+
+def programmatic_combine() -> bool:
+    """Whether the combine goes as the decode grid's programmatic dependent launch (default;
+    PTXATTN_DECODE_PDL=0 launches it plainly: a measurement knob)."""
+    return os.environ.get(PDL_ENV, "1").strip() != "0"
+
+
+def _dependent_config(grid, block, stream: int):
+    """A CUlaunchConfig with programmatic stream serialization: the kernel may launch before
+    the previous one in the stream completes (it waits in griddepcontrol.wait)."""
+    d = driver.cu()
+    config = d.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = 0
+    config.hStream = d.CUstream(stream)
+    attr = d.CUlaunchAttribute()
+    attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = [attr]
+    config.attrs = attrs
+    config.numAttrs = 1
+    return config, attrs
+
+
+def _check(result, what: str) -> None:
+    err = int(result[0])
+    if err:
+        raise CudaError(err, f"cuLaunchKernelEx ({what})")

@@ -1,0 +1,15 @@
+"""ptxattn's tools: the command line and what it runs over the library.
+
+    cli           `ptxattn ...` / `python -m ptxattn ...` (info, list, run, ptx, sass, diff,
+                  bench, trace)
+    bench         the benchmark protocol (rounds, the cuDNN peer, intervals, results JSON)
+    trace         per-CTA timelines of the stages' trace points
+    sass          ptxas / nvdisasm / cuobjdump: resources, instruction mix, SASS diffs
+    guide         docs/lineage/, the lineage guide, written from committed files
+    golden        the golden fingerprints of every stage and build (tests/golden/)
+    ptxgen, ptxgen_sm100
+                  the generators of the committed macro headers in ptx/*/include/
+
+They import the runtime (ptxattn.api, stages, driver, ...); the runtime never imports them
+(tests/test_architecture.py), so `import ptxattn` loads none of this.
+"""

@@ -1,0 +1,276 @@
+"""Write the backward's per-fragment PTX macros and its layout header (what pcpp cannot compute).
+
+    python -m ptxattn.tools.ptxgen_bwd            # rewrite ptx/sm90/include/gen_bwd_*.ptxh
+    python -m ptxattn.tools.ptxgen_bwd --check    # exit 1 if a committed header differs
+
+The backward computes its score tiles transposed, keys in rows: S^T = K Q^T and dP^T = V dO^T
+are m64nN accumulators of one consumer's 64 keys x N query columns (N = BLOCK_M), so that P^T and
+dS^T, packed to bf16 pairs, are directly the A fragments of dV += P^T dO and dK += dS^T Q
+(wgmma RS). The fragment layout is the forward's (ptxgen.py's docstring, fragments.ptxh):
+value i of a thread sits at row w*16 + l/4 + 8*((i >> 1) & 1) and column
+8*(i >> 2) + 2*(l % 4) + (i & 1). Here rows are keys and columns are queries.
+
+Registers the macros name (each kernel declares those it uses):
+  %st<N/2> S^T then P^T, %dpt<N/2> dP^T then dS^T (fp32), %pt<N/4> P^T and %dst<N/4> dS^T
+  (bf16 pairs), %dv<C/2>, %dk<C/2> the dV, dK accumulators (C: their columns), %dq<C/2> one
+  consumer's dQ slice; %p_mask for masks; %pk0-%pk3, %st_swz, %st_addr, %tmp and row bases
+  %kv_row_<h>, %ds_row_<h> for stmatrix; %dq_swz, %dq_off, %dq_addr, %dq_row (b32) and
+  %dq_off64, %dq_gaddr, %dq_grow (b64) for the dQ stores.
+gen_bwd_layout.ptxh is ptxattn/bwd_builds.py's table as #defines, one block per HEAD_DIM.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import bwd_builds
+from .ptxgen import INCLUDE, NEG_INF, _macro, _reg_list, col, half, run_generator
+from .ptxgen import _guarded as _forward_guarded
+
+K_STEP = 16                   # bf16 wgmma K
+DESC_UNIT = 16                # descriptor addresses count 16-byte units
+ROW_BYTES = 128               # one 128-byte swizzled row: 64 bf16
+ACC_WIDTHS = (64, 128)        # columns of every accumulator the builds use (S^T, dK/dV, dQ)
+
+
+def _guarded(name: str, about: str, body: list[str]) -> str:
+    """ptxgen's include guard and banner, naming this generator."""
+    return _forward_guarded(name, about, body).replace(
+        "`python -m ptxattn.tools.ptxgen` (ptxattn/tools/ptxgen.py)",
+        "`python -m ptxattn.tools.ptxgen_bwd` (ptxattn/tools/ptxgen_bwd.py)", 1)
+
+
+def _wgmma(n: int) -> str:
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"
+
+
+# ---- per accumulator width N: fragments ------------------------------------------------------
+
+def fragment_header(n: int) -> str:
+    regs = n // 2
+    out: list[str] = []
+    for name, prefix, what in (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)"),
+                               ("DV", "dv", "dV"), ("DK", "dk", "dK"), ("DQ", "dq", "dQ")):
+        out += _macro(f"{name}_ACC_N{n}", None, _reg_list(prefix, regs),
+                      f"{what}: 64 rows x {n} columns, {regs} fp32 accumulators per thread")
+    # -- the score tile (keys x N queries): probabilities, dS, packing, masks, stmatrix
+    body = []
+    for j in range(n // 8):
+        body.append(f"ld.shared.v2.f32 {{T0, T1}}, [ADDR+{32 * j}];")
+        for i in range(4 * j, 4 * j + 4):
+            body += [f"fma.rn.f32 %st{i}, %st{i}, SCALE_LOG2, T{i & 1};",
+                     f"ex2.approx.ftz.f32 %st{i}, %st{i};"]
+    out += _macro(f"SOFTMAX_PT_N{n}", "ADDR, SCALE_LOG2, T0, T1", body,
+                  "P^T <- 2^(S^T * SCALE_LOG2 + neg_lse[query]) in place: the probabilities from "
+                  "the saved log-sum-exp.\nADDR (b32, shared): this thread's first column of the "
+                  "tile's neg_lse row (-lse * log2 e,\n-inf for a row that sees no key or lies "
+                  "past Lq: P = 0 there); T0, T1 (f32) scratch")
+    body = []
+    for j in range(n // 8):
+        body.append(f"ld.shared.v2.f32 {{T0, T1}}, [ADDR+{32 * j}];")
+        for i in range(4 * j, 4 * j + 4):
+            body += [f"sub.f32 %dpt{i}, %dpt{i}, T{i & 1};", f"mul.f32 %dpt{i}, %dpt{i}, %st{i};"]
+    out += _macro(f"DS_N{n}", "ADDR, T0, T1", body,
+                  "dS^T <- P^T * (dP^T - delta[query]) in place. ADDR (b32, shared): this "
+                  "thread's first column\nof the tile's delta row; T0, T1 (f32) scratch")
+    for name, dst, src in (("PT", "pt", "st"), ("DST", "dst", "dpt")):
+        out += _macro(f"PACK_{name}_N{n}", None,
+                      [f"cvt.rn.bf16x2.f32 %{dst}{j}, %{src}{2 * j + 1}, %{src}{2 * j};"
+                       for j in range(regs // 2)],
+                      f"%{dst} (bf16 pairs) <- %{src}: the A fragments of an RS wgmma, k-step t "
+                      f"in %{dst}4t..%{dst}4t+3")
+    body = []
+    for i in range(regs):
+        lo, hi = ("LO_HI", "HI_HI") if half(i) == "hi" else ("LO_LO", "HI_LO")
+        body += [f"setp.gt.s32 %p_mask, {col(i)}, {hi};",
+                 f"setp.lt.or.s32 %p_mask, {col(i)}, {lo}, %p_mask;",
+                 f"selp.f32 %st{i}, {NEG_INF}, %st{i}, %p_mask;"]
+    out += _macro(f"MASK_ST_N{n}", "LO_LO, HI_LO, LO_HI, HI_HI", body,
+                  "S^T scores outside [LO, HI] of their key row become -inf (causal, windows, "
+                  "keys past Lk).\nBounds are b32 query columns relative to this thread's "
+                  "first column, 2 * (lane % 4):\n_LO for the thread's first key row, _HI for "
+                  "the row 8 below")
+    body = []
+    for t in range(n // 16):
+        body += [f"xor.b32 %tmp, %st_swz, {2 * (t % 4)};",
+                 f"mad.lo.u32 %st_addr, %tmp, 16, %ds_row_{t // 4};",
+                 "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%st_addr], "
+                 f"{{%dst{4 * t}, %dst{4 * t + 1}, %dst{4 * t + 2}, %dst{4 * t + 3}}};"]
+    out += _macro(f"STMATRIX_DST_N{n}", None, body,
+                  f"dS^T (bf16) -> shared, 128-byte swizzled, keys in rows: {n // 16} stmatrix "
+                  "x4; %ds_row_b: this lane's key\nrow in query block b (64 columns), %st_swz: "
+                  "(lane / 16) ^ (row % 8). dQ reads the tile MN-major")
+    # -- the dK / dV / dQ accumulators (64 rows x N columns)
+    out += _macro(f"ZERO_DKV_N{n}", None,
+                  [f"mov.f32 %{p}{i}, 0f00000000;" for p in ("dv", "dk") for i in range(regs)],
+                  "dV, dK <- 0")
+    out += _macro(f"SCALE_DK_N{n}", "F", [f"mul.f32 %dk{i}, %dk{i}, F;" for i in range(regs)],
+                  "dK *= F (the softmax scale)")
+    per_block = 64 // 16                             # stmatrix groups per 64 columns
+    for name, prefix in (("DK", "dk"), ("DV", "dv")):
+        body = []
+        for g in range(regs // 8):
+            body += [f"cvt.rn.bf16x2.f32 %pk{j}, %{prefix}{8 * g + 2 * j + 1}, "
+                     f"%{prefix}{8 * g + 2 * j};" for j in range(4)]
+            body += [f"xor.b32 %tmp, %st_swz, {2 * (g % per_block)};",
+                     f"mad.lo.u32 %st_addr, %tmp, 16, %kv_row_{g // per_block};",
+                     "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%st_addr], "
+                     "{%pk0, %pk1, %pk2, %pk3};"]
+        out += _macro(f"STMATRIX_{name}_N{n}", None, body,
+                      f"{name[1]} grad (bf16) -> shared for its TMA store, 128-byte swizzled: "
+                      f"{regs // 8} stmatrix x4;\n%kv_row_h: this lane's row in column block h "
+                      "(64 columns), %st_swz: (lane / 16) ^ (row % 8)")
+    body = []
+    for j in range(n // 8):
+        body += [f"xor.b32 %dq_off, %dq_swz, {j % 8};", "shl.b32 %dq_off, %dq_off, 5;",
+                 "add.u32 %dq_addr, %dq_row, %dq_off;",
+                 f"st.shared.v2.f32 [%dq_addr+{(j // 8) * 256}], {{%dq{4 * j}, %dq{4 * j + 1}}};",
+                 f"st.shared.v2.f32 [%dq_addr+{(j // 8) * 256 + 8 * n * 4}], "
+                 f"{{%dq{4 * j + 2}, %dq{4 * j + 3}}};"]
+    out += _macro(f"DQ_TO_SHARED_N{n}", None, body,
+                  "dQ slice (fp32) -> shared in the accumulator's layout (bwd_builds."
+                  "dq_accum_offset): 8-float chunk c of\nslice row r at (c ^ r % 8) * 32 bytes. "
+                  "%dq_row: this thread's first row, first column; %dq_swz: row % 8")
+    body = []
+    for j in range(n // 8):
+        body += [f"xor.b32 %dq_off, %dq_swz, {j % 8};", "shl.b32 %dq_off, %dq_off, 5;",
+                 "cvt.u64.u32 %dq_off64, %dq_off;", "add.s64 %dq_gaddr, %dq_grow, %dq_off64;",
+                 f"red.global.add.v2.f32 [%dq_gaddr+{(j // 8) * 256}], "
+                 f"{{%dq{4 * j}, %dq{4 * j + 1}}};",
+                 f"red.global.add.v2.f32 [%dq_gaddr+{(j // 8) * 256 + 8 * n * 4}], "
+                 f"{{%dq{4 * j + 2}, %dq{4 * j + 3}}};"]
+    out += _macro(f"DQ_RED_GLOBAL_N{n}", None, body,
+                  "dQ slice (fp32) += into the global accumulator, same layout as "
+                  "DQ_TO_SHARED; %dq_grow (b64):\nthis thread's first row and column there")
+    return _guarded(f"gen_bwd_n{n}.ptxh",
+                    f"Backward fragments of {n}-column accumulators (S^T and dP^T of {n} queries; "
+                    f"dK, dV, dQ of {n} columns).", out)
+
+
+# ---- per head dim: the five GEMMs ----------------------------------------------------------
+
+def gemm_header(b: bwd_builds.Build) -> str:
+    d, bm, bn = b.head_dim, b.block_m, b.block_n
+    halves = d // 64
+    step = K_STEP * 2 // DESC_UNIT                     # 32 bytes along a swizzled row
+    a_jump = bn * ROW_BYTES // DESC_UNIT - 3 * step    # next 64 of D in the K/V tile
+    b_jump = bm * ROW_BYTES // DESC_UNIT - 3 * step    # ... in the Q/dO tile
+    out: list[str] = []
+    for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
+        body = [f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 0, 1, 1, 0, 0;"]
+        for t in range(1, d // K_STEP):
+            j = (a_jump, b_jump) if t % 4 == 0 else (step, step)
+            body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
+                     f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 1, 1, 1, 0, 0;"]
+        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", body,
+                      f"{what}: {d // K_STEP} k-steps over D; DA (K or V rows of this consumer, "
+                      f"a {bn}-row tile) and DB\n(Q or dO, {bm} rows), both K-major, step {step} "
+                      f"along a swizzled row, then {a_jump} / {b_jump} to the next 64 of D\n"
+                      "(advanced in place: pass copies). The first step overwrites")
+    cols = b.dkv_cols
+    for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
+                                  ("DK", "DK", "dst", "dK += dS^T Q")):
+        body = []
+        for t in range(bm // K_STEP):
+            if t:
+                body.append(f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};")
+            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
+            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
+        out += _macro(f"{name}_GEMM_D{d}", "DB", body,
+                      f"{what}: {bm // K_STEP} k-steps of 16 queries (RS: A from %{frag}); DB "
+                      f"(dO or Q read MN-major, {cols}\ncolumns) steps 16 rows; advanced in place")
+    body = []
+    for t in range(b.ds_keys // K_STEP):
+        if t:
+            body += [f"add.s64 DA, DA, {K_STEP * ROW_BYTES // DESC_UNIT};",
+                     f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};"]
+        body.append(f"{_wgmma(b.dq_cols)} DQ_ACC_N{b.dq_cols}, DA, DB, {int(t > 0)}, 1, 1, 1, 1;")
+    out += _macro(f"DQ_GEMM_D{d}", "DA, DB", body,
+                  f"dQ = dS K for one consumer's slice (64 rows x {b.dq_cols} columns): "
+                  f"{b.ds_keys // K_STEP} k-steps of 16 keys;\nDA (dS^T tile, read MN-major: "
+                  "queries contiguous), DB (K, read MN-major) both step 16 key rows.\n"
+                  "The first step overwrites; advanced in place")
+    return _guarded(f"gen_bwd_d{d}.ptxh", f"The backward's GEMMs at head dim {d}.", out)
+
+
+# ---- the build table -----------------------------------------------------------------------
+
+def _log2(x: int) -> int:
+    assert x & (x - 1) == 0, x
+    return x.bit_length() - 1
+
+
+def layout_header() -> str:
+    out = ["// Which macros and offsets a head dim's build uses, and its shared memory in bytes",
+           "// from the 1024-aligned base. HEAD_DIM selects the block.", ""]
+    first = True
+    for d, b in sorted(bwd_builds.BUILDS.items()):
+        lay = b.layout()
+        t = b.tile_bytes
+        out.append(f"#{'if' if first else 'elif'} HEAD_DIM == {d}")
+        first = False
+        out.append(f"// {b.why}")
+        defs = [("BLOCK_M", b.block_m), ("BLOCK_M_SHIFT", _log2(b.block_m)),
+                ("BLOCK_N", b.block_n), ("BLOCK_N_SHIFT", _log2(b.block_n)),
+                ("KEY_SPLIT", int(b.key_split)), ("DKV_COLS", b.dkv_cols),
+                ("DQ_COLS", b.dq_cols), ("DQ_SPLIT_ROWS", int(b.dq_split_rows)),
+                ("Q_STAGES", b.q_stages), ("Q_STAGE_SHIFT", _log2(b.q_stages)),
+                ("KV_TILE_BYTES", t["K"]), ("Q_TILE_BYTES", t["Q"]),
+                ("DS_TILE_BYTES", t["dS"]), ("DQ_TILE_BYTES", t["dQ"]),
+                ("STAT_BYTES", t["LSE"]), ("Q_STAGE_TX", b.q_stage_tx)]
+        defs += [(f"SMEM_{k.upper()}", v) for k, v in lay.items()
+                 if k not in ("end", "smem_bytes")]
+        defs += [("SMEM_END", lay["end"]), ("SMEM_BYTES", lay["smem_bytes"])]
+        width = max(len(k) for k, _ in defs)
+        out += [f"#define {k:<{width}} {v}" for k, v in defs]
+        rows = {64: "64ROWS", 128: "128ROWS"}
+        s, c, q = b.block_m, b.dkv_cols, b.dq_cols
+        out += [f"#define DESC_QDO_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_m]}   "
+                "// Q, dO read MN-major: LBO = BLOCK_M rows * 128 B",
+                f"#define DESC_K_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_n]}     "
+                "// K read MN-major: LBO = BLOCK_N rows * 128 B",
+                "#define DESC_DS_BITS DESC_MNMAJOR_SW128_128ROWS   // dS^T: one 64-query block"
+                " in M, so LBO is unused",
+                f"#define ST_ACC ST_ACC_N{s}", f"#define DPT_ACC DPT_ACC_N{s}",
+                f"#define ST_REGS {s // 2}", f"#define PT_REGS {s // 4}",
+                f"#define DKV_REGS {c // 2}", f"#define DQ_REGS {q // 2}",
+                f"#define ST_GEMM(DA, DB) ST_GEMM_D{d}(DA, DB)",
+                f"#define DPT_GEMM(DA, DB) DPT_GEMM_D{d}(DA, DB)",
+                f"#define DV_GEMM(DB) DV_GEMM_D{d}(DB)", f"#define DK_GEMM(DB) DK_GEMM_D{d}(DB)",
+                f"#define DQ_GEMM(DA, DB) DQ_GEMM_D{d}(DA, DB)",
+                f"#define SOFTMAX_PT(A, S, T0, T1) SOFTMAX_PT_N{s}(A, S, T0, T1)",
+                f"#define DS_TILE(A, T0, T1) DS_N{s}(A, T0, T1)",
+                f"#define PACK_PT PACK_PT_N{s}", f"#define PACK_DST PACK_DST_N{s}",
+                f"#define MASK_ST(A, B, C, D) MASK_ST_N{s}(A, B, C, D)",
+                f"#define STMATRIX_DST STMATRIX_DST_N{s}",
+                f"#define ZERO_DKV ZERO_DKV_N{c}", f"#define SCALE_DK(F) SCALE_DK_N{c}(F)",
+                f"#define STMATRIX_DK STMATRIX_DK_N{c}", f"#define STMATRIX_DV STMATRIX_DV_N{c}",
+                f"#define DQ_TO_SHARED DQ_TO_SHARED_N{q}", "",
+                f'#include "gen_bwd_d{d}.ptxh"']
+        out.append("")
+    out += ["#else", '#error "backward: HEAD_DIM must be 64, 128 or 256"', "#endif", ""]
+    body = [f'#include "gen_bwd_n{n}.ptxh"' for n in ACC_WIDTHS] + [""] + out
+    return _guarded("gen_bwd_layout.ptxh",
+                    "The backward build table (ptxattn/bwd_builds.py) for the production "
+                    "kernel.", body)
+
+
+def headers() -> dict[str, str]:
+    out = {f"gen_bwd_n{n}.ptxh": fragment_header(n) for n in ACC_WIDTHS}
+    out.update({f"gen_bwd_d{d}.ptxh": gemm_header(b) for d, b in bwd_builds.BUILDS.items()})
+    out["gen_bwd_layout.ptxh"] = layout_header()
+    return out
+
+
+def stale(directory=INCLUDE) -> list[str]:
+    from .ptxgen import stale_headers
+    return stale_headers(headers(), directory)
+
+
+def main(argv=None) -> int:
+    return run_generator("python -m ptxattn.tools.ptxgen_bwd", __doc__.split("\n")[0], headers,
+                         INCLUDE, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Write ptx/sm90/production/layout.ptxh, the production kernel's build table, from ptxattn/builds.py.
+
+One `#if HEAD_DIM == d` block per row of builds.BUILDS, every figure a literal number: pcpp does
+no arithmetic outside #if, and the golden fingerprints compare the operands' text, so an
+operand must expand to the number (or the product) it has always been. Beside the figures, each
+block includes the row's generated fragment headers (ptxgen.py), names its per-score macros
+and writes the statement lists that depend on the row (the ring's mbarrier inits, O's
+64-column block rows). tests/test_builds.py checks that the committed header equals this output.
+
+    python -m ptxattn.tools.ptxgen_layout            # rewrite the header
+    python -m ptxattn.tools.ptxgen_layout --check    # exit 1 if the committed header differs
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from .. import builds
+from .ptxgen import run_generator
+
+PRODUCTION = Path(__file__).resolve().parent.parent / "ptx" / "sm90" / "production"
+NAME = "layout.ptxh"
+
+
+def _define(name: str, value, comment: str = "") -> str:
+    line = f"#define {name} {value}"
+    return f"{line:<48} // {comment}" if comment else line
+
+
+def _macro(name: str, body: list[str]) -> list[str]:
+    if not body:
+        return [f"#define {name}"]
+    return [f"#define {name} \\"] + [f"    {s} \\" for s in body[:-1]] + [f"    {body[-1]}"]
+
+
+def _aliases(b: builds.Build) -> list[str]:
+    """The per-score and per-head-dim macros of the row (gen_nN / gen_dD) under the names the
+    kernel uses."""
+    n, d = f"N{b.block_n}", f"D{b.head_dim}"
+    return [
+        f"#define QK_TILE(DQ, DK) QK_{n}_{d}(DQ, DK)",
+        f"#define PV_TILE(DV) PV_{n}_{d}(DV)",
+        f"#define ZERO_O ZERO_O_{d}",
+        f"#define SCALE_O(LO, HI) SCALE_O_{d}(LO, HI)",
+        f"#define STMATRIX_O STMATRIX_O_{d}",
+        f"#define ROW_MAX_LO(M) ROW_MAX_LO_{n}(M)",
+        f"#define ROW_MAX_HI(M) ROW_MAX_HI_{n}(M)",
+        f"#define ROW_SUM_ADD_LO(S) ROW_SUM_ADD_LO_{n}(S)",
+        f"#define ROW_SUM_ADD_HI(S) ROW_SUM_ADD_HI_{n}(S)",
+        f"#define SCALE_EXP2(A, B, C, D, E, F) SCALE_EXP2_{n}(A, B, C, D, E, F)",
+        f"#define PACK_P PACK_P_{n}",
+        f"#define MASK_COLS(LIMIT) MASK_COLS_{n}(LIMIT)",
+        f"#define MASK_RANGE(LO_LO, HI_LO, LO_HI, HI_HI) MASK_RANGE_{n}(LO_LO, HI_LO, LO_HI, HI_HI)",
+    ]
+
+
+def figures(b: builds.Build) -> list[tuple[str, object, str]]:
+    """(name, value, comment) of every figure of the row, in the header's order: a value is an
+    int, or the text an operand must expand to (a product, a descriptor's name)."""
+    sm = b.smem
+    out: list[tuple[str, object, str]] = [
+        ("CONSUMERS", b.consumers, f"consumer warpgroups, {builds.Q_BOX_ROWS} query rows each"),
+        ("BLOCK_M", b.block_m, "query rows a tile"),
+    ]
+    if b.block_m_shift is not None:
+        out.append(("BLOCK_M_SHIFT", b.block_m_shift, "log2(BLOCK_M)"))
+    out += [
+        ("BLOCK_N", b.block_n, "key/value rows a K/V tile"),
+        ("BLOCK_N_SHIFT", b.block_n_shift, "log2(BLOCK_N)"),
+        ("CTA_THREADS", b.threads, "a producer warpgroup and the consumers"),
+        ("CONSUMER_THREADS", b.consumers * builds.WARPGROUP,
+         "the arrivals that release a K/V slot or Q"),
+        ("CONSUMER_REGS", b.consumer_regs,
+         f"setmaxnreg: ({builds.REGISTERS_PER_SM} - {builds.PRODUCER_REGS} * "
+         f"{builds.WARPGROUP}) / {b.consumers * builds.WARPGROUP}, to 8"),
+        ("S_REGS", b.s_regs, "BLOCK_N / 2 scores a thread"),
+        ("P_REGS", b.p_regs, "BLOCK_N / 4 bf16 pairs"),
+        ("O_REGS", b.o_regs, "D / 2 accumulators a thread"),
+        ("Q_TILE_BYTES", b.q_box_bytes, "one consumer's 64 rows of Q (and of O)"),
+        ("Q_BUFFERS", b.q_buffers, ""),
+        # products, not their values: the operand text the kernel has always had
+        ("Q_BUFFER_BYTES", f"({b.consumers} * {b.q_box_bytes})", "every consumer's rows"),
+        ("Q_TX_BYTES", f"{b.consumers} * {b.q_box_bytes}", "Q FULL's expect_tx: a box a consumer"),
+        ("KV_TILE_BYTES", b.kv_tile_bytes, ""),
+        ("KV_TX_BYTES", b.kv_tx_bytes, "a K or V FULL's expect_tx"),
+        ("KV_SLOT_DESC", b.kv_slot_desc, "KV_TILE_BYTES >> 4: a slot's descriptor step"),
+        ("KV_STAGES", b.kv_stages, "ring depth"),
+        ("KV_STAGE_SHIFT", b.kv_stage_shift, "log2(KV_STAGES)"),
+        ("O_STAGED_IN_Q", int(b.o_staged_in_q), ""),
+    ]
+    notes = {"SMEM_Q": "buffer b, consumer c at SMEM_Q + (CONSUMERS*b + c)*Q_TILE_BYTES",
+             "SMEM_K": "slot s at SMEM_K + s*KV_TILE_BYTES",
+             "SMEM_V": "slot s at SMEM_V + s*KV_TILE_BYTES",
+             "SMEM_O": ("O staged in the consumer's own Q rows" if b.o_staged_in_q
+                        else "consumer c's O staging at SMEM_O + c*Q_TILE_BYTES"),
+             "SMEM_BAR_FULL_K": f"[KV_STAGES] each, {builds.MBAR_BYTES} bytes apart",
+             "SMEM_BAR_Q_1": "Q FULL and Q EMPTY of buffer 1"}
+    out += [(name, offset, notes.get(name, "")) for name, offset in sm.items()]
+    out.append(("Q_ROW_OF_BOX_1", builds.Q_BOX_ROWS, "consumer 1's first row in the tile"))
+    if b.consumers >= 3:
+        out.append(("Q_ROW_OF_BOX_2", 2 * builds.Q_BOX_ROWS, "consumer 2's"))
+    out += [(f"BAR_TURN_{c}", b.bar_turn(c), f"consumer {c}'s GEMM turn")
+            for c in range(b.consumers)]
+    out += [(f"BAR_O_{c}", b.bar_o(c), f"consumer {c}'s O staging") for c in range(b.consumers)]
+    out.append(("DESC_V_BITS", f"DESC_MNMAJOR_SW128_{b.block_n}ROWS",
+                "V MN-major: LBO BLOCK_N rows * 128 B to the next 64 of D"))
+    return out
+
+
+def numbers(b: builds.Build) -> dict[str, int]:
+    """The row's figures that are plain numbers, as the header defines them (what a replay of
+    the PTX needs: offsets, sizes, counts)."""
+    return {name: value for name, value, _ in figures(b) if isinstance(value, int)}
+
+
+def _row(b: builds.Build) -> list[str]:
+    out = textwrap.wrap(b.why, 96, initial_indent=f"// D = {b.head_dim}: ", subsequent_indent="// ",
+                        break_on_hyphens=False)
+    out += [f'#include "{b.score_header}"', f'#include "{b.output_header}"']
+    out += [_define(name, value, comment) for name, value, comment in figures(b)]
+    # the K/V ring's FULL or EMPTY barriers, one a slot (the includer's %p_leader inits them)
+    out.append("// the mbarriers of a ring (FULL or EMPTY, K or V), one a slot")
+    out += _macro("MBAR_INIT_RING(BAR, COUNT)", [
+        f"@%p_leader mbarrier.init.shared::cta.b64 [BAR{f'+{s * builds.MBAR_BYTES}' if s else ''}], COUNT;"
+        for s in range(b.kv_stages)])
+    # O's 64-column blocks: the stmatrix rows of blocks 1.. (block 0's is %st_row_0)
+    extra = [f"%st_row_{k}" for k in range(2, b.o_blocks)]
+    out.append("// O's 64-column blocks past the first two: their stmatrix row registers")
+    out += _macro("O_BLOCK_ROW_REGS", [f".reg .b32 {', '.join(extra)};"] if extra else [])
+    out.append("// this lane's row in each 64-column block of O past the first (64 rows * 128 B on)")
+    out += _macro("O_BLOCK_ROWS", [f"add.u32 %st_row_{k}, %st_row_0, {b.o_block_offset(k)};"
+                                   for k in range(1, b.o_blocks)])
+    out += _aliases(b)
+    return out
+
+
+def header() -> str:
+    table = ["//   D    consumers BLOCK_M BLOCK_N ring  Q buffers  O staged  smem      "
+             "registers/thread (S, P, O of the consumer budget)"]
+    for b in builds.BUILDS:
+        table.append(f"//   {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} {b.block_n:<7} "
+                     f"{b.kv_stages:<5} {b.q_buffers:<10} {'in Q' if b.o_staged_in_q else 'own':<9} "
+                     f"{b.smem_bytes:<9} S {b.s_regs}, P {b.p_regs}, O {b.o_regs} "
+                     f"(of {b.consumer_regs})")
+    dims = ", ".join(map(str, builds.HEAD_DIMS[:-1])) + f" or {builds.HEAD_DIMS[-1]}"
+    out = [
+        f"// {NAME}: generated by `python -m ptxattn.tools.ptxgen_layout` (ptxattn/tools/ptxgen_layout.py)",
+        "// from the build table in ptxattn/builds.py; do not edit.",
+        "// The production kernel's figures per head dim: tiles, consumers, shared-memory offsets,",
+        "// transaction bytes, descriptor steps, shifts, named barrier IDs, register budgets.",
+        "// Every tile is 128-byte swizzled, stored [D / 64][rows][64 elements].",
+        "//",
+        *table,
+        "#ifndef PTXATTN_PRODUCTION_LAYOUT_PTXH",
+        "#define PTXATTN_PRODUCTION_LAYOUT_PTXH",
+        "",
+        "#ifndef HEAD_DIM",
+        _define("HEAD_DIM", builds.DEFAULT_HEAD_DIM, "the default build"),
+        "#endif",
+        "",
+        "// ---- every build",
+        _define("Q_BOX_ROWS", builds.Q_BOX_ROWS, "a consumer's query rows: one Q (or O) TMA box"),
+        _define("SWIZZLE_ROW_BYTES", builds.SWIZZLE_ROW_BYTES, "a 128-byte swizzled row"),
+        _define("MBAR_BYTES", builds.MBAR_BYTES, "one mbarrier"),
+        _define("SMEM_ALIGN_UP", builds.SMEM_ALIGN - 1, "the dynamic base rounded up to"),
+        _define("SMEM_ALIGN_MASK", -builds.SMEM_ALIGN, "a 1024-byte swizzle atom"),
+        _define("PRODUCER_REGS", builds.PRODUCER_REGS, "setmaxnreg of the producer warpgroup"),
+        _define("BAR_CTA", builds.Build.bar_cta, "named barrier: the whole CTA"),
+        _define("BAR_TURN_THREADS", 2 * builds.WARPGROUP, "a turn: the waiter and the hand-over"),
+        _define("BAR_O_THREADS", builds.WARPGROUP, "an O staging barrier: one consumer"),
+        "",
+    ]
+    for i, b in enumerate(builds.BUILDS):
+        out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim}")
+        out += _row(b)
+    out += ["#else",
+            f'#error "production: HEAD_DIM must be {dims} (a row of ptxattn/builds.py)"',
+            "#endif", "", "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
+    return "\n".join(out)
+
+
+def headers() -> dict[str, str]:
+    return {NAME: header()}
+
+
+def stale(directory: Path = PRODUCTION) -> list[str]:
+    """[NAME] when the committed header is missing or differs from the generator's output."""
+    from .ptxgen import stale_headers
+    return stale_headers(headers(), directory)
+
+
+def main(argv=None) -> int:
+    return run_generator("python -m ptxattn.tools.ptxgen_layout", __doc__.split("\n")[0], headers,
+                         PRODUCTION, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

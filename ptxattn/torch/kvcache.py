@@ -1,0 +1,111 @@
+"""flash_attn_with_kvcache inside PyTorch: a custom op with a fake implementation, and the
+decode step of transformers' attention function.
+
+- `ptxattn::flash_attn_with_kvcache` (torch.library.custom_op, mutates k_cache and v_cache:
+  new keys are appended in place): torch.compile(fullgraph=True) traces it as one opaque node;
+  CUDA graphs capture it (the library allocates with torch.empty and never syncs).
+  `flash_attn_with_kvcache(...)` below has FlashAttention's signature and calls the library
+  directly in plain eager mode (the dispatcher adds nothing there: _op._eager's rule), the op
+  otherwise.
+- `decode_step(...)`: what attn_implementation="ptxattn" does with a call of 1 to 16 queries
+  and no mask (transformers' decode step with a dynamic cache: the whole cache is the key
+  tensor): the decode kernel, split-KV with packed GQA, instead of the forward kernel. None
+  when the call is not one it takes (the caller then goes on as before).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ptxattn import decode as _decode
+from ptxattn.decode_builds import DECODE_BUILDS, MAX_QUERIES
+
+from . import _op
+
+
+def _impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+          cache_seqlens: Optional[torch.Tensor], seqlen: int, causal: bool, window_left: int, window_right: int, softmax_scale: float,
+          num_splits: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one call; seqlen >= 0 is an int cache_seqlens, -1 none given."""
+    lengths = cache_seqlens if cache_seqlens is not None else (seqlen if seqlen >= 0 else None)
+    return _decode.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=lengths, causal=causal,
+        window_size=(window_left, window_right), softmax_scale=softmax_scale, return_lse=True,
+        num_splits=num_splits, layout=layout)
+
+
+kvcache_op = torch.library.custom_op("ptxattn::flash_attn_with_kvcache", _impl,
+                                     mutates_args=("k_cache", "v_cache"))
+
+
+@kvcache_op.register_fake
+def _fake(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, causal, window_left, window_right,
+          softmax_scale, num_splits, layout):
+    b, x, y, _ = q.shape
+    heads, seq = (y, x) if layout == "bshd" else (x, y)
+    return q.new_empty(q.shape), q.new_empty((b, heads, seq), dtype=torch.float32)
+
+
+_OP = torch.ops.ptxattn.flash_attn_with_kvcache.default
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            causal=False, window_size=(-1, -1), softmax_scale=None,
+                            return_lse=False, num_splits=0, *, layout="bshd"):
+    """FlashAttention's flash_attn_with_kvcache on torch tensors (see ptxattn.decode)."""
+    if _op._eager(q, k_cache, v_cache):
+        return _decode.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal,
+            window_size=window_size, softmax_scale=softmax_scale, return_lse=return_lse,
+            num_splits=num_splits, layout=layout)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    seqlen = -1
+    tensor_lengths = None
+    if isinstance(cache_seqlens, torch.Tensor):
+        tensor_lengths = cache_seqlens
+    elif cache_seqlens is not None:
+        seqlen = int(cache_seqlens)
+    left, right = (int(x) for x in window_size)
+    out, lse = _OP(q, k_cache, v_cache, k, v, tensor_lengths, seqlen, bool(causal), left, right,
+                   scale, int(num_splits), layout)
+    return (out, lse) if return_lse else out
+
+
+def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                dropout: float, scaling: float | None, causal: bool,
+                groups: int) -> torch.Tensor | None:
+    """transformers' attention call on the decode kernel, or None when it is not one it takes:
+    (B, H, q, D) query with q <= 16, (B, Hkv, L, D) keys and values, no mask, no dropout, bf16
+    CUDA tensors without grad, a head dim the decode kernel has. The answer is what
+    transformers' "sdpa" function computes for the same call (its is_causal is top-left):
+    q = 1 sees every key; q > 1 causal sees keys [0, i] for query i, i.e. the first q keys
+    (a bottom-right causal over a "cache" of q keys, passed as cache_seqlens=q); q > 1 not
+    causal sees every key. `causal` is the caller's (q > 1, no mask, the module's is_causal).
+    Returns (B, q, H, D) contiguous, what transformers wants back."""
+    if attention_mask is not None or dropout or query.dim() != 4 or key.dim() != 4:
+        return None
+    b, h, q_len, d = query.shape
+    kv_len = key.shape[2]
+    if not (1 <= q_len <= MAX_QUERIES and kv_len >= q_len and d in DECODE_BUILDS):
+        return None
+    if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16
+            or value.dtype != torch.bfloat16 or not query.is_cuda
+            or query.requires_grad or key.requires_grad or value.requires_grad
+            or key.shape != value.shape or key.shape[1] * max(groups, 1) != h
+            or value.shape[-1] != d or key.shape[0] != b):
+        return None
+    # transformers' (B, H, S, D) are transposes of (B, S, H, D) projections and caches: read
+    # them as BSHD in place; the output comes out (B, q, H, D) contiguous
+    q, kc, vc = (t.transpose(1, 2) for t in (query, key, value))
+    for t in (q, kc, vc):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+                s % 8 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return None
+    causal = bool(causal and q_len > 1)
+    lengths = q_len if causal and kv_len > q_len else None
+    return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal,
+                                   softmax_scale=scaling)

@@ -1,0 +1,165 @@
+"""The backward's build table and generated headers (CPU only): committed = generated, every
+build fits the SM, the dQ accumulator's layout is one-to-one and is what the generated store
+macros write, and each lineage stage's literal offsets are the table's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ptxattn import bwd_builds
+from ptxattn.tools import ptxgen_bwd
+from ptxattn.bwd_builds import BUILDS, CONSUMER_ROWS
+from ptxattn.stages import ptx_root
+
+
+def test_committed_headers_equal_the_generator_output():
+    assert ptxgen_bwd.stale() == [], "run `python -m ptxattn.tools.ptxgen_bwd` and commit the headers"
+
+
+def test_a_hand_edit_is_caught(tmp_path):
+    for name, text in ptxgen_bwd.headers().items():
+        (tmp_path / name).write_text(text)
+    assert ptxgen_bwd.stale(tmp_path) == []
+    (tmp_path / "gen_bwd_n64.ptxh").write_text(
+        (tmp_path / "gen_bwd_n64.ptxh").read_text().replace("%dst15", "%dst14", 1))
+    assert ptxgen_bwd.stale(tmp_path) == ["gen_bwd_n64.ptxh"]
+
+
+@pytest.mark.parametrize("d", sorted(BUILDS))
+def test_every_build_fits_an_sm(d):
+    b = BUILDS[d]
+    lay = b.layout()
+    assert lay["smem_bytes"] <= bwd_builds.MAX_SMEM, lay
+    assert b.peak_registers + 16 <= bwd_builds.CONSUMER_REGS, b.registers   # + addresses
+    for name in ("K", "V", "Q", "dO", "dS", "dQ"):
+        assert lay[name] % 1024 == 0, name
+    assert b.block_m <= 256 and b.block_n <= 256                 # TMA box rows
+    assert b.block_n == 2 * CONSUMER_ROWS if b.key_split else b.block_n == CONSUMER_ROWS
+    assert b.dq_cols >= 64 and b.dkv_cols >= 64                  # whole 128-byte swizzle rows
+    # dK and dV are staged in K's and V's place: a consumer's 64 rows each
+    assert 2 * CONSUMER_ROWS * b.dkv_cols * 2 <= b.tile_bytes["K"]
+
+
+@pytest.mark.parametrize("d", sorted(BUILDS))
+def test_the_layout_header_is_the_table(d):
+    text = (ptx_root() / "sm90/include/gen_bwd_layout.ptxh").read_text()
+    block = text.split(f"HEAD_DIM == {d}\n", 1)[1].split("#elif", 1)[0].split("#else", 1)[0]
+    defs = dict(re.findall(r"#define (\w+)\s+(\d+)\n", block))
+    b = BUILDS[d]
+    for name, value in b.layout().items():
+        key = "SMEM_END" if name == "end" else "SMEM_BYTES" if name == "smem_bytes" \
+            else f"SMEM_{name.upper()}"
+        assert int(defs[key]) == value, key
+    assert int(defs["BLOCK_M"]) == b.block_m and int(defs["BLOCK_N"]) == b.block_n
+    assert int(defs["Q_STAGE_TX"]) == b.q_stage_tx
+
+
+ACCUMULATORS = [(d, b.block_m, b.dq_cols) for d, b in BUILDS.items()] + [(128, 64, 64)]
+
+
+@pytest.mark.parametrize("d,block_m,dq_cols", ACCUMULATORS)
+def test_dq_accumulator_layout_is_one_to_one_and_sliced(d, block_m, dq_cols):
+    rows, cols = np.meshgrid(np.arange(3 * block_m), np.arange(d), indexing="ij")
+    off = bwd_builds.dq_accum_offset(rows, cols, d, block_m, dq_cols)
+    assert sorted(off.ravel().tolist()) == list(range(off.size))
+    # a consumer's slice of one query block is one contiguous run of 64 x dq_cols floats
+    for m in range(3):
+        for c in range(block_m * d // (CONSUMER_ROWS * dq_cols)):
+            lo = m * block_m * d + c * CONSUMER_ROWS * dq_cols
+            inside = (off >= lo) & (off < lo + CONSUMER_ROWS * dq_cols)
+            r, k = np.nonzero(inside)
+            assert len(set(r)) == CONSUMER_ROWS and len(set(k)) == dq_cols
+    # a warp's postprocess read of 64 columns of a row stays in one aligned 256 bytes
+    for row in range(16):
+        o = off[row, :64] if dq_cols >= 64 else off[row]
+        assert o.max() - o.min() == 63 and o.min() % 64 == 0
+
+
+def _macro_body(text, name):
+    m = re.search(rf"#define {name}\b[^\n]*\\\n((?:[^\n]*\\\n)*[^\n]*)", text)
+    return [s.strip() for s in m.group(1).replace("\\\n", " ").split(";") if s.strip()]
+
+
+@pytest.mark.parametrize("n", ptxgen_bwd.ACC_WIDTHS)
+@pytest.mark.parametrize("to", ["DQ_TO_SHARED", "DQ_RED_GLOBAL"])
+def test_dq_store_macros_write_the_accumulator_layout(n, to):
+    """Run the generated store macro for every thread of a warpgroup: the float each %dq value
+    lands on is dq_accum_offset(row, col) of the value's (row, col) in the fragment layout."""
+    body = _macro_body(ptxgen_bwd.headers()[f"gen_bwd_n{n}.ptxh"], f"{to}_N{n}")
+    d = 2 * n                       # a head dim whose column-split slices are n wide
+    for thread in range(128):
+        warp, lane = divmod(thread, 32)
+        row, quad = warp * 16 + lane // 4, lane % 4
+        base = (row * n + 2 * quad) * 4                # %dq_row / %dq_grow: slice 0's
+        regs = {"%dq_swz": lane // 4, "%dq_row": base, "%dq_grow": base}
+        for s in body:
+            op, *args = re.split(r"[ ,]+", s.replace("{", "").replace("}", ""))
+            if op == "xor.b32":
+                regs[args[0]] = regs[args[1]] ^ int(args[2])
+            elif op == "shl.b32":
+                regs[args[0]] = regs[args[1]] << int(args[2])
+            elif op in ("add.u32", "add.s64"):
+                regs[args[0]] = regs[args[1]] + regs[args[2]]
+            elif op == "cvt.u64.u32":
+                regs[args[0]] = regs[args[1]]
+            else:
+                assert op in ("st.shared.v2.f32", "red.global.add.v2.f32"), op
+                addr, imm = re.match(r"\[(%\w+)\+(\d+)\]", args[0]).groups()
+                at = (regs[addr] + int(imm)) // 4
+                for k, reg in enumerate(args[1:3]):
+                    i = int(reg[3:])
+                    r = row + 8 * ((i >> 1) & 1)
+                    c = 8 * (i >> 2) + 2 * quad + (i & 1)
+                    want = bwd_builds.dq_accum_offset(r, c, d, CONSUMER_ROWS, n)
+                    assert at + k == want, (thread, s, reg)
+
+
+@pytest.mark.parametrize("n", ptxgen_bwd.ACC_WIDTHS)
+def test_probabilities_read_their_query_columns(n):
+    """SOFTMAX_PT / DS_N: value i of the score tile takes the neg_lse / delta of its column
+    8 * (i >> 2) + (i & 1) (+ the thread's 2 * (l % 4), in ADDR)."""
+    text = ptxgen_bwd.headers()[f"gen_bwd_n{n}.ptxh"]
+    for name, op in ((f"SOFTMAX_PT_N{n}", "fma.rn.f32"), (f"DS_N{n}", "sub.f32")):
+        body = _macro_body(text, name)
+        col = None
+        seen = []
+        for s in body:
+            if s.startswith("ld.shared.v2.f32"):
+                col = int(re.search(r"ADDR\+(\d+)", s).group(1)) // 4
+            elif s.startswith(op):
+                reg = re.findall(r"%(?:st|dpt)(\d+)", s)[0]
+                t = re.findall(r"T([01])", s)[0]
+                seen.append((int(reg), col + int(t)))
+        assert sorted(i for i, _ in seen) == list(range(n // 2))
+        for i, c in seen:
+            assert c == 8 * (i >> 2) + (i & 1), (name, i, c)
+
+
+def _defines(path: Path) -> dict[str, int]:
+    return {k: int(v) for k, v in
+            re.findall(r"^#define (\w+) (\d+)\b", path.read_text(), flags=re.M)}
+
+
+@pytest.mark.parametrize("stage", bwd_builds.STAGES, ids=lambda s: s.label)
+def test_lineage_literals_are_the_table(stage):
+    defs = _defines(ptx_root() / stage.file)
+    lay = bwd_builds.LINEAGE_LAYOUTS[stage.number]
+    for name, value in lay.items():
+        if name in ("end", "smem_bytes"):
+            continue
+        key = f"SMEM_{name.upper()}"
+        assert defs.get(key) == value, f"{stage.label}: {key} is {defs.get(key)}, table {value}"
+    assert stage.smem_bytes == lay["smem_bytes"]
+    assert defs["BLOCK_M"] == bwd_builds.LINEAGE_BLOCK_M
+    assert defs["BLOCK_N"] == bwd_builds.LINEAGE_BLOCK_N
+    assert defs["HEAD_DIM"] == bwd_builds.LINEAGE_HEAD_DIM
+
+
+def test_the_lineage_tiles_are_the_d128_build():
+    b = BUILDS[bwd_builds.LINEAGE_HEAD_DIM]
+    assert (b.block_m, b.block_n) == (bwd_builds.LINEAGE_BLOCK_M, bwd_builds.LINEAGE_BLOCK_N)
+    assert b.key_split and b.dq_cols == 64 and b.dkv_cols == 128
