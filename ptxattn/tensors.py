@@ -223,10 +223,16 @@ def as_device_array(obj, *, name: str = "array", stream=None, dtype=BF16) -> "De
     `stream` (an int handle, default: legacy default stream) is where the
     array will be used; a DLPack producer makes its pending writes visible
     there. Raises TypeError for host arrays and for dtypes other than `dtype`
-    (bfloat16; float32 for the backward's log-sum-exp input).
+    (bfloat16; float32 for the backward's log-sum-exp input), our own DeviceArrays included
+    (a float32 log-sum-exp is no q, k, v or out).
     """
     dtype = np.dtype(dtype)
     if isinstance(obj, DeviceArray):
+        if obj.dtype != dtype:
+            wanted = "bfloat16" if dtype == BF16 else str(dtype)
+            raise TypeError(f"{name}: expected dtype {wanted}, got {obj.dtype} (a DeviceArray "
+                            "of another dtype; device arrays are used in place, never "
+                            f"converted: cast to {wanted} first)")
         return obj
     handle = driver.stream_handle(stream)
     fast = _from_torch(obj, handle) if dtype == BF16 else None

@@ -4,7 +4,7 @@ torch.compile(fullgraph=True) tracing, and the diffusers/transformers backends o
 The kernel launch is replaced by a CPU stand-in (`routed`: records each call and computes it
 with torch's SDPA in float32), and the CUDA device check by one that accepts CPU tensors, so
 "would ptxattn take this call" is tested on CPU tensors. Skipped where torch (or, for their
-tests, diffusers/transformers) is not installed: CI installs neither; the torch extra does.
+tests, diffusers/transformers) is not installed; .ci/run installs torch (CPU) and both.
 """
 
 from __future__ import annotations
@@ -295,6 +295,22 @@ def test_transformers_padding_mask_falls_back_to_sdpa(routed, monkeypatch):
             got = _tiny_llama("ptxattn")(ids, attention_mask=mask).logits
     assert routed == [] and pt.fallback_counts() == {"attn_mask": 1}
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("register, package", [("register_diffusers", "diffusers"),
+                                               ("register_transformers", "transformers")])
+def test_register_without_the_model_library_says_what_to_install(monkeypatch, register,
+                                                                 package):
+    """Not a bare ModuleNotFoundError from inside the backend: an ImportError that names the
+    call, the library, its minimum version and the install command."""
+    monkeypatch.setitem(sys.modules, package, None)          # `import package` fails
+    with pytest.raises(ImportError) as err:
+        getattr(pt, register)()
+    message = str(err.value)
+    for words in (f"{register}() needs {package} (>= ", f"pip install '{package}>=",
+                  "pip install -e '.[models]'"):
+        assert words in message, message
+    assert type(err.value).__name__ == "MissingModelLibraryError", repr(err.value)
 
 
 # --------------------------------------------------------------------------- capstone configs

@@ -31,14 +31,36 @@ from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_cou
                    scaled_dot_product_attention)
 
 
+class MissingModelLibraryError(ImportError):
+    """register_diffusers()/register_transformers() without the model library installed."""
+
+
+def _require(package: str, minimum: str, caller: str) -> None:
+    """ImportError naming what to install when `package` cannot be imported (its own import
+    error chained): a bare ModuleNotFoundError from deep inside says neither."""
+    import importlib
+    try:
+        importlib.import_module(package)
+    except ImportError as e:
+        raise MissingModelLibraryError(
+            f"{caller} needs {package} (>= {minimum}), which is not importable here "
+            f"({type(e).__name__}: {e}): pip install '{package}>={minimum}', or the extra "
+            "that brings it: pip install -e '.[models]' in a checkout") from e
+
+
 def register_diffusers() -> str:
-    """Register the "ptxattn" backend with diffusers' attention dispatch; returns its name."""
+    """Register the "ptxattn" backend with diffusers' attention dispatch; returns its name.
+    Needs diffusers (>= 0.35, extra `models`): MissingModelLibraryError (an ImportError) says
+    so when it is not installed."""
+    _require("diffusers", "0.35", "register_diffusers()")
     from .diffusers_backend import register
     return register()
 
 
 def register_transformers() -> str:
-    """Register "ptxattn" with transformers' AttentionInterface; returns its name."""
+    """Register "ptxattn" with transformers' AttentionInterface; returns its name. Needs
+    transformers (>= 4.56, extra `models`): MissingModelLibraryError otherwise."""
+    _require("transformers", "4.56", "register_transformers()")
     from .transformers_backend import register
     return register()
 
@@ -46,4 +68,4 @@ def register_transformers() -> str:
 __all__ = ["attention", "flash_attn_with_kvcache", "scaled_dot_product_attention",
            "fallback_counts",
            "reset_fallback_counts", "fallback_reason", "REASONS", "library_takes_causal",
-           "register_diffusers", "register_transformers"]
+           "register_diffusers", "register_transformers", "MissingModelLibraryError"]
