@@ -23,10 +23,17 @@ from ptxattn.decode_reference import (clamped_lengths, combine, cta_tiles, kvcac
 
 BASE = 0x7F00_0000_0000
 HEAD_DIMS = sorted(DECODE_BUILDS)
-KERNELS = ((decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, decode_launch.DECODE_PARAMS),
-           (decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY,
+# (file, entry, paged build, its parameter table)
+KERNELS = ((decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, False,
+            decode_launch.decode_params(False)),
+           (decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, True,
+            decode_launch.decode_params(True)),
+           (decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY, False,
             decode_launch.COMBINE_PARAMS),
-           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, decode_launch.APPEND_PARAMS))
+           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, False,
+            decode_launch.append_params(False)),
+           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, True,
+            decode_launch.append_params(True)))
 
 
 # --------------------------------------------------------------------------- build table, header
@@ -88,25 +95,24 @@ def test_build_for_names_the_head_dim():
 
 # --------------------------------------------------------------------------- ABI, assembly
 
-def _entry_params(file: str, entry: str) -> list[tuple[str, str]]:
-    text = decode_launch.kernel_path(file).read_text()
-    m = re.search(rf"\.entry {entry}\((.*?)\n\)", text, re.S)
+def _entry_params(file: str, entry: str, paged: bool = False) -> list[tuple[str, str]]:
+    """(name, PTX type) of the .entry's parameters in one build (expanded: a build's own
+    parameters sit behind #ifdef)."""
+    text = decode_launch.kernel_source(file, 128, paged)
+    m = re.search(rf"\.entry {entry}\((.*?)\)\s*\.maxntid", text, re.S)
     assert m, entry
-    out = []
-    for line in m.group(1).splitlines():
-        p = re.search(r"\.param\s+(?:\.align \d+\s+)?(\.\w+)\s+(\w+)", line)
-        if p:
-            out.append((p.group(2), p.group(1)))
-    return out
+    return [(p.group(2), p.group(1)) for p in
+            re.finditer(r"\.param\s+(?:\.align \d+\s+)?(\.\w+)\s+(\w+)", m.group(1))]
 
 
 _CTYPE_OF = {".b8": None, ".u64": ("c_void_p", "c_ulong", "c_uint64"), ".u32": ("c_uint",),
              ".s32": ("c_int",), ".f32": ("c_float",)}
 
 
-@pytest.mark.parametrize("file,entry,table", KERNELS, ids=[k[1] for k in KERNELS])
-def test_parameter_tables_match_the_ptx(file, entry, table):
-    params = _entry_params(file, entry)
+@pytest.mark.parametrize("file,entry,paged,table", KERNELS,
+                         ids=[k[1] + ("_paged" if k[2] else "") for k in KERNELS])
+def test_parameter_tables_match_the_ptx(file, entry, paged, table):
+    params = _entry_params(file, entry, paged)
     assert [n for n, _ in params] == [n for n, _ in table]
     for (name, ptx_type), (_, ctype) in zip(params, table):
         if ptx_type == ".b8":
@@ -122,19 +128,20 @@ def test_per_call_slots_exist():
         assert set(slots) <= {n for n, _ in table}
 
 
-def _assembled(file: str, d: int):
+def _assembled(file: str, d: int, paged: bool = False):
     try:
         sass.find_tool("ptxas")
     except Exception as e:                            # noqa: BLE001
         pytest.skip(f"no ptxas: {e}")
-    text = decode_launch.kernel_source(file, d)
-    a = sass.assemble_ptx(text, "sm_90a", name=f"{file}.{d}")
+    text = decode_launch.kernel_source(file, d, paged)
+    a = sass.assemble_ptx(text, "sm_90a", name=f"{file}.{d}{'.paged' if paged else ''}")
     return a, sass.parse_ptxas_log(a.log), sass.disassemble(a.cubin)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_decode_kernel_assembles_without_spills(d):
-    a, log, text = _assembled(decode_launch.DECODE_FILE, d)
+def test_decode_kernel_assembles_without_spills(d, paged):
+    a, log, text = _assembled(decode_launch.DECODE_FILE, d, paged)
     f = log["functions"][decode_launch.DECODE_ENTRY]
     b = DECODE_BUILDS[d]
     assert f["spill_stores"] == 0 and f["spill_loads"] == 0 and f["stack_frame"] == 0, f
@@ -150,11 +157,12 @@ def test_decode_kernel_assembles_without_spills(d):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_combine_and_append_assemble(d):
-    for file, entry in ((decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY),
-                        (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY)):
-        _, log, text = _assembled(file, d)
+    for file, entry, paged in ((decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY, False),
+                               (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, False),
+                               (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, True)):
+        _, log, text = _assembled(file, d, paged)
         f = log["functions"][entry]
-        assert f["spill_stores"] == 0 and f["stack_frame"] == 0, (file, f)
+        assert f["spill_stores"] == 0 and f["stack_frame"] == 0, (file, paged, f)
     # every partial of a combine batch is loaded before the first is used (one latency a
     # batch, not one a split)
     _, _, text = _assembled(decode_launch.COMBINE_FILE, d)

@@ -104,3 +104,16 @@ def test_a_one_instruction_edit_of_a_real_stage_breaks_its_fingerprint(tmp_path)
     edited = golden.fingerprint(ptx.expand_file(tmp_path / "edited.ptx", inc).text)
     assert "bar.sync BAR_CTA;" in text and copy == GOLDEN[st.label]["default"]
     assert edited != copy and edited["statements"] == copy["statements"]
+
+
+# ---- the decode family: kernels outside the stage registry ------------------------------------
+
+def test_the_decode_kernels_match_their_golden_fingerprints():
+    """Every build of decode.ptx, combine.ptx and decode_append.ptx (per head dim, contiguous
+    and paged caches) expands to the stream recorded in the golden file: folding their macros
+    onto the production parts, or adding a build, leaves the other builds as they were."""
+    expected = golden.load_kernels()
+    actual = golden.compute_kernels()
+    assert sorted(expected) == sorted(actual)
+    diff = golden.differences(expected, actual)
+    assert not diff, "a decode kernel's expanded stream changed:\n  " + "\n  ".join(diff)

@@ -49,6 +49,7 @@ def _row_defines(b: DecodeBuild) -> list[str]:
         ("KV_TILE_BYTES", b.kv_tile_bytes, "one K or V tile"),
         ("KV_SLOT_DESC", b.kv_tile_bytes >> 4, "a slot's descriptor offset"),
         ("D_BLOCK_BYTES", n * 128, "a K/V tile's next 64 columns of D"),
+        ("MAX_PAGES_PER_TILE", b.max_pages_per_tile, "paged: a tile's pages at page size 16"),
         ("SMEM_Q", b.smem_q, ""),
         ("SMEM_K", b.smem_k, "slot s at SMEM_K + s * KV_TILE_BYTES"),
         ("SMEM_V", b.smem_v, "slot s at SMEM_V + s * KV_TILE_BYTES"),
@@ -135,18 +136,21 @@ def _combine_macros(b: DecodeBuild) -> list[str]:
         regs = [f"%cv{cols * j + c}" for c in range(cols)]
         loads += [f"add.u32 %tmp, %batch_lane, {j};",
                   f"shfl.sync.idx.b32 %cw{j}, %w_sel, %tmp, 31, -1;"]
+        # a split of weight 0 is not read: past the call's splits it lies past the workspace
+        loads.append(f"setp.ne.f32 %p_w, %cw{j}, 0f00000000;")
         for half in range(0, cols, 4):
             group = regs[half:half + 4]
             width = "v2" if len(group) == 2 else "v4"
-            loads.append(f"ld.global.{width}.f32 {{{', '.join(group)}}}, [%ws_addr+{half * 4}];")
+            loads.append(f"@%p_w ld.global.{width}.f32 {{{', '.join(group)}}}, "
+                         f"[%ws_addr+{half * 4}];")
         loads.append("add.u64 %ws_addr, %ws_addr, %split_bytes;")
         fmas.append(f"setp.ne.f32 %p_w, %cw{j}, 0f00000000;")
         fmas += [f"selp.f32 {r}, {r}, 0f00000000, %p_w;" for r in regs]
         fmas += [f"fma.rn.f32 %acc{c}, %cw{j}, {r}, %acc{c};" for c, r in enumerate(regs)]
     out = _macro(f"COMBINE_LOADS_D{d}", None, loads,
                  f"{batch} splits' weights (shuffled from the lanes holding them) and partial O "
-                 f"({cols} floats a lane),\nevery load before any use; %ws_addr steps one split "
-                 "on each")
+                 f"({cols} floats a lane),\nevery load before any use, none of weight 0; "
+                 "%ws_addr steps one split on each")
     out += _macro(f"COMBINE_FMAS_D{d}", None, fmas,
                   "acc += weight * partial O, split by split; a split of weight 0 (LSE -inf: "
                   "it saw no key)\ncontributes 0 whatever its O holds")
