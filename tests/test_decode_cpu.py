@@ -480,10 +480,12 @@ class _FakeMap:
         return ctypes.addressof(self.bytes)
 
 
-def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_launcher_run_fills_every_per_call_slot_of_each_kernel(paged):
     """Launcher.run's values land in the slots they are named for (no GPU: packs and a
     recording launch), for one split (decode writes out and LSE) and for several (decode
-    writes the workspace, the combine the output)."""
+    writes the workspace, the combine the output); a paged Launcher's kernels get the block
+    table's address."""
     import threading
     launched = []
 
@@ -499,15 +501,16 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
         ln.build, ln.splits, ln.rows, ln.lock = DECODE_BUILDS[128], splits, 6, threading.Lock()
         ln.append_fn, ln.decode_fn = Fn("append"), Fn("decode")
         ln.combine_fn = Fn("combine") if splits > 1 else None
-        ln.decode = decode_launch.Pack(decode_launch.DECODE_PARAMS,
-                                       values(decode_launch.DECODE_PARAMS),
-                                       decode_launch.DECODE_PER_CALL)
+        extra = decode_launch.PAGED_PER_CALL if paged else ()
+        ln.decode = decode_launch.Pack(decode_launch.decode_params(paged),
+                                       values(decode_launch.decode_params(paged)),
+                                       decode_launch.DECODE_PER_CALL + extra)
         ln.combine = decode_launch.Pack(decode_launch.COMBINE_PARAMS,
                                         values(decode_launch.COMBINE_PARAMS),
                                         decode_launch.COMBINE_PER_CALL)
-        ln.append_pack = decode_launch.Pack(decode_launch.APPEND_PARAMS,
-                                            values(decode_launch.APPEND_PARAMS),
-                                            decode_launch.APPEND_PER_CALL)
+        ln.append_pack = decode_launch.Pack(decode_launch.append_params(paged),
+                                            values(decode_launch.append_params(paged)),
+                                            decode_launch.APPEND_PER_CALL + extra)
         ln.decode_config = ln.combine_config = ln.append_config = None
         launched.clear()
 
@@ -521,8 +524,10 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
         ln._launch = launch
         ln.run(q_ptr=0x1000, out_ptr=0x2000, lse_ptr=0x3000, ws_ptr=0x4000,
                seqlens_ptr=0x5000, seqlen_const=77, k_new_ptr=0x6000, v_new_ptr=0x7000,
-               bounds_ptr=0x8000)
+               bounds_ptr=0x8000, block_table_ptr=0x9000)
         got = dict(launched)
+        for kernel in ("append", "decode"):
+            assert got[kernel].get("block_table_ptr") == (0x9000 if paged else None), kernel
         assert [f for f, _ in launched] == ["append", "decode"] + (["combine"] if splits > 1
                                                                    else [])
         assert (got["append"]["k_new"], got["append"]["v_new"], got["append"]["seqlens_ptr"],
