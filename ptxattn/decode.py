@@ -17,8 +17,8 @@ tensors.empty (stream-ordered cuMemAllocAsync) otherwise. So a decode step can b
 a CUDA graph and replayed with new lengths. See decode_plan.py for the lengths contract and
 the split heuristic, decode_launch.py for the kernels.
 
-Imported from plan.py: _window (the
-causal/window_size rule) and _caller_stream (the framework's current stream for stream=None).
+Imported from plan.py: _window (the causal/window_size rule); the argument readers (bf16
+views, int32 device vectors, the stream) are device_args.py's, shared with varlen.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import threading
 import numpy as np
 
 from . import driver, tensors, tma
-from .plan import _window, caller_stream as _caller_stream
+from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
+from .plan import _window
 from .decode_builds import build_for
 from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
 from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKSPACE_ENV,
@@ -38,112 +39,12 @@ from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKS
                           check_host_block_table, check_host_lengths, check_num_splits,
                           check_page_size, check_rows_aligned, check_scale, check_shapes,
                           overlaps, resolve_splits)
-from .tensors import BF16, DeviceArray
+from .tensors import DeviceArray
 
 F32 = np.dtype(np.float32)
 
 
 # --------------------------------------------------------------------------- arguments
-
-def _is_torch(obj) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _bf16_view(name: str, obj, stream: int) -> DeviceArray:
-    """A device view of a bf16 CUDA array (torch, DLPack, __cuda_array_interface__)."""
-    if isinstance(obj, np.ndarray):
-        raise TypeError(f"{name}: expected a CUDA array, got a NumPy (host) array; "
-                        "flash_attn_with_kvcache works on device caches in place (copy host "
-                        "data with ptxattn.from_numpy)")
-    if not (isinstance(obj, DeviceArray) or hasattr(obj, "__dlpack__")
-            or hasattr(obj, "__cuda_array_interface__")):
-        raise TypeError(f"{name}: expected a CUDA array (DLPack or __cuda_array_interface__), "
-                        f"got {type(obj).__name__}")
-    arr = tensors.as_device_array(obj, name=name, stream=stream)
-    if arr.dtype != BF16:
-        raise TypeError(f"{name}: expected dtype bfloat16, got {arr.dtype}")
-    return arr
-
-
-class _Vector:
-    """A non-bf16 device array (int32 lengths, a float32 LSE out): address and geometry."""
-
-    def __init__(self, ptr, shape, strides, device, owner):
-        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
-        self.device, self.owner = device, owner
-
-
-_DL_CODES = {"int32": (tensors.kDLInt, 32), "float32": (tensors.kDLFloat, 32)}
-_TYPESTRS = {"int32": "<i4", "float32": "<f4"}
-
-
-def _foreign(name: str, obj, dtype: str, stream: int) -> _Vector:
-    """A device array of `dtype` from torch, DLPack or __cuda_array_interface__ (a host array
-    or another dtype is a TypeError naming the argument)."""
-    if _is_torch(obj):
-        torch = sys.modules["torch"]
-        if obj.dtype != getattr(torch, dtype):
-            raise TypeError(f"{name}: expected dtype {dtype}, got {obj.dtype}")
-        if not obj.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor, got one on {obj.device}")
-        current = tensors.torch_current_stream(obj.get_device())
-        if current != stream:
-            driver.stream_wait(stream, current)
-        return _Vector(obj.data_ptr(), obj.shape, obj.stride(), obj.get_device(), obj)
-    if isinstance(obj, DeviceArray):
-        if obj.dtype != np.dtype(dtype):
-            raise TypeError(f"{name}: expected dtype {dtype}, got {obj.dtype}")
-        return _Vector(obj.ptr, obj.shape, obj.strides, obj.device, obj)
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None and not hasattr(obj, "__dlpack__"):
-        if cai.get("typestr") != _TYPESTRS[dtype]:
-            raise TypeError(f"{name}: expected dtype {dtype} (typestr {_TYPESTRS[dtype]!r}), "
-                            f"got typestr {cai.get('typestr')!r}")
-        shape = tuple(int(n) for n in cai["shape"])
-        strides = (tensors.contiguous_strides(shape) if cai.get("strides") is None
-                   else tuple(int(s) // 4 for s in cai["strides"]))
-        return _Vector(cai["data"][0] or 0, shape, strides, None, obj)
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(name, obj, dtype, stream)
-    raise TypeError(f"{name}: expected a CUDA {dtype} array, got {type(obj).__name__}")
-
-
-def _from_dlpack(name: str, obj, dtype: str, stream: int) -> _Vector:
-    """Consume a DLPack capsule of `dtype` (tensors' capsule structs; the importer there
-    takes bf16 only). The consumed tensor's deleter runs when the returned view's owner goes."""
-    if hasattr(obj, "__dlpack_device__"):
-        dev_type, _ = obj.__dlpack_device__()
-        if int(dev_type) not in (tensors.kDLCUDA, tensors.kDLCUDAManaged):
-            raise TypeError(f"{name}: expected a CUDA array, got one on "
-                            f"{tensors._device_name(int(dev_type))} memory")
-    s = 1 if stream == 0 else stream
-    try:
-        capsule = obj.__dlpack__(stream=s, max_version=tensors.DLPACK_VERSION)
-    except TypeError:
-        capsule = obj.__dlpack__(stream=s)
-    addr = id(capsule)
-    for versioned in (True, False):
-        if tensors._capsule_is_valid(addr, tensors._NAME[versioned]):
-            break
-    else:
-        raise TypeError(f"{name}: __dlpack__ did not return an unused DLPack capsule")
-    pointer = tensors._capsule_get_pointer(addr, tensors._NAME[versioned])
-    managed = (tensors.DLManagedTensorVersioned if versioned
-               else tensors.DLManagedTensor).from_address(pointer)
-    tensors._capsule_set_name(addr, tensors._USED_NAME[versioned])
-    holder = tensors._Imported(capsule, pointer, managed.deleter, obj)
-    t = managed.dl_tensor
-    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (*_DL_CODES[dtype], 1):
-        raise TypeError(f"{name}: expected dtype {dtype}, got "
-                        f"{tensors._dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)}")
-    if t.device.device_type not in (tensors.kDLCUDA, tensors.kDLCUDAManaged):
-        raise TypeError(f"{name}: expected a CUDA array, got one on "
-                        f"{tensors._device_name(t.device.device_type)} memory")
-    shape = tuple(t.shape[:t.ndim])
-    strides = tuple(t.strides[:t.ndim]) if t.strides else tensors.contiguous_strides(shape)
-    return _Vector((t.data or 0) + t.byte_offset, shape, strides, t.device.device_id, holder)
-
 
 def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Lengths:
     """cache_seqlens as Lengths; host data is range-checked here (see decode_plan)."""
@@ -157,7 +58,7 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
     if isinstance(obj, (int, np.integer)):
         check_host_lengths(np.full(batch, int(obj), np.int64), batch, cache_len, seq_new)
         return Lengths("int", value=int(obj))
-    if _is_torch(obj) and not obj.is_cuda:
+    if is_torch(obj) and not obj.is_cuda:
         torch = sys.modules["torch"]
         if obj.dtype != torch.int32:
             raise TypeError(f"cache_seqlens: expected dtype int32 (FlashAttention's), got "
@@ -170,7 +71,7 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
         values = np.ascontiguousarray(obj)
         check_host_lengths(values, batch, cache_len, seq_new)
         return Lengths("host", host=values)
-    vec = _foreign("cache_seqlens", obj, "int32", stream)
+    vec = foreign("cache_seqlens", obj, "int32", stream)
     if vec.shape != (batch,):
         raise ValueError(f"cache_seqlens: expected shape ({batch},), one length per sequence, "
                          f"got {vec.shape}")
@@ -182,20 +83,6 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
     return Lengths("device", ptr=vec.ptr, owner=vec)
 
 
-def _host_int32(name: str, obj):
-    """A NumPy int32 array of a host argument (NumPy, or a CPU torch tensor), else None."""
-    if _is_torch(obj) and not obj.is_cuda:
-        torch = sys.modules["torch"]
-        if obj.dtype != torch.int32:
-            raise TypeError(f"{name}: expected dtype int32 (FlashAttention's), got {obj.dtype}")
-        obj = obj.numpy()
-    if isinstance(obj, np.ndarray):
-        if obj.dtype != np.int32:
-            raise TypeError(f"{name}: expected dtype int32 (FlashAttention's), got {obj.dtype}")
-        return np.ascontiguousarray(obj)
-    return None
-
-
 def _paging(obj, batch: int, k_dims, stream: int) -> Paging:
     """block_table as Paging: (B, max_pages) int32, a device array (read by the kernels only)
     or host data (checked against host lengths in validate, copied in per call)."""
@@ -204,11 +91,11 @@ def _paging(obj, batch: int, k_dims, stream: int) -> Paging:
     if isinstance(obj, bool) or isinstance(obj, (int, float)):
         raise TypeError(f"block_table: expected an int32 array (B, max_pages), got "
                         f"{type(obj).__name__}")
-    host = _host_int32("block_table", obj)
+    host = host_int32("block_table", obj)
     if host is not None:
         shape, strides = host.shape, tensors.contiguous_strides(host.shape)
     else:
-        vec = _foreign("block_table", obj, "int32", stream)
+        vec = foreign("block_table", obj, "int32", stream)
         shape, strides = vec.shape, vec.strides
     if len(shape) != 2 or shape[0] != batch:
         raise ValueError(f"block_table: expected shape ({batch}, max_pages), one row of page "
@@ -237,21 +124,6 @@ def _paging(obj, batch: int, k_dims, stream: int) -> Paging:
     return paging
 
 
-def _stream(q, arrays, stream) -> tuple[int, object]:
-    """(handle, object): torch's current stream for torch tensors (stream= must be None then:
-    torch code chooses streams with torch.cuda.stream), else stream=, else the framework's."""
-    if _is_torch(q):
-        if not q.is_cuda:
-            raise TypeError(f"q: expected a CUDA tensor, got one on {q.device}")
-        if stream is not None:
-            raise TypeError("stream: torch tensors run on torch's current stream; choose it "
-                            "with `with torch.cuda.stream(s):` (stream= is for other arrays)")
-        return tensors.torch_current_stream(q.get_device()), None
-    if stream is None:
-        stream = _caller_stream(arrays)
-    return driver.stream_handle(stream), stream
-
-
 def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
              window_size=(-1, -1), softmax_scale=None, return_lse=False, num_splits=0, *,
              block_table=None, layout="bshd", out=None, lse_out=None,
@@ -269,8 +141,8 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     if (k is None) != (v is None):
         raise ValueError(f"{'v' if k is not None else 'k'}: k and v are appended together; "
                          "pass both or neither")
-    handle, stream_object = _stream(q, (q, k_cache, v_cache, out), stream)
-    views = {name: _bf16_view(name, obj, handle)
+    handle, stream_object = call_stream(q, (q, k_cache, v_cache, out), stream)
+    views = {name: bf16_view(name, obj, handle)
              for name, obj in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                                ("k", k), ("v", v)) if obj is not None}
     q_dims = bhld_of("q", views["q"].shape, layout)
@@ -336,7 +208,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
 
     out_view = None
     if out is not None:
-        out_view = _bf16_view("out", out, handle)
+        out_view = bf16_view("out", out, handle)
         if tuple(out_view.shape) != tuple(views["q"].shape):
             raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
                              f"{tuple(out_view.shape)}")
@@ -353,7 +225,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     if lse_out is not None:
         if not return_lse:
             raise ValueError("lse_out: given with return_lse=False")
-        lse_view = _foreign("lse_out", lse_out, "float32", handle)
+        lse_view = foreign("lse_out", lse_out, "float32", handle)
         if lse_view.shape != (batch, heads, seq_q) or (
                 batch * heads * seq_q > 1
                 and lse_view.strides != tensors.contiguous_strides(lse_view.shape)):
@@ -366,7 +238,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
                       heads_kv=heads_kv, head_dim=head_dim, cache_len=cache_len,
                       seq_new=seq_new, lengths=lengths, window=(left, right), scale=scale,
                       want_lse=return_lse, splits=0, splits_requested=splits_requested,
-                      stream=handle, stream_object=stream_object, torch=_is_torch(q),
+                      stream=handle, stream_object=stream_object, torch=is_torch(q),
                       build=build, out_strides=out_strides, q_shape=tuple(views["q"].shape),
                       objects={"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v},
                       paging=paging)
@@ -386,17 +258,9 @@ def _host_lengths_of(lengths: Lengths, batch: int, seq_new: int):
     return np.full(batch, lengths.value + (seq_new if lengths.kind == "int" else 0), np.int64)
 
 
-def paged_map_box(paging: Paging, head_dim: int, block_n: int) -> tuple[int, int | None]:
-    """(rows, d_blocks) of the paged caches' TMA box: a tile of all D when a page holds a
-    tile, else a page of one 64-column block of D (decode_kv_address.ptxh)."""
-    if paging.page_size >= block_n:
-        return block_n, None
-    return paging.page_size, 1
-
-
 def _paged_map_geometry(arr, paging: Paging, heads_kv: int, head_dim: int, block_n: int,
                         name: str) -> dict:
-    rows, d_blocks = paged_map_box(paging, head_dim, block_n)
+    rows, d_blocks = paging.map_box(head_dim, block_n)
     return tma.map_geometry("bshd", paging.num_pages, heads_kv, paging.page_size, head_dim,
                             rows, TMA_CHUNK, arr.strides, name, d_blocks)
 

@@ -192,8 +192,7 @@ class Launcher:
         else:
             # (64 of D, row in the page, D / 64, K/V head, page) over all pages; the box a
             # tile (page >= tile) or a page of 64 columns of D (decode_kv_address.ptxh)
-            from .decode import paged_map_box
-            rows, d_blocks = paged_map_box(paging, d, build.block_n)
+            rows, d_blocks = paging.map_box(d, build.block_n)
             maps = tuple(tma.encode_qkvo_map(arr.ptr, "bshd", paging.num_pages, call.heads_kv,
                                              paging.page_size, d, rows, SWIZZLE_128B,
                                              TMA_CHUNK, arr.strides, name=name,

@@ -128,9 +128,12 @@ class Paging:
         """Positions a sequence's pages hold: the kernels' cache_len."""
         return self.max_pages * self.page_size
 
-    def box_rows(self, block_n: int) -> int:
-        """Rows of one TMA box: a whole tile when a page holds one, else a page."""
-        return min(self.page_size, block_n)
+    def map_box(self, head_dim: int, block_n: int) -> tuple[int, int | None]:
+        """(rows, d_blocks) of the paged caches' TMA box: a tile of all D when a page holds a
+        tile, else a page of one 64-column block of D (decode_kv_address.ptxh)."""
+        if self.page_size >= block_n:
+            return block_n, None
+        return self.page_size, 1
 
 
 def check_page_size(page_size: int) -> None:

@@ -47,7 +47,7 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
     assert not re.search(r"^\s*TRACE\(", own, re.M) and not re.search(r"^#if HEAD_DIM\b", own, re.M)
     names = [v for v, _ in golden.variants(stages.PRODUCTION)]
     assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
-                     "PTXATTN_MASKED=1", "HEAD_DIM=64", "HEAD_DIM=256"]
+                     "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256"]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 

@@ -175,4 +175,4 @@ def test_the_paged_map_box():
     for page, d, want in ((16, 128, (16, 1)), (32, 256, (32, 1)), (64, 256, (64, None)),
                           (128, 128, (128, None)), (256, 256, (64, None))):
         p = Paging("device", page_size=page, num_pages=1, max_pages=1)
-        assert decode.paged_map_box(p, d, DECODE_BUILDS[d].block_n) == want
+        assert p.map_box(d, DECODE_BUILDS[d].block_n) == want

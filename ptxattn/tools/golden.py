@@ -38,6 +38,7 @@ KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/tools/trace.py)
     ("SW_EXP2_PER_8", tuple(str(k) for k in range(9)), r"\bSW_EXP2_PER_8\b"),  # stages 9 on
     ("PTXATTN_MASKED", ("1",), r"^#ifdef PTXATTN_MASKED"),     # the production kernel's masks
+    ("PTXATTN_VARLEN", ("1",), r"^#ifdef PTXATTN_VARLEN"),     # its packed-sequence build
     ("HEAD_DIM", ("64", "256"), r"^#if HEAD_DIM\b"),   # production builds (128: the default)
 )
 
