@@ -17,6 +17,7 @@ _EXPORTS = {
     "prepare": "api",
     "PreparedAttention": "api",
     "flash_attn_with_kvcache": "decode",
+    "flash_attn_varlen_func": "varlen",
     "attention_backward": "backward",
     "prepare_backward": "backward",
     "attention_backward_reference": "reference_backward",

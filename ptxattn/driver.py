@@ -660,7 +660,7 @@ def memcpy_dtoh(dst, src: int, stream=None) -> None:
 
 
 def _memset(bits: int, ptr: int, value: int, count: int, stream) -> None:
-    """cuMemsetD8/D16/D32 (synchronous on the legacy stream) or its Async form on `stream`."""
+    """cuMemsetD8/D16 (synchronous on the legacy stream) or its Async form on `stream`."""
     if count == 0:
         return
     context()
@@ -681,11 +681,6 @@ def memset_u16(ptr: int, value: int, count: int, stream=None) -> None:
 def memset_u8(ptr: int, value: int, count: int, stream=None) -> None:
     """Fill `count` bytes."""
     _memset(8, ptr, value, count, stream)
-
-
-def memset_u32(ptr: int, value: int, count: int, stream=None) -> None:
-    """Fill `count` 32-bit words (0xFF800000 is a float32 -inf: an LSE of no key)."""
-    _memset(32, ptr, value, count, stream)
 
 
 def mem_get_info() -> tuple[int, int]:

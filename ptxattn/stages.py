@@ -88,6 +88,12 @@ class Stage:
                      doc="Takes causal and sliding-window masks.")
 
     @property
+    def varlen(self) -> bool:
+        """The production kernel's packed-sequence build (flash_attn_varlen_func): its ABI adds
+        launch.VARLEN_PARAMS."""
+        return ("PTXATTN_VARLEN", "1") in self.defines
+
+    @property
     def tma_chunk(self) -> int:
         """Elements of D per innermost TMA box dimension.
 
