@@ -107,3 +107,114 @@ def test_lengths_past_the_pages_are_clamped(emulated_gpu):
     ref, ref_lse = kvcache_reference(case["q"], kc, vc, clamped)
     check(got, None, ref, ref_lse, "bshd", "emulator clamped lengths")
     assert (got[1] == 0).all(), "a clamped empty sequence's output is 0"
+
+
+# --------------------------------------------------------------------------- varlen prefill
+
+from varlen_checks import check_varlen, run_varlen, varlen_case  # noqa: E402
+
+from ptxattn import varlen, varlen_plan  # noqa: E402
+
+# (lens_q, lens_k, H, Hkv, D, causal, window)
+VARLEN = [
+    ((0, 1, 127, 128, 129), None, 4, 2, 64, False, (-1, -1)),
+    ((0, 1, 127, 128, 129), None, 4, 2, 128, True, (-1, -1)),
+    ((1, 129, 0, 40), (300, 129, 17, 0), 2, 1, 256, True, (-1, -1)),   # chunked prefill, MQA
+    ((200, 64, 3), (200, 500, 9), 2, 2, 64, False, (50, 10)),          # windows per sequence
+]
+
+
+@pytest.mark.parametrize("lens_q,lens_k,H,Hkv,D,causal,window", VARLEN)
+def test_varlen_meets_the_bar(emulated_gpu, lens_q, lens_k, H, Hkv, D, causal, window):
+    rng = np.random.default_rng(sum(lens_q) + D)
+    case = varlen_case(rng, lens_q, lens_k, H=H, Hkv=Hkv, D=D)
+    run_varlen(case, causal=causal, window=window, what="emulator")
+
+
+def test_varlen_persistent_ctas_walk_several_tiles(emulated_gpu, monkeypatch):
+    """Two CTAs take every tile of a mixed batch in the snake order of the sorted table."""
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
+    rng = np.random.default_rng(11)
+    case = varlen_case(rng, (129, 64, 1, 300, 0, 70), (129, 500, 7, 310, 5, 70), H=3, Hkv=1,
+                       D=64)
+    run_varlen(case, causal=True, what="emulator 2 CTAs")
+    assert emulated_gpu.launches[-1][1] == (2, 1, 1)
+
+
+def test_varlen_seqused_k_padding_and_host_offsets(emulated_gpu):
+    rng = np.random.default_rng(12)
+    case = varlen_case(rng, (60, 130), (90, 140), H=2, Hkv=1, D=128, pad_q=9, pad_k=20)
+    case["cu_q"], case["cu_k"] = case["cu_q"], case["cu_k"]
+    used = np.array([90, 100], np.int32)
+    run_varlen(case, causal=True, seqused=used, what="emulator seqused_k, padded")
+    # host offsets must end at the tensors' rows: pad the case's arrays' view of them
+    exact = varlen_case(rng, (60, 130), (90, 140), H=2, Hkv=1, D=128)
+    run_varlen(exact, causal=True, device_offsets=False, what="emulator host offsets")
+
+
+def test_varlen_without_any_key(emulated_gpu):
+    rng = np.random.default_rng(13)
+    case = varlen_case(rng, (5, 70), (0, 0), H=2, Hkv=2, D=64)
+    got, lse = run_varlen(case, causal=False, what="emulator no keys")
+    assert (got == 0).all() and np.isneginf(lse).all()
+
+
+def _device_table(case, H, Hkv, D, causal=False, window=(-1, -1), cu_q=None, cu_k=None):
+    """Run varlen_tiles.ptx alone and read its table back."""
+    from decode_checks import DeviceInt32
+    from ptxattn import driver, tensors
+    cu_q = case["cu_q"] if cu_q is None else cu_q
+    cu_k = case["cu_k"] if cu_k is None else cu_k
+    call = varlen.validate(tensors.from_numpy(case["q"]), tensors.from_numpy(case["k"]),
+                           tensors.from_numpy(case["v"]), DeviceInt32(cu_q), DeviceInt32(cu_k),
+                           1, 1, causal, window)
+    ln = varlen.Launcher(call, driver.context().sm_count)
+    ws = driver.DeviceBuffer(call.workspace_bytes)
+    driver.memset_u8(ws.ptr, 0xAB, call.workspace_bytes)
+    dq, dk = DeviceInt32(cu_q), DeviceInt32(cu_k)
+    ln.run_tiles(ws.ptr, dq.buffer.ptr, dk.buffer.ptr, 0, 0)
+    words = np.zeros(call.workspace_bytes // 4, np.int32)
+    driver.memcpy_dtoh(words, ws.ptr)
+    count = int(words[0])
+    return call, ln, words[4:4 + 4 * count].reshape(count, 4).astype(np.int64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_device_tile_table_is_the_model(emulated_gpu, causal):
+    rng = np.random.default_rng(14)
+    lens_q, lens_k = (300, 0, 1, 129, 64, 500), (300, 10, 0, 200, 700, 500)
+    case = varlen_case(rng, lens_q, lens_k, H=2, Hkv=1, D=64)
+    call, ln, got = _device_table(case, 2, 1, 64, causal=causal)
+    want = varlen_plan.tile_table(case["cu_q"], case["cu_k"], None, call.total_q,
+                                  call.total_k, ln.stage.block_m, ln.stage.block_n,
+                                  call.window_params)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_device_offsets_are_clamped(emulated_gpu):
+    """Decreasing, negative and past-the-end offsets: the table's blocks stay inside the
+    tensors (every record's rows and keys in range), and the forward kernel reads and writes
+    nothing outside them (the emulator faults on any such access)."""
+    rng = np.random.default_rng(15)
+    case = varlen_case(rng, (70, 130, 40), H=2, Hkv=1, D=64)
+    bad_q = np.array([0, 200, 50, 10**6], np.int32)
+    bad_k = np.array([-5, 100, 90, 2**31 - 1], np.int32)
+    call, _, table = _device_table(case, 2, 1, 64, cu_q=bad_q, cu_k=bad_k)
+    assert len(table) <= call.max_entries
+    assert ((table[:, 0] >= 0) & (table[:, 2] <= call.total_q)).all()
+    assert ((table[:, 1] >= 0) & (table[:, 1] + table[:, 3] <= call.total_k)).all()
+    run_varlen(case, causal=True, cu_q=bad_q, cu_k=bad_k, check=False, what="planted")
+
+
+def test_check_bounds_reports_the_broken_offset(emulated_gpu, monkeypatch):
+    monkeypatch.setenv("PTXATTN_CHECK_BOUNDS", "1")
+    rng = np.random.default_rng(16)
+    case = varlen_case(rng, (70, 130, 40), H=2, Hkv=1, D=64)
+    bad_q = case["cu_q"].copy()
+    bad_q[2] = 10                                  # decreasing at index 2
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: on the device, index 2 holds 10"):
+        run_varlen(case, cu_q=bad_q, check=False)
+    bad_k = case["cu_k"].copy()
+    bad_k[-1] += 5                                 # past k's rows
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: on the device, index 3 holds 245"):
+        run_varlen(case, cu_k=bad_k, check=False)
