@@ -18,6 +18,8 @@ _EXPORTS = {
     "PreparedAttention": "api",
     "flash_attn_with_kvcache": "decode",
     "flash_attn_varlen_func": "varlen",
+    "plan_varlen": "serving",
+    "plan_decode": "serving",
     "attention_backward": "backward",
     "prepare_backward": "backward",
     "attention_backward_reference": "reference_backward",

@@ -236,15 +236,6 @@ class Launcher:
         cap = launch.persistent_ctas()
         self.grid = grid_of(call.max_entries, call.heads, sm_count if cap is None
                             else min(sm_count, cap))
-        # no key in the whole batch (total_k 0): every sequence has seq_k 0, so no key is
-        # seen; k and v may have no memory at all, and the maps are given one row of q's
-        # (read as zeros: the one K/V tile of such a sequence lies before row 0)
-        kv = (call.k, call.v) if call.total_k else (call.q, call.q)
-        self.maps = {
-            "tmap_q": self._map(call.q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
-            "tmap_k": self._map(kv[0], call.heads_kv, call.total_k, self.stage.block_n, "k"),
-            "tmap_v": self._map(kv[1], call.heads_kv, call.total_k, self.stage.block_n, "v"),
-        }
         self.values = dict(
             seq_q=call.total_q, seq_k=call.total_k, heads=call.heads, batch=1,
             softmax_scale=call.scale, heads_per_kv=call.heads // call.heads_kv,
@@ -278,11 +269,20 @@ class Launcher:
         args = (tuple(tiles[n] for n, _ in TILES_PARAMS), tuple(t for _, t in TILES_PARAMS))
         _check(self._launch(self.tiles_config, self.tiles_fn.handle, args, 0), TILES_ENTRY)
 
-    def run_forward(self, out: DeviceArray, lse_ptr: int, table_ptr: int) -> None:
-        """Enqueue the forward kernel's varlen build over the table at table_ptr."""
+    def run_forward(self, q, k, v, out, lse_ptr: int, table_ptr: int) -> None:
+        """Enqueue the forward kernel's varlen build over the table at table_ptr. q, k, v and
+        out: views of this geometry (their tensor maps are encoded once per address)."""
         call = self.call
+        if not call.total_k:
+            # no key in the whole batch: every sequence has seq_k 0 and no row sees a key; k
+            # and v may have no memory at all, so their maps get one row of q's (read as
+            # zeros: the one K/V tile of such a sequence lies before row 0)
+            k = v = q
         o_row, o_head, _ = (int(x) for x in out.strides)
-        values = dict(self.values, **self.maps,
+        values = dict(self.values,
+                      tmap_q=self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
+                      tmap_k=self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
+                      tmap_v=self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
                       tmap_o=self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"),
                       o_ptr=out.ptr, o_row_stride=o_row, o_head_stride=o_head,
                       o_batch_stride=o_row * max(call.total_q, 1), lse_ptr=lse_ptr,
@@ -291,12 +291,12 @@ class Launcher:
         _check(self._launch(self.forward_config, self.forward_fn.handle, args, 0),
                "ptxattn_fwd (varlen)")
 
-    def run(self, out: DeviceArray, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
+    def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
             cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
         """The call's two launches, in stream order: the table, then the attention."""
         with self.lock:
             self.run_tiles(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
-            self.run_forward(out, lse_ptr, workspace_ptr)
+            self.run_forward(q, k, v, out, lse_ptr, workspace_ptr)
 
 
 def _check(result, what: str) -> None:
@@ -391,8 +391,7 @@ _LAUNCHERS_LOCK = threading.Lock()
 
 def _launcher(call: VarlenCall) -> Launcher:
     ctx = driver.context()
-    key = (ctx.ordinal, call.stream, call.q.ptr, call.q.strides, call.k.ptr, call.k.strides,
-           call.v.ptr, call.v.strides, call.total_q, call.total_k, call.heads, call.heads_kv,
+    key = (ctx.ordinal, call.stream, call.total_q, call.total_k, call.heads, call.heads_kv,
            call.head_dim, call.batch, call.window, call.scale,
            os.environ.get(launch.PERSISTENT_CTAS_ENV))
     hit = _LAUNCHERS.get(key)
@@ -423,7 +422,7 @@ def run_call(call: VarlenCall, launcher: Launcher):
         bounds = driver.DeviceBuffer(4 * BOUNDS_WORDS, stream=call.stream,
                                      stream_owner=call.stream_object)
         driver.memset_u8(bounds.ptr, 0, 4 * BOUNDS_WORDS, stream=call.stream)
-    launcher.run(out_view, _ptr(lse) if lse is not None else 0, _ptr(workspace),
+    launcher.run(call.q, call.k, call.v, out_view, _ptr(lse) if lse is not None else 0, _ptr(workspace),
                  _device_offsets(call.cu_q, call, keep), _device_offsets(call.cu_k, call, keep),
                  _device_offsets(call.seqused_k, call, keep),
                  bounds.ptr if bounds is not None else 0)

@@ -218,3 +218,70 @@ def test_check_bounds_reports_the_broken_offset(emulated_gpu, monkeypatch):
     bad_k[-1] += 5                                 # past k's rows
     with pytest.raises(ValueError, match=r"cu_seqlens_k: on the device, index 3 holds 245"):
         run_varlen(case, cu_k=bad_k, check=False)
+
+
+# --------------------------------------------------------------------------- plan / run
+
+def test_prefill_plan_runs_layers_with_one_launch_each(emulated_gpu):
+    """Host offsets: the plan builds the tile table once; each layer's run is the forward
+    kernel alone, on that layer's q, k, v."""
+    import ptxattn
+    from ptxattn import tensors
+    rng = np.random.default_rng(21)
+    lens_q, lens_k = (130, 0, 40, 7), (130, 9, 300, 7)
+    plan = ptxattn.plan_varlen(varlen_case(rng, lens_q, lens_k)["cu_q"],
+                               varlen_case(rng, lens_q, lens_k)["cu_k"], heads=4, heads_kv=2,
+                               head_dim=64, causal=True, return_lse=True)
+    for layer in range(2):
+        case = varlen_case(rng, lens_q, lens_k, H=4, Hkv=2, D=64)
+        before = len(emulated_gpu.launches)
+        out, lse = plan.run(*(tensors.from_numpy(case[n]) for n in ("q", "k", "v")))
+        names = [entry[0] for entry in emulated_gpu.launches[before:]]
+        assert len(names) == 1, f"layer {layer}: launches {names}"
+        check_varlen(case, out.to_numpy().astype(np.float32), lse.to_numpy(), causal=True,
+                     window=(-1, -1), what=f"plan layer {layer}")
+
+
+def test_prefill_plan_with_device_offsets_launches_the_tile_kernel(emulated_gpu):
+    import ptxattn
+    from decode_checks import DeviceInt32
+    from ptxattn import tensors
+    rng = np.random.default_rng(22)
+    case = varlen_case(rng, (70, 129), (200, 129), H=2, Hkv=1, D=128)
+    plan = ptxattn.plan_varlen(DeviceInt32(case["cu_q"]), DeviceInt32(case["cu_k"]), heads=2,
+                               heads_kv=1, head_dim=128, total_q=199, total_k=329, causal=True)
+    before = len(emulated_gpu.launches)
+    out = plan.run(*(tensors.from_numpy(case[n]) for n in ("q", "k", "v")))
+    assert len(emulated_gpu.launches) - before == 2
+    check_varlen(case, out.to_numpy().astype(np.float32), None, causal=True, window=(-1, -1),
+                 what="plan, device offsets")
+
+
+def test_decode_plan_pages_per_layer_with_appends(emulated_gpu):
+    """A paged decode step of two layers: one plan (splits from the host lengths), each layer
+    its own caches; the new keys land in the pages; results match the reference."""
+    import ptxattn
+    from decode_checks import DeviceInt32, pages_after_append
+    from ptxattn import tensors
+    from ptxattn.decode_reference import kvcache_reference
+    rng = np.random.default_rng(23)
+    lengths = (300, 1, 33)
+    cases = [paged_case(rng, B=3, H=4, Hkv=2, Lq=1, D=64, page_size=16, lengths=lengths,
+                        max_pages=20, new=1) for _ in range(2)]
+    table = cases[0]["table"]
+    cached = np.array(lengths, np.int32) - 1
+    plan = ptxattn.plan_decode(batch=3, heads=4, heads_kv=2, head_dim=64,
+                               cache_seqlens=DeviceInt32(cached), block_table=DeviceInt32(table),
+                               page_size=16, num_pages=cases[0]["k_pages"].shape[0], seq_new=1,
+                               causal=True, host_lengths=cached, num_splits=2)
+    assert plan.splits == 2
+    for layer, case in enumerate(cases):
+        case["table"] = table
+        kd, vd = tensors.from_numpy(case["k_pages"]), tensors.from_numpy(case["v_pages"])
+        out = plan.run(tensors.from_numpy(case["q"]), kd, vd,
+                       k=tensors.from_numpy(case["k_new"]), v=tensors.from_numpy(case["v_new"]))
+        kp, vp = pages_after_append(case, table)
+        np.testing.assert_array_equal(kd.to_numpy().astype(np.float32), kp.astype(np.float32))
+        kc, vc = contiguous_from_pages(kp, vp, table, case["lengths"])
+        ref, ref_lse = kvcache_reference(case["q"], kc, vc, case["lengths"], causal=True)
+        check(out.to_numpy(), None, ref, ref_lse, "bshd", f"decode plan layer {layer}")

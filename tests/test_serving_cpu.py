@@ -370,3 +370,30 @@ def test_the_varlen_build_is_the_masked_build_with_a_tile_table():
     assert dict(stage.defines) == {"HEAD_DIM": "128", "PTXATTN_MASKED": "1",
                                    "PTXATTN_VARLEN": "1"}
     assert stage.varlen and stage.block_m == 128 and stage.block_n == 128
+
+
+# --------------------------------------------------------------------------- plan / run
+
+def test_decode_plan_splits_follow_the_host_lengths(no_driver):
+    """The plan's split count from the longest sequence it is told of, not the capacity."""
+    import ptxattn
+    from ptxattn.decode_plan import choose_splits
+    short = ptxattn.plan_decode(batch=1, heads=32, heads_kv=8, head_dim=128, cache_len=131072,
+                                host_lengths=np.array([600], np.int32), sm_count=132)
+    full = ptxattn.plan_decode(batch=1, heads=32, heads_kv=8, head_dim=128, cache_len=131072,
+                               sm_count=132)
+    assert short.splits == choose_splits(1, 8, 1, 600, 128, 132) == 5
+    assert full.splits == 14
+    forced = ptxattn.plan_decode(batch=1, heads=32, heads_kv=8, head_dim=128, cache_len=131072,
+                                 host_lengths=np.array([600], np.int32), num_splits=64)
+    assert forced.splits == 5, "never more splits than the longest sequence has tiles"
+
+
+def test_decode_plan_checks_host_data(no_driver):
+    import ptxattn
+    with pytest.raises(ValueError, match="cache_seqlens: sequence 0 has length 200"):
+        ptxattn.plan_decode(batch=1, heads=8, heads_kv=2, head_dim=128, cache_len=128,
+                            host_lengths=np.array([200], np.int32), sm_count=132)
+    with pytest.raises(ValueError, match="page_size, num_pages: needed"):
+        ptxattn.plan_decode(batch=1, heads=8, heads_kv=2, head_dim=128,
+                            block_table=FakeDLPack((1, 4), ptr=BASE, dtype="int32"))
