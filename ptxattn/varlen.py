@@ -252,11 +252,30 @@ class Launcher:
             (self.grid, 1, 1), (self.stage.threads, 1, 1), self.stage.smem_bytes, (1, 1, 1),
             call.stream)[0]
         self.lock = threading.Lock()
+        # the forward kernel's parameters as a template: what a call fills, by slot
+        names = [p.name for p in self.params]
+        self._template = [self.values.get(n, 0) for n in names]
+        self._types = tuple(p.ctype for p in self.params)
+        self._slots = tuple(names.index(n) for n in (
+            "tmap_q", "tmap_k", "tmap_v", "tmap_o", "o_ptr", "o_row_stride", "o_head_stride",
+            "o_batch_stride", "lse_ptr", "tiles_ptr"))
+        self._maps: dict = {}
 
     def _map(self, arr, heads: int, rows: int, box_rows: int, name: str):
-        return tma.encode_qkvo_map(arr.ptr, "bshd", 1, heads, max(rows, 1),
-                                   self.call.head_dim, box_rows, SWIZZLE_128B, TMA_CHUNK,
-                                   _strides4(arr), name=name)
+        """The tensor map of one of q, k, v, out at its address (remembered per address and
+        strides: a layer's activations come back at the same addresses step after step). The
+        key holds everything the map encodes: a map of another row count would bound the box
+        walk at the wrong row."""
+        key = (name, arr.ptr, tuple(arr.strides), heads, max(rows, 1), box_rows)
+        tmap = self._maps.get(key)
+        if tmap is None:
+            tmap = tma.encode_qkvo_map(arr.ptr, "bshd", 1, heads, max(rows, 1),
+                                       self.call.head_dim, box_rows, SWIZZLE_128B, TMA_CHUNK,
+                                       _strides4(arr), name=name)
+            if len(self._maps) >= 256:
+                self._maps.pop(next(iter(self._maps)), None)
+            self._maps[key] = tmap
+        return tmap
 
     def run_tiles(self, workspace_ptr: int, cu_q_ptr: int, cu_k_ptr: int, seqused_ptr: int,
                   bounds_ptr: int) -> None:
@@ -278,18 +297,17 @@ class Launcher:
             # and v may have no memory at all, so their maps get one row of q's (read as
             # zeros: the one K/V tile of such a sequence lies before row 0)
             k = v = q
-        o_row, o_head, _ = (int(x) for x in out.strides)
-        values = dict(self.values,
-                      tmap_q=self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
-                      tmap_k=self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
-                      tmap_v=self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
-                      tmap_o=self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"),
-                      o_ptr=out.ptr, o_row_stride=o_row, o_head_stride=o_head,
-                      o_batch_stride=o_row * max(call.total_q, 1), lse_ptr=lse_ptr,
-                      tiles_ptr=table_ptr)
-        args = launch.pack(self.params, values)
-        _check(self._launch(self.forward_config, self.forward_fn.handle, args, 0),
-               "ptxattn_fwd (varlen)")
+        o_row, o_head = out.strides[0], out.strides[1]
+        values = self._template[:]
+        for slot, value in zip(self._slots, (
+                self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
+                self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
+                self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
+                self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"),
+                out.ptr, o_row, o_head, o_row * max(call.total_q, 1), lse_ptr, table_ptr)):
+            values[slot] = value
+        _check(self._launch(self.forward_config, self.forward_fn.handle,
+                            (tuple(values), self._types), 0), "ptxattn_fwd (varlen)")
 
     def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
             cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
