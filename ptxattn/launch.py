@@ -66,6 +66,13 @@ PRODUCTION_PARAMS: tuple[Param, ...] = (
     Param("window_left", driver.S32, ".s32"),      # the keys row r sees: [r + diag - left,
     Param("window_right", driver.S32, ".s32"),     #   r + diag + right]; UNBOUNDED: no edge
 )
+# What the production kernel's varlen build (PTXATTN_VARLEN: flash_attn_varlen_func) takes
+# after those: the tile table varlen_tiles.ptx wrote (scheduler.ptxh) and q's rows (the LSE's
+# row stride, (heads, total_q)).
+VARLEN_PARAMS: tuple[Param, ...] = (
+    Param("tiles_ptr", driver.PTR, ".u64"),
+    Param("total_q", driver.U32, ".u32"),
+)
 # A dynamic tile scheduler's two u32 counters (Stage.dynamic_tiles), after the rest.
 TILE_COUNTER = Param("tile_counter", driver.PTR, ".u64")
 # A traced build's event buffer (PTXATTN_TRACE: the TRACE_PARAM macro), always last; passed by
@@ -77,6 +84,7 @@ def params_of(stage: Stage) -> tuple[Param, ...]:
     """The parameter list of a kernel's launch, in order (a build variant's extra_params, the
     trace buffer, come after it)."""
     return (LINEAGE_PARAMS + (PRODUCTION_PARAMS if stage.production else ())
+            + (VARLEN_PARAMS if stage.varlen else ())
             + ((TILE_COUNTER,) if stage.dynamic_tiles else ()))
 
 

@@ -2,16 +2,14 @@
 the production backward) on the CPU emulator, the emulator having been proven on the known-good
 forward kernels: their answers against the float64 references, and what the emulator finds.
 
-Two findings are pinned as strict expected failures, so that the test turns red (XPASS) the day
+One finding is pinned as a strict expected failure, so that the test turns red (XPASS) the day
 the kernel is fixed and the marker must go:
-  - the combine kernel's partial-O loads are not predicated (gen_decode.ptxh, COMBINE_LOADS_*,
-    used at combine.ptx:167): with a split count that is not a multiple of COMBINE_BATCH it
-    reads past the end of the workspace (the values are discarded by a selp, so answers are
-    right, but it is an out-of-bounds read);
   - the production backward reads its dS^T registers with stmatrix (bwd.ptx:393) while the
     DK_GEMM that takes them as its A operand is in flight: undefined in the PTX ISA
     (wgmma.wait_group), though a read. Its gradients are checked with that one hazard kind
     set aside.
+The other, the combine kernel's unpredicated partial-O loads past the workspace (split counts
+not a multiple of COMBINE_BATCH), is fixed: a split of weight 0 is not read (decode_gen.py).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ptxattn.tools.emulator import HazardError, MemoryFault, fake_driver
+from ptxattn.tools.emulator import HazardError, fake_driver
 
 GRAD_BOUND = 1e-2          # bwd_checks' bound without torch; the kernels sit at ~2.4e-3 here
 
@@ -54,10 +52,6 @@ def test_decode_without_splits(emulated, case):
         assert report is not None and not report.hazards, (name, report.hazards)
 
 
-@pytest.mark.xfail(strict=True, raises=MemoryFault,
-                   reason="known: combine.ptx's partial-O loads (gen_decode.ptxh COMBINE_LOADS_*) "
-                          "are unpredicated and read past the workspace when the split count "
-                          "is not a multiple of COMBINE_BATCH")
 @pytest.mark.parametrize("splits", [2, 3])
 def test_decode_with_splits_reads_only_its_workspace(emulated, splits):
     import test_gpu_decode as T

@@ -47,7 +47,7 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
     assert not re.search(r"^\s*TRACE\(", own, re.M) and not re.search(r"^#if HEAD_DIM\b", own, re.M)
     names = [v for v, _ in golden.variants(stages.PRODUCTION)]
     assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
-                     "PTXATTN_MASKED=1", "HEAD_DIM=64", "HEAD_DIM=256"]
+                     "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256"]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 
@@ -104,3 +104,16 @@ def test_a_one_instruction_edit_of_a_real_stage_breaks_its_fingerprint(tmp_path)
     edited = golden.fingerprint(ptx.expand_file(tmp_path / "edited.ptx", inc).text)
     assert "bar.sync BAR_CTA;" in text and copy == GOLDEN[st.label]["default"]
     assert edited != copy and edited["statements"] == copy["statements"]
+
+
+# ---- the decode family: kernels outside the stage registry ------------------------------------
+
+def test_the_decode_kernels_match_their_golden_fingerprints():
+    """Every build of decode.ptx, combine.ptx and decode_append.ptx (per head dim, contiguous
+    and paged caches) expands to the stream recorded in the golden file: folding their macros
+    onto the production parts, or adding a build, leaves the other builds as they were."""
+    expected = golden.load_kernels()
+    actual = golden.compute_kernels()
+    assert sorted(expected) == sorted(actual)
+    diff = golden.differences(expected, actual)
+    assert not diff, "a decode kernel's expanded stream changed:\n  " + "\n  ".join(diff)

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import builds
 from .ptxgen import run_generator
 
-PRODUCTION = Path(__file__).resolve().parent.parent / "ptx" / "sm90" / "production"
+PRODUCTION = Path(__file__).resolve().parents[2] / "ptx" / "sm90" / "production"
 NAME = "layout.ptxh"
 
 
@@ -45,6 +45,7 @@ def _aliases(b: builds.Build) -> list[str]:
         f"#define ZERO_O ZERO_O_{d}",
         f"#define SCALE_O(LO, HI) SCALE_O_{d}(LO, HI)",
         f"#define STMATRIX_O STMATRIX_O_{d}",
+        f"#define STORE_O_BF16(LO, HI, OK_LO, OK_HI) STORE_O_BF16_{d}(LO, HI, OK_LO, OK_HI)",
         f"#define ROW_MAX_LO(M) ROW_MAX_LO_{n}(M)",
         f"#define ROW_MAX_HI(M) ROW_MAX_HI_{n}(M)",
         f"#define ROW_SUM_ADD_LO(S) ROW_SUM_ADD_LO_{n}(S)",
