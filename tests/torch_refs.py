@@ -108,8 +108,58 @@ def math_attention(q, k, v, *, scale, layout="bhld", causal=False, window=None,
     returns (out, lse)."""
     qh, kh, vh = (_bhld(x, layout).to(dtype) for x in (q, k, v))
     s = _scores(qh, kh, scale, causal, window, diagonal)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1)
+    # rows that see no key: output 0, lse -inf, no gradient (softmax of a finite stand-in,
+    # multiplied by 0, so autograd sees no NaN)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    s = torch.where(empty, 0.0, s)
+    lse = torch.where(empty[..., 0], float("-inf"), torch.logsumexp(s, dim=-1))
+    p = torch.softmax(s, dim=-1) * (~empty)
     group = qh.shape[1] // vh.shape[1]
     out = torch.matmul(p, vh.repeat_interleave(group, dim=1) if group > 1 else vh)
     return _bhld(out, layout), lse
+
+
+def kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
+            window_size=(-1, -1), softmax_scale=None, return_lse=False, num_splits=0, *,
+            layout="bshd", out=None, lse_out=None, stream=None):
+    """ptxattn.decode.flash_attn_with_kvcache in torch (CPU tensors): new k/v appended into the
+    caches in place at each sequence's length, then attention of q over its L_b (+ new) keys,
+    bottom-right causal/window. Recorded in CALLS."""
+    CALLS.append(dict(kind="kvcache", q=tuple(q.shape), k_cache=tuple(k_cache.shape),
+                      causal=causal, window=tuple(window_size), layout=layout,
+                      seqlens=None if cache_seqlens is None else (
+                          cache_seqlens.tolist() if isinstance(cache_seqlens, torch.Tensor)
+                          else cache_seqlens)))
+    qh, kc, vc = (_bhld_of_bshd(x, layout) for x in (q, k_cache, v_cache))
+    b, h, lq, d = qh.shape
+    lmax = kc.shape[2]
+    if cache_seqlens is None:
+        lengths = [lmax] * b
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * b
+    else:
+        lengths = [int(x) for x in cache_seqlens.tolist()]
+    if k is not None:
+        kn, vn = _bhld_of_bshd(k, layout), _bhld_of_bshd(v, layout)
+        for i in range(b):
+            n = kn.shape[2]
+            kc[i, :, lengths[i]:lengths[i] + n] = kn[i]
+            vc[i, :, lengths[i]:lengths[i] + n] = vn[i]
+        lengths = [x + kn.shape[2] for x in lengths]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    outs, lses = [], []
+    for i in range(b):
+        window = None if tuple(window_size) == (-1, -1) else tuple(window_size)
+        o, lse = forward(qh[i:i + 1], kc[i:i + 1, :, :lengths[i]], vc[i:i + 1, :, :lengths[i]],
+                         scale, "bhld", causal, window, "bottom_right", True)
+        CALLS.pop()                     # the inner forward is not a call of its own
+        outs.append(o)
+        lses.append(lse)
+    o = torch.cat(outs)
+    o = o if layout == "bhld" else o.transpose(1, 2).contiguous()
+    lse = torch.cat(lses)
+    return (o, lse) if return_lse else o
+
+
+def _bhld_of_bshd(x, layout):
+    return x if layout == "bhld" else x.transpose(1, 2)

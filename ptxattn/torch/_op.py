@@ -105,7 +105,8 @@ def _cuda_backward(q, k, v, out, lse, dout, scale: float, layout: str, is_causal
     from torch's allocator (torch.empty through the library's allocator hook: a CUDA-graph
     capture takes them from its private pool), launched on torch's current stream."""
     q, k, v = _inputs(q, k, v, layout, is_causal, window)
-    out, dout = _compact(out, layout), _compact(dout, layout)
+    out, dout = _compact(out.detach(), layout), _compact(dout.detach(), layout)
+    lse = lse.detach()
     device = q.device
 
     def allocator(shape, dtype):
@@ -160,6 +161,10 @@ def _inputs(q, k, v, layout: str, is_causal: bool, window=None):
                                  "falls back to torch's SDPA for those)")
     if (is_causal or window is not None) and not library_takes_causal():
         raise ValueError("is_causal: this ptxattn has no masked kernel yet")
+    # Inside the autograd formula the op sees the tensors it was called with, which may
+    # require grad; the library refuses those (as DLPack does): it reads their data only.
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        q, k, v = q.detach(), k.detach(), v.detach()
     # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
     if not _tma_ready(q, k, v, layout):
         q, k, v = _compact(q, layout), _compact(k, layout), _compact(v, layout)
