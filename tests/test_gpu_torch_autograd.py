@@ -454,3 +454,31 @@ def test_static_cache_generate_compiled(torch, pt, monkeypatch):
     assert first is None or first >= 12, (
         f"greedy tokens first differ at new token {first}: ptxattn {tokens['ptxattn']}, "
         f"sdpa {tokens['sdpa']}")
+
+
+def test_return_lse_is_captured_in_a_cuda_graph(torch, pt):
+    """The forward with its LSE (what training needs) under CUDA-graph capture: the LSE comes
+    from torch's allocator (lse_out=), so the capture succeeds and replays match eager."""
+    q, k, v = (make(torch, (2, 4, 777, 128), s) for s in (7, 8, 9))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pt.attention(q, k, v, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = pt.attention(q, k, v, return_lse=True)
+    for seed in (10, 20):
+        for t, s in zip((q, k, v), range(seed, seed + 3)):
+            t.copy_(make(torch, t.shape, s))
+        graph.replay()
+        out, lse = pt.attention(q, k, v, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, out), "replayed out differs from eager"
+        assert torch.equal(static_lse, lse), "replayed lse differs from eager"
+
+
+def test_readme_training_block_runs(torch, pt):
+    from readme_blocks import python_blocks
+    (block,) = python_blocks("## Training")
+    exec(compile(block, "README.md", "exec"), {})

@@ -107,3 +107,12 @@ def test_train_step_bench_runs_tiny_on_the_cpu(refs, tmp_path, capsys):
     assert set(grads) == {p.format(last=1) for p in train_step_bench.PROBES}
     assert all(g < 3e-2 for g in grads.values()), grads
     assert any(c["kind"] == "backward" for c in refs)
+
+
+def test_readme_training_block_compiles_and_uses_this_api():
+    from readme_blocks import python_blocks
+    blocks = python_blocks("## Training")
+    assert len(blocks) == 1
+    compile(blocks[0], "README.md", "exec")
+    assert "pt.attention(" in blocks[0] and ".backward()" in blocks[0]
+    assert "deterministic=True" in blocks[0]
