@@ -116,3 +116,39 @@ def test_readme_training_block_compiles_and_uses_this_api():
     compile(blocks[0], "README.md", "exec")
     assert "pt.attention(" in blocks[0] and ".backward()" in blocks[0]
     assert "deterministic=True" in blocks[0]
+
+
+def test_train_device_script_runs_each_part_with_its_switches(tmp_path):
+    """bench/train_device.sh with a stand-in python3 that logs its arguments: the kernel tests,
+    the training tests, the check and the step benchmark, each with its switches."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    for f in stub.iterdir():
+        f.chmod(0o755)
+
+    def run(**env):
+        log.write_text("")
+        proc = subprocess.run(["bash", str(root / "bench" / "train_device.sh")], cwd=root,
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "o"),
+                                   **env})
+        calls = [x for x in log.read_text().splitlines() if not x.startswith("-m pip")]
+        return proc, calls
+
+    proc, calls = run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [" ".join(c.split()[:2]) if c.startswith("-m pytest") else c.split()[0]
+            for c in calls] == ["-m pytest", "-m pytest", "bench/models/train_check.py",
+                                "bench/models/train_step_bench.py"]
+    assert "tests/test_gpu_backward.py" in calls[0]
+    assert "tests/test_gpu_torch_autograd.py tests/test_torch_gpu.py" in calls[1]
+    assert calls[2].endswith(f"--steps 300 --out {tmp_path / 'o'}")
+    proc, calls = run(SKIP_KERNEL_TESTS="1", SKIP_TESTS="1", SKIP_CHECK="1", LAYERS="16",
+                      TOKENS="4096", ROUNDS="3")
+    assert calls == [f"bench/models/train_step_bench.py --rounds 3 --out {tmp_path / 'o'} "
+                     "--layers 16 --tokens 4096"]
