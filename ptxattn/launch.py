@@ -246,8 +246,10 @@ def empty(plan: Plan) -> PreparedAttention:
     device = None if plan.host else plan.q.device
     out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
         0, plan.out_shape, device=device)
-    lse = DeviceArray(0, plan.lse_shape, device=device, dtype=np.float32) \
-        if plan.want_lse else None
+    lse = None
+    if plan.want_lse:
+        lse = plan.lse_out if isinstance(plan.lse_out, DeviceArray) else DeviceArray(
+            0, plan.lse_shape, device=device, dtype=np.float32)
     return PreparedAttention(plan, plan.stage, out, lse=lse)
 
 
@@ -326,11 +328,18 @@ def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedA
                   softmax_scale=plan.scale)
     keep = [q, k, v, maps]
     lse = None
-    if plan.want_lse:
+    if plan.want_lse and plan.lse_out is not None and not plan.host:
+        lse = plan.lse_out                  # the caller's buffer (lse_out=): its allocator
+        pending = lse.producer_stream if lse.producer_stream is not None else lse.stream
+        if pending is not None and pending != stream:
+            driver.stream_wait(stream, pending)
+        lse.used_on(stream)
+    elif plan.want_lse:
         lse = tensors.empty(plan.lse_shape, stream=stream, dtype=np.float32,
                             stream_owner=plan.stream_object)
-        lse.stream = stream
         owned += (lse,)
+    if lse is not None:
+        lse.stream = stream
     if stage.production:
         # GQA group size, where the log-sum-exp goes (0: not wanted), the diagonal and the
         # window (read by the masked build only)

@@ -1,13 +1,19 @@
 """ptxattn inside PyTorch models (extra `torch`; the core library never imports this).
 
 - `ptxattn::attention`, a torch.library custom op (torch.compile(fullgraph=True) traces it;
-  CUDA graphs capture it): `ptxattn.torch.attention(q, k, v, scale=, layout=, return_lse=)`.
+  CUDA graphs capture it): `ptxattn.torch.attention(q, k, v, scale=, layout=, is_causal=,
+  window=, diagonal=, return_lse=, deterministic=)`. Differentiable: its autograd formula
+  runs the backward kernels through `ptxattn::attention_backward` (also a custom op with a
+  fake), so loss.backward(), torch.compile of forward + backward and a CUDA-graph capture of
+  a whole training step work.
 - `scaled_dot_product_attention(...)`: torch's SDPA semantics, ptxattn where the kernel takes
-  the call, torch's SDPA elsewhere (warned once per reason, counted: fallback_counts()).
+  the call (tensors that require grad included), torch's SDPA elsewhere (warned once per
+  reason, counted: fallback_counts()).
 - `register_diffusers()`: a "ptxattn" attention backend for diffusers
   (`transformer.set_attention_backend("ptxattn")`).
 - `register_transformers()`: `attn_implementation="ptxattn"` for transformers models (decode
-  steps on the split-KV decode kernel).
+  steps on the split-KV decode kernel, with the dynamic and the static cache; training on
+  the forward and backward kernels).
 - `flash_attn_with_kvcache(...)`: FlashAttention's KV-cache call as the op
   `ptxattn::flash_attn_with_kvcache` (fake implementation; compile- and graph-safe).
 
