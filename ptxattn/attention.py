@@ -967,8 +967,12 @@ _CALLER_STREAM = object()     # "torch's current stream object, if an allocation
 
 def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
               return_lse: bool = False, causal: bool = False, window=None,
-              diagonal: str = "bottom_right"):
+              diagonal: str = "bottom_right", precision: str = "bf16", **fp8_options):
     """softmax(scale * q k^T + mask) v, bf16 in and out, fp32 accumulation.
+
+    precision="fp8" runs the FP8 (e4m3) forward instead (ptxattn/fp8.py: bf16 inputs quantized
+    inside, or e4m3 inputs with fp8_options q_descale, k_descale, v_descale; smooth_k), which
+    trades ~5% relative error for up to twice the tensor rate.
 
     q: (B, H, Lq, D), k and v: (B, Hkv, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
     Any lengths Lq, Lk >= 1; Hkv divides H (grouped-query / multi-query attention: query
@@ -1006,6 +1010,11 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     error. Nothing is written to `out` when an error is raised. Thread-safe: see
     README, "Threading".
     """
+    if precision != "bf16" or fp8_options:
+        from . import fp8
+        return fp8.attention(q, k, v, precision=precision, stage=stage, scale=scale,
+                             layout=layout, out=out, stream=stream, return_lse=return_lse,
+                             causal=causal, window=window, diagonal=diagonal, **fp8_options)
     result, key = _steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
                                window, diagonal)
     if result is not None:
