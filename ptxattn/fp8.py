@@ -107,8 +107,10 @@ class Operands:
     lk_pad: int
     k_mean: DeviceArray | None = None
     owned: tuple = ()            # arrays made here (freed with close())
+    launches: tuple = ()         # the LaunchSpecs that write them, in order
 
     def close(self) -> None:
+        """Free what was made here (stream-ordered: after the work queued on its stream)."""
         for array in self.owned:
             array.free()
 
@@ -117,6 +119,16 @@ def quantize(q: DeviceArray, k: DeviceArray, v: DeviceArray, layout: str, *,
              smooth_k: bool = False, stream=None, stream_owner=None) -> Operands:
     """Launch the quantizer on bf16 device arrays (validated: 16-byte strides, D in
     HEAD_DIMS): ptxattn_fp8_kv_stats, then ptxattn_fp8_quantize, on `stream`."""
+    ops = quantize_launches(q, k, v, layout, smooth_k=smooth_k, stream=stream,
+                            stream_owner=stream_owner)
+    for spec in ops.launches:
+        spec()
+    return ops
+
+
+def quantize_launches(q: DeviceArray, k: DeviceArray, v: DeviceArray, layout: str, *,
+                      smooth_k: bool = False, stream=None, stream_owner=None) -> Operands:
+    """The quantizer's outputs allocated and its two launches built (not launched)."""
     handle = driver.stream_handle(stream)
     b, h, lq, d = _dims(q.shape, layout)
     _, hkv, lk, _ = _dims(k.shape, layout)
@@ -144,23 +156,24 @@ def quantize(q: DeviceArray, k: DeviceArray, v: DeviceArray, layout: str, *,
     stats = ((box(k, hkv, lk, STATS_ROWS, "k"), box(v, hkv, lk, STATS_ROWS, "v"),
               ksum.ptr if ksum else 0, vmax.ptr, lk, chunk_rows, int(smooth_k)),
              (by_value, by_value, driver.PTR, driver.PTR, driver.U32, driver.U32, driver.U32))
-    driver.LaunchSpec(fns["ptxattn_fp8_kv_stats"], (chunks, hkv, b), (QUANTIZE_THREADS, 1, 1),
-                      stats_smem(d), stats, stream=handle)()
+    stats_spec = driver.LaunchSpec(fns["ptxattn_fp8_kv_stats"], (chunks, hkv, b),
+                                   (QUANTIZE_THREADS, 1, 1), stats_smem(d), stats, stream=handle)
     jobs = b * (h * mq + 2 * hkv * nk)
     values = (box(q, h, max(lq, 1), 128, "q"), box(k, hkv, lk, 128, "k"),
               box(v, hkv, lk, 128, "v"), q8.ptr, q_descale.ptr, k8.ptr, k_descale.ptr,
               vt8.ptr, v_descale.ptr, k_mean.ptr if k_mean else 0, ksum.ptr if ksum else 0,
               vmax.ptr, h, hkv, lq, lk, lk_pad, chunks, int(smooth_k))
     types = (by_value,) * 3 + (driver.PTR,) * 9 + (driver.U32,) * 7
-    driver.LaunchSpec(fns["ptxattn_fp8_quantize"], (jobs, 1, 1), (QUANTIZE_THREADS, 1, 1),
-                      quantize_smem(d), (values, types), stream=handle)()
+    quantize_spec = driver.LaunchSpec(fns["ptxattn_fp8_quantize"], (jobs, 1, 1),
+                                      (QUANTIZE_THREADS, 1, 1), quantize_smem(d),
+                                      (values, types), stream=handle)
     group = h // hkv
     owned = tuple(x for x in (q8, k8, vt8, q_descale, k_descale, v_descale, vmax, ksum, k_mean)
                   if x is not None)
     return Operands(q8, k8, vt8,
                     (q_descale, (h * max(mq, 1), group * max(mq, 1), max(mq, 1), 1)),
                     (k_descale, (hkv * nk, nk, 1)), (v_descale, (hkv * d, d, 1)),
-                    "bhld", lk, lk_pad, k_mean, owned)
+                    "bhld", lk, lk_pad, k_mean, owned, (stats_spec, quantize_spec))
 
 
 def transpose_v(v8: DeviceArray, layout: str, *, stream=None, stream_owner=None) -> DeviceArray:
@@ -168,18 +181,24 @@ def transpose_v(v8: DeviceArray, layout: str, *, stream=None, stream_owner=None)
     strides): ptxattn_fp8_transpose_v on `stream`."""
     handle = driver.stream_handle(stream)
     b, hkv, lk, d = _dims(v8.shape, layout)
-    s_batch, s_head, s_row, _ = tma.bhl_strides(layout, v8.shape, v8.strides, "v")
-    lk_pad = padded_keys(lk)
-    vt8 = tensors.empty((b, hkv, d, lk_pad), stream=handle, dtype=E4M3,
+    vt8 = tensors.empty((b, hkv, d, padded_keys(lk)), stream=handle, dtype=E4M3,
                         stream_owner=stream_owner)
+    transpose_v_launch(v8, vt8, layout, stream=handle)()
+    return vt8
+
+
+def transpose_v_launch(v8: DeviceArray, vt8: DeviceArray, layout: str, *, stream=None):
+    """The LaunchSpec of ptxattn_fp8_transpose_v from v8 into vt8 (allocated by the caller)."""
+    b, hkv, lk, d = _dims(v8.shape, layout)
+    s_batch, s_head, s_row, _ = tma.bhl_strides(layout, v8.shape, v8.strides, "v")
     tmap = tma.encode_tiled(v8.ptr, (d, lk, hkv, b), (s_row, s_head, s_batch), (d, 128, 1, 1),
                             SWIZZLE_NONE, data_type="u8", name="v")
     fn = _quantize_functions(d)["ptxattn_fp8_transpose_v"]
-    driver.LaunchSpec(fn, (b * hkv * -(-lk // V_BLOCK), 1, 1), (QUANTIZE_THREADS, 1, 1),
-                      quantize_smem(d), ((tmap, vt8.ptr, hkv, lk, lk_pad),
-                                         (driver.BY_VALUE, driver.PTR, driver.U32, driver.U32,
-                                          driver.U32)), stream=handle)()
-    return vt8
+    return driver.LaunchSpec(fn, (b * hkv * -(-lk // V_BLOCK), 1, 1), (QUANTIZE_THREADS, 1, 1),
+                             quantize_smem(d), ((tmap, vt8.ptr, hkv, lk, vt8.shape[-1]),
+                                                (driver.BY_VALUE, driver.PTR, driver.U32,
+                                                 driver.U32, driver.U32)),
+                             stream=driver.stream_handle(stream))
 
 
 def _dims(shape, layout: str) -> tuple[int, int, int, int]:

@@ -187,3 +187,25 @@ def test_stats_chunks_cover_the_keys():
         chunks, rows = fp8.stats_chunks(b, hkv, lk)
         assert rows % fp8.STATS_ROWS == 0 and 1 <= chunks <= 64
         assert (chunks - 1) * rows < lk <= chunks * rows
+
+
+requires_ptxas = pytest.mark.skipif(__import__("ptxattn.sass").sass.locate("ptxas") is None,
+                                    reason="no ptxas anywhere (pip install 'ptxattn[tools]')")
+
+
+@requires_ptxas
+@pytest.mark.parametrize("d", fp8.HEAD_DIMS)
+def test_the_quantizer_assembles_without_spills(d):
+    """ptxas on quantize_fp8.ptx for each head dim: its three entries, no spills or stack, the
+    e4m3 packing (F2FP) and TMA loads in the SASS; explicitly rounded arithmetic (no FFMA
+    outside the div.rn subroutines: a contracted sub and mul would break the bit-exact model)."""
+    from ptxattn import sass
+    built = sass.assemble_ptx(fp8.quantize_source(d), "sm_90a", name=f"quantize_fp8_d{d}")
+    report = sass.parse_ptxas_log(built.log)["functions"]
+    assert set(report) == {"ptxattn_fp8_kv_stats", "ptxattn_fp8_quantize",
+                           "ptxattn_fp8_transpose_v"}
+    for name, f in report.items():
+        assert f["spill_stores"] == 0 and f["spill_loads"] == 0 and f["stack_frame"] == 0, (name, f)
+    text = sass.disassemble(built.cubin)
+    assert "F2FP.SATFINITE.E4M3.F32.PACK_AB" in text
+    assert "UTMALDG.5D" in text and "UTMALDG.4D" in text
