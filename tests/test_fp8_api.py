@@ -209,3 +209,18 @@ def test_the_quantizer_assembles_without_spills(d):
     text = sass.disassemble(built.cubin)
     assert "F2FP.SATFINITE.E4M3.F32.PACK_AB" in text
     assert "UTMALDG.5D" in text and "UTMALDG.4D" in text
+
+
+def test_the_fp8_benchmark_refuses_bad_arguments(capsys):
+    """bench/fp8_bench.py parses its arguments before touching torch or the GPU."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "fp8_bench.py"
+    spec = importlib.util.spec_from_file_location("fp8_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for argv in (["--shapes", "nope"], ["--rounds", "3"]):
+        with pytest.raises(SystemExit):
+            module.main(argv)
+    assert "unknown" in capsys.readouterr().err
+    assert set(module.SHAPES) == {"16k-d128", "16k-d256", "wan"}
