@@ -72,10 +72,12 @@ def test_the_fp8_fake_impl_traces():
 
 
 def test_the_fp8_diffusers_backend_is_opt_in():
+    """register_diffusers() adds "ptxattn" only; "ptxattn_fp8" comes with fp8=True, and
+    registering either never makes it the active backend."""
     pytest.importorskip("diffusers")
+    from diffusers.models.attention_dispatch import (AttentionBackendName,
+                                                     _AttentionBackendRegistry)
     assert pt.register_diffusers() == "ptxattn"
-    from diffusers.models.attention_dispatch import AttentionBackendName
-    assert "ptxattn_fp8" not in AttentionBackendName._value2member_map_ or \
-        pt.register_diffusers(fp8=True) == "ptxattn_fp8"
     assert pt.register_diffusers(fp8=True) == "ptxattn_fp8"
-    assert AttentionBackendName("ptxattn").value == "ptxattn"
+    assert AttentionBackendName("ptxattn_fp8").value == "ptxattn_fp8"
+    assert getattr(_AttentionBackendRegistry._active_backend, "value", None) != "ptxattn_fp8"
