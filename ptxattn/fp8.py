@@ -267,12 +267,19 @@ def _e4m3_array(name: str, obj, stream: int):
     if not obj.is_cuda:
         raise TypeError(f"{name}: expected a CUDA tensor or a NumPy array, got a torch tensor "
                         f"on {obj.device}")
+    return False, _torch_view(obj, E4M3, stream)
+
+
+def _torch_view(obj, dtype, stream: int) -> DeviceArray:
+    """A CUDA torch tensor viewed in place as a DeviceArray of `dtype` (its data_ptr, shape,
+    strides; the tensor kept alive as the owner), after the stream handshake: `stream` waits
+    for the work torch's current stream has queued (what tensors._from_torch does for bf16)."""
     device = obj.get_device()
     current = tensors.torch_current_stream(device)
     if current != stream:
         driver.stream_wait(stream, current)
-    return False, DeviceArray(obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()),
-                              device=device, owner=obj, dtype=E4M3)
+    return DeviceArray(obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), device=device,
+                       owner=obj, dtype=dtype)
 
 
 def _descale(name: str, obj, batch: int, heads_kv: int, host: bool, stream: int):
@@ -312,12 +319,7 @@ def _float32_device(name: str, obj, stream: int):
         if obj.dtype is not torch_types[0].float32:
             raise TypeError(f"{name}: expected dtype float32 (FlashAttention-3's descales), "
                             f"got {obj.dtype}")
-        device = obj.get_device()
-        current = tensors.torch_current_stream(device)
-        if current != stream:
-            driver.stream_wait(stream, current)
-        return DeviceArray(obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()),
-                           device=device, owner=obj, dtype=_F32)
+        return _torch_view(obj, _F32, stream)
     if isinstance(obj, DeviceArray):
         return obj
     raise TypeError(f"{name}: expected a float32 array (batch, heads_kv), got "
