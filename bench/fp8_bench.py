@@ -62,13 +62,13 @@ def check(name, q, k, v, out, layout, bar):
     return m
 
 
-def run_shape(torch, name, rounds, reps, seed):
+def run_shape(torch, name, rounds, reps, seed, defines=None):
     (b, h, length, d), layout, target = SHAPES[name]
     print(f"{name}: (B, H, L, D) = {(b, h, length, d)} {layout.upper()}; target {target}")
     q, k, v = inputs(torch, (b, h, length, d), layout, seed)
     flops = 4 * b * h * length * length * d
     plan = fp8.validate(q, k, v, layout=layout)
-    prepared = fp8_forward.prepare(plan)
+    prepared = fp8_forward.prepare(plan, defines or None)
     prepared.launch()
     torch.cuda.synchronize()
     checks = {"fp8": check("fp8", q, k, v, prepared.out, layout, FP8_BAR)}
@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="a folder for the results JSON")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a preprocessor define of the FP8 build (a measurement knob, e.g. "
+                         "SW_EXP2_PER_8=1); repeatable")
     args = ap.parse_args(argv)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [n for n in names if n not in SHAPES]
@@ -151,16 +154,25 @@ def main(argv=None) -> int:
         ap.error(f"--shapes: unknown {unknown}; expected some of {list(SHAPES)}")
     if args.rounds < 10 or args.reps < 1:
         ap.error("--rounds: at least 10 (the protocol); --reps: at least 1")
+    defines = {}
+    for text in args.define:
+        key, sep, value = text.partition("=")
+        if not sep or not key.isidentifier():
+            ap.error(f"--define: expected NAME=VALUE, got {text!r}")
+        defines[key] = value
     torch = bench._import_torch()
     from ptxattn import driver
     info = driver.device_info()
     result = {"date": datetime.date.today().isoformat(), "gpu": info.get("name"),
               "environment": bench.environment(info, torch), "source": bench.source_id(),
-              "rounds": args.rounds, "reps": args.reps, "fp8_bar": FP8_BAR, "shapes": {}}
+              "rounds": args.rounds, "reps": args.reps, "fp8_bar": FP8_BAR, "defines": defines,
+              "shapes": {}}
     for name in names:
-        result["shapes"][name] = run_shape(torch, name, args.rounds, args.reps, args.seed)
+        result["shapes"][name] = run_shape(torch, name, args.rounds, args.reps, args.seed,
+                                           defines)
     if args.out:
-        path = Path(args.out) / f"{result['date']}-h200-fp8.json"
+        knobs = "".join(f"-{k}{v}" for k, v in sorted(defines.items()))
+        path = Path(args.out) / f"{result['date']}-h200-fp8{knobs}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1, default=float))
         print(f"wrote {path}")

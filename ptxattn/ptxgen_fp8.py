@@ -5,7 +5,7 @@ build's S accumulator and its score macros (gen_n*.ptxh: row max, exponentials, 
 changes is written here into ptx/sm90/include/gen_fp8.ptxh: the e4m3 wgmma k-steps (k32) of
 S = Q K^T and O += P V, P packed four e4m3 to a register in the order the FP8 PV's A fragment
 wants (fp8_reference.p_source_register: no shuffles, since V^T's keys are permuted to match),
-and the epilogue's per-channel V descale. tests/test_ptxgen_fp8.py checks that the committed
+and the epilogue's per-channel V descale. tests/test_fp8_builds.py checks that the committed
 header equals this output.
 
     python -m ptxattn.ptxgen_fp8            # rewrite the header

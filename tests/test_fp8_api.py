@@ -219,7 +219,7 @@ def test_the_fp8_benchmark_refuses_bad_arguments(capsys):
     spec = importlib.util.spec_from_file_location("fp8_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for argv in (["--shapes", "nope"], ["--rounds", "3"]):
+    for argv in (["--shapes", "nope"], ["--rounds", "3"], ["--define", "1x"]):
         with pytest.raises(SystemExit):
             module.main(argv)
     assert "unknown" in capsys.readouterr().err
