@@ -36,9 +36,10 @@ def qkv(B, H, Hkv, Lq, Lk, D, layout, seed, k_bias=0.0):
     return out
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
-    """Every array the FP8 code allocates comes filled with NaN bytes (0xFF)."""
+    """Every array the FP8 code allocates (its operands, descales, the LSE, an out it makes)
+    comes filled with NaN bytes (0xFF): an element a kernel leaves unwritten stays NaN."""
     real = tensors.empty
 
     def empty(shape, *, stream=None, dtype=BF16, stream_owner=None):
