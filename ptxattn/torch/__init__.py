@@ -5,7 +5,8 @@
 - `scaled_dot_product_attention(...)`: torch's SDPA semantics, ptxattn where the kernel takes
   the call, torch's SDPA elsewhere (warned once per reason, counted: fallback_counts()).
 - `register_diffusers()`: a "ptxattn" attention backend for diffusers
-  (`transformer.set_attention_backend("ptxattn")`).
+  (`transformer.set_attention_backend("ptxattn")`); `register_diffusers(fp8=True)` the opt-in
+  "ptxattn_fp8" one (ptxattn.torch.fp8: e4m3, ~5% relative error; never the default).
 - `register_transformers()`: `attn_implementation="ptxattn"` for transformers models (decode
   steps on the split-KV decode kernel).
 - `flash_attn_with_kvcache(...)`: FlashAttention's KV-cache call as the op
@@ -27,14 +28,16 @@ if not hasattr(_torch.library, "custom_op"):  # pragma: no cover
 
 from ._op import attention, library_takes_causal  # noqa: E402
 from .kvcache import flash_attn_with_kvcache  # noqa: E402
+from . import fp8  # noqa: E402,F401  (registers ptxattn::attention_fp8)
 from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_counts,  # noqa: E402
                    scaled_dot_product_attention)
 
 
-def register_diffusers() -> str:
-    """Register the "ptxattn" backend with diffusers' attention dispatch; returns its name."""
+def register_diffusers(fp8: bool = False) -> str:
+    """Register the "ptxattn" backend (fp8=True: the opt-in "ptxattn_fp8") with diffusers'
+    attention dispatch; returns its name."""
     from .diffusers_backend import register
-    return register()
+    return register(fp8=fp8)
 
 
 def register_transformers() -> str:

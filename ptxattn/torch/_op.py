@@ -165,13 +165,22 @@ def _attention_fake(q, k, v, scale, layout, is_causal, return_lse):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              layout: str = "bhld", is_causal: bool = False, return_lse: bool = False):
+              layout: str = "bhld", is_causal: bool = False, return_lse: bool = False,
+              precision: str = "bf16"):
     """The op with defaults: scale 1/sqrt(D); returns out, or (out, lse) with return_lse.
 
     No fallback here: the call must be one the kernel takes (bf16 CUDA tensors, a head dim
     in stages.PRODUCTION.head_dims, k/v heads dividing q's); the library raises a clear
     ValueError/TypeError naming the argument otherwise. For SDPA's semantics with fallback
-    use scaled_dot_product_attention."""
+    use scaled_dot_product_attention. precision="fp8": the opt-in FP8 op
+    (ptxattn.torch.fp8: ~5% relative error for up to twice the tensor rate; no LSE)."""
+    if precision != "bf16":
+        if precision != "fp8":
+            raise ValueError(f"precision: expected 'bf16' or 'fp8', got {precision!r}")
+        if return_lse:
+            raise ValueError("return_lse: the FP8 op returns no LSE; use precision='bf16'")
+        from .fp8 import attention as attention_fp8
+        return attention_fp8(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
     if q.dim() != 4:

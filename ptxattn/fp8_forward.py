@@ -1,0 +1,275 @@
+"""The FP8 forward's launch: the build table, tensor maps and parameters of ptxattn_fwd_fp8
+(ptx/sm90/production/forward_fp8.ptx), and the call that quantizes (or transposes V), then
+runs it. fp8.attention() validates and comes here with a Plan.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import driver, fp8, tensors, tma
+from .launch import UNBOUNDED, persistent_ctas
+from .fp8_reference import padded_keys
+from .stages import SWIZZLE_128B, ptx_root
+from .tensors import BF16, E4M3, DeviceArray
+
+ENTRY = "ptxattn_fwd_fp8"
+FORWARD_FILE = "sm90/production/forward_fp8.ptx"
+Q_BOX_ROWS = 64
+_F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class Build:
+    """One FP8 build (the table in forward_fp8.ptx's header; tests/test_fp8_builds.py checks
+    the two agree): tiles, threads and dynamic shared memory (the barriers' end + 128 bytes of
+    mbarriers + 1 KiB to align the base)."""
+    block_m: int
+    block_n: int
+    threads: int
+    barriers_at: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.barriers_at + 128 + 1024
+
+    def grid(self, batch: int, heads: int, seq_q: int, sm_count: int) -> tuple[int, int, int]:
+        tiles = -(-seq_q // self.block_m) * heads * batch
+        return (min(sm_count, tiles), 1, 1)
+
+
+BUILDS = {64: Build(192, 128, 512, 81920), 128: Build(128, 128, 384, 131072),
+          256: Build(128, 64, 384, 196608)}
+
+
+def qk_swizzle(head_dim: int) -> tuple[str, int]:
+    """(swizzle, bytes a box row) of Q's and K's e4m3 tiles: 128-byte rows (or 128-byte blocks
+    of 256-byte rows), 64-byte rows at D = 64."""
+    return (tma.SWIZZLE_64B, 64) if head_dim == 64 else (SWIZZLE_128B, 128)
+
+
+def forward_source(head_dim: int, masked: bool, defines: dict | None = None) -> str:
+    from . import ptx
+    defs = {"HEAD_DIM": head_dim, **({"PTXATTN_MASKED": 1} if masked else {}),
+            **(defines or {})}
+    return ptx.expand_file(ptx_root() / FORWARD_FILE, [ptx_root() / "sm90" / "include"],
+                           defs).text
+
+
+_KERNELS: dict[tuple, driver.Function] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernel(head_dim: int, masked: bool, defines: dict | None = None) -> driver.Function:
+    """ptxattn_fwd_fp8 of this build, JIT-compiled once per (device, build, defines)."""
+    ctx = driver.context()
+    key = (ctx.ordinal, head_dim, masked, tuple(sorted((defines or {}).items())))
+    with _KERNELS_LOCK:
+        if key not in _KERNELS:
+            label = f"forward_fp8 -DHEAD_DIM={head_dim}" + (" -DPTXATTN_MASKED" if masked else "")
+            module = driver.load_module(forward_source(head_dim, masked, defines), label)
+            function = module.function(ENTRY)
+            function.set_max_dynamic_smem(BUILDS[head_dim].smem_bytes)
+            _KERNELS[key] = function
+        return _KERNELS[key]
+
+
+def e4m3_map(arr: DeviceArray, layout: str, batch: int, heads: int, seq: int, head_dim: int,
+             rows: int, name: str):
+    """Q's or K's map: 5-D (row bytes, rows, D / row bytes, heads, batch) over e4m3, a box of
+    `rows` rows, swizzled by the row (qk_swizzle): lands as [D / chunk][rows][chunk bytes]."""
+    swizzle, chunk = qk_swizzle(head_dim)
+    s_batch, s_head, s_row, _ = tma.bhl_strides(layout, arr.shape, arr.strides, name)
+    return tma.encode_tiled(arr.ptr, (chunk, seq, head_dim // chunk, heads, batch),
+                            (s_row, chunk, s_head, s_batch),
+                            (chunk, rows, head_dim // chunk, 1, 1), swizzle, data_type="u8",
+                            name=name)
+
+
+def vt_map(vt8: DeviceArray, block_n: int):
+    """V^T's map: 5-D (block_n keys, key blocks, D, heads_kv, batch) over (B, Hkv, D, Lk_pad)
+    e4m3, a box of one block of keys for every channel: lands as [D][block_n bytes], swizzled
+    by its rows (128B at 128 keys, 64B at 64)."""
+    b, hkv, d, lk_pad = vt8.shape
+    swizzle = SWIZZLE_128B if block_n == 128 else tma.SWIZZLE_64B
+    return tma.encode_tiled(vt8.ptr, (block_n, lk_pad // block_n, d, hkv, b),
+                            (block_n, lk_pad, d * lk_pad, hkv * d * lk_pad),
+                            (block_n, 1, d, 1, 1), swizzle, data_type="u8", name="v")
+
+
+class PreparedFp8:
+    """One FP8 call with every launch built: launch() runs the quantizer (or V's transpose)
+    then the forward; launch_prepare() and launch_forward() run each part alone (the benchmark
+    reports the quantization inside and outside the figure). `owned`: what this call made (its
+    temporaries, and out/lse unless they go back to the caller); `keep`: what must outlive the
+    launches (the inputs, the maps)."""
+
+    def __init__(self, plan, out, lse, prep, forward, owned, keep):
+        self.plan, self.out, self.lse = plan, out, lse
+        self._prep, self._forward, self._owned, self._keep = prep, forward, owned, keep
+        self.stream = plan.stream
+
+    def launch_prepare(self) -> None:
+        for spec in self._prep:
+            spec()
+
+    def launch_forward(self) -> None:
+        self._forward()
+
+    def launch(self) -> None:
+        self.launch_prepare()
+        self.launch_forward()
+
+    @property
+    def flops(self) -> int:
+        p = self.plan
+        return 4 * p.batch * p.heads * p.seq_q * p.seq_k * p.head_dim
+
+    def release(self, *, keep_outputs: bool = False) -> None:
+        """Free what this call made, in stream order (queued launches finish first); the
+        outputs too unless keep_outputs (they go back to the caller)."""
+        for item in self._owned:
+            if keep_outputs and (item is self.out or item is self.lse):
+                continue
+            if isinstance(item, fp8.Operands):
+                item.close()
+            else:
+                item.free()
+        self._owned = ()
+
+    def close(self) -> None:
+        driver.synchronize(self.stream)
+        self.release()
+
+
+def _device_inputs(plan, owned: list):
+    """q, k, v on the device: NumPy inputs copied in (bf16 or e4m3), device arrays as they are."""
+    if not plan.host:
+        return plan.q, plan.k, plan.v
+    out = []
+    for x in (plan.q, plan.k, plan.v):
+        if plan.quantized:
+            arr = tensors.empty(x.shape, stream=plan.stream, dtype=E4M3)
+            driver.memcpy_htod(arr.ptr, np.ascontiguousarray(x), stream=plan.stream)
+            arr.staging = x
+        else:
+            arr = tensors.from_numpy(x, stream=plan.stream)
+        owned.append(arr)
+        out.append(arr)
+    return tuple(out)
+
+
+def _fa3_descales(plan, owned: list):
+    """(array, strides) of q, k, v descales in the kernel's form from FlashAttention-3's
+    (batch, heads_kv) ones (None: a 1.0 with strides 0); NumPy descales are copied in."""
+    ctx = driver.context()
+    out = {}
+    for name, width in (("q_descale", 4), ("k_descale", 3), ("v_descale", 3)):
+        given = plan.descales.get(name)
+        if given is None:
+            out[name] = (fp8._one(ctx.ordinal), (0,) * width)
+            continue
+        arr, (s_batch, s_head) = given
+        if isinstance(arr, np.ndarray):
+            host = np.ascontiguousarray(arr, dtype=np.float32)
+            dev = tensors.empty(host.shape, stream=plan.stream, dtype=_F32)
+            driver.memcpy_htod(dev.ptr, host, stream=plan.stream)
+            dev.staging = host
+            owned.append(dev)
+            arr, (s_batch, s_head) = dev, (host.shape[1] if host.shape[0] > 1 else 0,
+                                           1 if host.shape[1] > 1 else 0)
+        out[name] = (arr, (s_batch, s_head) + (0,) * (width - 2))
+    return out
+
+
+def prepare(plan, defines: dict | None = None) -> PreparedFp8:
+    """Allocate, quantize-or-transpose, build maps and parameters (launch nothing)."""
+    build = BUILDS[plan.head_dim]
+    ctx = driver.context()
+    stream = plan.stream
+    function = kernel(plan.head_dim, plan.masked, defines)
+    owned: list = []
+    q, k, v = _device_inputs(plan, owned)
+    B, H, Hkv, Lq, Lk, D = (plan.batch, plan.heads, plan.heads_kv, plan.seq_q, plan.seq_k,
+                            plan.head_dim)
+    prep = []
+    if plan.quantized:
+        ops = fp8.Operands(q, k, None, None, None, None, plan.layout, Lk, padded_keys(Lk))
+        scales = _fa3_descales(plan, owned)
+        ops.q_descale, ops.k_descale, ops.v_descale = (scales["q_descale"], scales["k_descale"],
+                                                       scales["v_descale"])
+        vt8 = tensors.empty((B, Hkv, D, ops.lk_pad), stream=stream, dtype=E4M3)
+        ops.vt8 = vt8
+        owned.append(vt8)
+        prep.append(fp8.transpose_v_launch(v, vt8, plan.layout, stream=stream))
+    else:
+        ops = fp8.quantize_launches(q, k, v, plan.layout, smooth_k=plan.smooth_k, stream=stream,
+                                    stream_owner=plan.stream_object)
+        owned.append(ops)
+        prep.extend(ops.launches)
+    if plan.out is not None and not plan.host:
+        out = plan.out                                   # the caller's: never freed here
+    else:
+        out = tensors.empty(plan.out_shape, stream=stream, stream_owner=plan.stream_object)
+        owned.append(out)
+    lse = None
+    if plan.want_lse:
+        lse = tensors.empty((B, H, Lq), stream=stream, dtype=_F32,
+                            stream_owner=plan.stream_object)
+        owned.append(lse)
+    maps = (e4m3_map(ops.q8, ops.layout, B, H, Lq, D, Q_BOX_ROWS, "q"),
+            e4m3_map(ops.k8, ops.layout, B, Hkv, Lk, D, build.block_n, "k"),
+            vt_map(ops.vt8, build.block_n),
+            tma.encode_qkvo_map(out.ptr, plan.layout, B, H, Lq, D, Q_BOX_ROWS, SWIZZLE_128B, 64,
+                                out.strides, name="out"))
+    o_batch, o_head, o_row, _ = tma.bhl_strides(plan.layout, out.shape, out.strides, "out")
+    left, right = (UNBOUNDED if x < 0 else min(x, UNBOUNDED) for x in plan.window)
+    (qs, qst), (ks, kst), (vs, vst) = ops.q_descale, ops.k_descale, ops.v_descale
+    values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale, H // Hkv,
+              lse.ptr if lse is not None else 0, plan.diag_offset, left, right,
+              qs.ptr, *qst, ks.ptr, *kst, vs.ptr, *vst)
+    types = ((driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64)
+             + (driver.U32,) * 4 + (driver.F32, driver.U32, driver.U64)
+             + (driver.S32,) * 3 + (driver.PTR,) + (driver.U32,) * 4
+             + (driver.PTR,) + (driver.U32,) * 3 + (driver.PTR,) + (driver.U32,) * 3)
+    cap = persistent_ctas()
+    grid = build.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
+    forward = driver.LaunchSpec(function, grid, (build.threads, 1, 1), build.smem_bytes,
+                                (values, types), stream=stream)
+    out.stream = stream
+    if lse is not None:
+        lse.stream = stream
+    return PreparedFp8(plan, out, lse, tuple(prep), forward, tuple(owned), (q, k, v, maps))
+
+
+def run(plan):
+    """Launch the call of a validated plan; NumPy in -> NumPy out (synchronized)."""
+    if plan.empty:
+        device = None if plan.host else getattr(plan.q, "device", None)
+        out = plan.out if plan.out is not None else (
+            np.empty(plan.out_shape, BF16) if plan.host else
+            DeviceArray(0, plan.out_shape, device=device))
+        if plan.want_lse:
+            shape = (plan.batch, plan.heads, plan.seq_q)
+            lse = np.empty(shape, np.float32) if plan.host else DeviceArray(
+                0, shape, device=device, dtype=_F32)
+            return out, lse
+        return out
+    prepared = prepare(plan)
+    try:
+        prepared.launch()
+        if plan.host:
+            result = prepared.out.to_numpy()         # waits for the launches
+            lse = prepared.lse.to_numpy() if plan.want_lse else None
+            if plan.out is not None:
+                plan.out[...] = result
+                result = plan.out
+            return (result, lse) if plan.want_lse else result
+        result = plan.out if plan.out is not None else prepared.out
+        return (result, prepared.lse) if plan.want_lse else result
+    finally:
+        # temporaries freed in stream order; device outputs go back to the caller
+        prepared.release(keep_outputs=not plan.host)
