@@ -1,6 +1,6 @@
 """The FP8 forward's launch: the build table, tensor maps and parameters of ptxattn_fwd_fp8
 (ptx/sm90/production/forward_fp8.ptx), and the call that quantizes (or transposes V), then
-runs it. fp8.attention() validates and comes here with a Plan.
+runs it. fp8.attention() validates and comes here with a Plan (fp8.Plan).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import driver, fp8, tensors, tma
+from . import driver, fp8_quantize, tensors, tma
 from .launch import UNBOUNDED, persistent_ctas
 from .fp8_reference import padded_keys
 from .stages import SWIZZLE_128B, ptx_root
@@ -43,6 +43,7 @@ class Build:
 
 BUILDS = {64: Build(192, 128, 512, 81920), 128: Build(128, 128, 384, 131072),
           256: Build(128, 64, 384, 196608)}
+HEAD_DIMS = tuple(sorted(BUILDS))
 
 
 def qk_swizzle(head_dim: int) -> tuple[str, int]:
@@ -134,7 +135,7 @@ class PreparedFp8:
         for item in self._owned:
             if keep_outputs and (item is self.out or item is self.lse):
                 continue
-            if isinstance(item, fp8.Operands):
+            if isinstance(item, fp8_quantize.Operands):
                 item.close()
             else:
                 item.free()
@@ -170,7 +171,7 @@ def _fa3_descales(plan, owned: list):
     for name, width in (("q_descale", 4), ("k_descale", 3), ("v_descale", 3)):
         given = plan.descales.get(name)
         if given is None:
-            out[name] = (fp8._one(ctx.ordinal), (0,) * width)
+            out[name] = (fp8_quantize.one(ctx.ordinal), (0,) * width)
             continue
         arr, (s_batch, s_head) = given
         if isinstance(arr, np.ndarray):
@@ -197,16 +198,16 @@ def prepare(plan, defines: dict | None = None) -> PreparedFp8:
                             plan.head_dim)
     prep = []
     if plan.quantized:
-        ops = fp8.Operands(q, k, None, None, None, None, plan.layout, Lk, padded_keys(Lk))
+        ops = fp8_quantize.Operands(q, k, None, None, None, None, plan.layout, Lk, padded_keys(Lk))
         scales = _fa3_descales(plan, owned)
         ops.q_descale, ops.k_descale, ops.v_descale = (scales["q_descale"], scales["k_descale"],
                                                        scales["v_descale"])
         vt8 = tensors.empty((B, Hkv, D, ops.lk_pad), stream=stream, dtype=E4M3)
         ops.vt8 = vt8
         owned.append(vt8)
-        prep.append(fp8.transpose_v_launch(v, vt8, plan.layout, stream=stream))
+        prep.append(fp8_quantize.transpose_v_launch(v, vt8, plan.layout, stream=stream))
     else:
-        ops = fp8.quantize_launches(q, k, v, plan.layout, smooth_k=plan.smooth_k, stream=stream,
+        ops = fp8_quantize.quantize_launches(q, k, v, plan.layout, smooth_k=plan.smooth_k, stream=stream,
                                     stream_owner=plan.stream_object)
         owned.append(ops)
         prep.extend(ops.launches)

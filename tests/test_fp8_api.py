@@ -11,7 +11,7 @@ import pytest
 from fakes import FAKE_BASE, FakeDLPack
 
 import ptxattn
-from ptxattn import fp8
+from ptxattn import fp8, fp8_quantize
 from ptxattn.tensors import BF16, E4M3, DeviceArray
 
 pytestmark = pytest.mark.usefixtures("no_driver")
@@ -184,8 +184,8 @@ def test_a_valid_call_reaches_the_fp8_forward(monkeypatch):
 
 def test_stats_chunks_cover_the_keys():
     for b, hkv, lk in [(1, 12, 32760), (2, 8, 16384), (1, 1, 1), (4, 32, 100), (1, 1, 1 << 20)]:
-        chunks, rows = fp8.stats_chunks(b, hkv, lk)
-        assert rows % fp8.STATS_ROWS == 0 and 1 <= chunks <= 64
+        chunks, rows = fp8_quantize.stats_chunks(b, hkv, lk)
+        assert rows % fp8_quantize.STATS_ROWS == 0 and 1 <= chunks <= 64
         assert (chunks - 1) * rows < lk <= chunks * rows
 
 
@@ -200,7 +200,7 @@ def test_the_quantizer_assembles_without_spills(d):
     e4m3 packing (F2FP) and TMA loads in the SASS; explicitly rounded arithmetic (no FFMA
     outside the div.rn subroutines: a contracted sub and mul would break the bit-exact model)."""
     from ptxattn.tools import sass
-    built = sass.assemble_ptx(fp8.quantize_source(d), "sm_90a", name=f"quantize_fp8_d{d}")
+    built = sass.assemble_ptx(fp8_quantize.quantize_source(d), "sm_90a", name=f"quantize_fp8_d{d}")
     report = sass.parse_ptxas_log(built.log)["functions"]
     assert set(report) == {"ptxattn_fp8_kv_stats", "ptxattn_fp8_quantize",
                            "ptxattn_fp8_transpose_v"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ptxattn import driver, fp8, tensors
+from ptxattn import driver, fp8_quantize, tensors
 from ptxattn import fp8_reference as model
 from ptxattn.reference import BF16
 
@@ -70,7 +70,7 @@ def diff(name: str, got: np.ndarray, want: np.ndarray) -> str | None:
 
 def quantize_on_gpu(q, k, v, layout, smooth):
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
-    ops = fp8.quantize(qd, kd, vd, layout, smooth_k=smooth)
+    ops = fp8_quantize.quantize(qd, kd, vd, layout, smooth_k=smooth)
     got = {"q8": ops.q8.to_numpy(), "q_descale": ops.q_descale[0].to_numpy(),
            "k8": ops.k8.to_numpy(), "k_descale": ops.k_descale[0].to_numpy(),
            "vt8": ops.vt8.to_numpy(), "v_descale": ops.v_descale[0].to_numpy()}
@@ -121,7 +121,7 @@ def test_transpose_v_of_prequantized_v(D, layout, poisoned):
     given = np.ascontiguousarray(v8.transpose(0, 2, 1, 3)) if layout == "bshd" else v8
     dev = tensors.empty(given.shape, dtype=model.E4M3)
     driver.memcpy_htod(dev.ptr, given)
-    vt = fp8.transpose_v(dev, layout).to_numpy()
+    vt = fp8_quantize.transpose_v(dev, layout).to_numpy()
     problem = diff("vt8", vt, model.permute_vt(v8, model.padded_keys(Lk)))
     assert problem is None, problem
 

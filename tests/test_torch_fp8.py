@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pt = pytest.importorskip("ptxattn.torch")
-from ptxattn.torch import fp8 as tfp8  # noqa: E402
+from ptxattn.torch import fp8_sdpa  # noqa: E402
 from ptxattn.torch import sdpa  # noqa: E402
 
 BF = torch.bfloat16
@@ -30,7 +30,7 @@ def routed(monkeypatch):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(sdpa, "_device_reason", lambda q, k, v: None)
-    monkeypatch.setattr(tfp8, "_kernel", kernel)
+    monkeypatch.setattr(fp8_sdpa, "_kernel", kernel)
     pt.reset_fallback_counts()
     yield calls
     pt.reset_fallback_counts()
@@ -38,7 +38,7 @@ def routed(monkeypatch):
 
 def test_the_fp8_router_takes_what_the_kernel_takes(routed):
     q, k, v = qkv()
-    tfp8.sdpa_attention(q, k, v, layout="bshd")
+    fp8_sdpa.sdpa_attention(q, k, v, layout="bshd")
     assert routed == [dict(shape=(1, 16, 2, 128), layout="bshd", causal=False)]
     assert pt.fallback_counts() == {}
 
@@ -47,7 +47,7 @@ def test_the_fp8_router_falls_back_to_torch_sdpa(routed):
     q, k, v = qkv()
     mask = torch.zeros(1, 2, 16, 16, dtype=torch.bool)
     with pytest.warns(RuntimeWarning, match="attn_mask"):
-        out = tfp8.sdpa_attention(q, k, v, attn_mask=mask, layout="bshd")
+        out = fp8_sdpa.sdpa_attention(q, k, v, attn_mask=mask, layout="bshd")
     assert routed == [] and pt.fallback_counts() == {"attn_mask": 1}
     assert out.shape == q.shape
 

@@ -69,7 +69,7 @@ def ptxattn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           is_causal: bool = False, scale: float | None = None,
                           enable_gqa: bool = False, return_lse: bool = False):
     """The opt-in FP8 backend: (batch, seq, heads, head_dim) in and out, through
-    ptxattn.torch.fp8 (e4m3 Q, K, V and P: ~5% relative error); torch's SDPA for the calls
+    ptxattn.torch.fp8_sdpa (e4m3 Q, K, V and P: ~5% relative error); torch's SDPA for the calls
     the kernel does not take. No LSE."""
     if return_lse:
         raise ValueError("ptxattn_fp8 attention backend: return_lse=True is not supported "
@@ -77,8 +77,8 @@ def ptxattn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if (attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape[0] == query.shape[0]
             and attn_mask.shape[1] == key.shape[1]):
         attn_mask = attn_mask.unsqueeze(1).unsqueeze(1)
-    from . import fp8
-    return fp8.sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+    from . import fp8_sdpa
+    return fp8_sdpa.sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa, layout="bshd")
 
 

@@ -3,9 +3,8 @@
 - `ptxattn::attention_fp8`, a torch.library custom op: bf16 CUDA q, k, v quantized to e4m3 by
   ptxattn's kernels inside the call, the FP8 forward, bf16 out
   (`ptxattn.torch.attention(..., precision="fp8")` calls it).
-- `sdpa_attention(...)`: torch's SDPA semantics, the FP8 path where the kernel takes the call
-  (the same scope as the bf16 path: ptxattn.torch.fallback_reason), torch's SDPA elsewhere.
-- the diffusers backend "ptxattn_fp8" (`ptxattn.torch.register_diffusers(fp8=True)`).
+Its SDPA-semantics router (torch's SDPA outside the kernel's scope) is ptxattn.torch.fp8_sdpa,
+which the diffusers backend "ptxattn_fp8" calls (`ptxattn.torch.register_diffusers(fp8=True)`).
 
 What it trades: e4m3 rounds Q, K, V and P to 3 mantissa bits, ~5% relative L2 against the
 float64 reference on random inputs (the bf16 path: ~0.2%), more where scores spread widely;
@@ -19,8 +18,6 @@ import math
 import torch
 
 from ptxattn.api import attention as _attention
-
-from . import sdpa
 
 LAYOUTS = ("bhld", "bshd")
 
@@ -62,20 +59,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 
 _OP = torch.ops.ptxattn.attention_fp8.default
-
-
-def _kernel(q, k, v, is_causal, scale, layout):
-    """The FP8 path (a seam the CPU tests replace)."""
-    return attention(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
-
-
-def sdpa_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, *, layout: str = "bhld"):
-    """SDPA semantics in `layout` on the FP8 path where the kernel takes the call; torch's own
-    SDPA (bf16) elsewhere, warned once per reason and counted as ptxattn.torch's fallbacks."""
-    why = sdpa.fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layout)
-    if why is not None:
-        sdpa._note_fallback(why)
-        return sdpa._torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                layout)
-    return _kernel(q, k, v, is_causal, scale, layout)
