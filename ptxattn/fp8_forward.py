@@ -1,63 +1,75 @@
-"""The FP8 forward's launch: the build table, tensor maps and parameters of ptxattn_fwd_fp8
-(ptx/sm90/production/forward_fp8.ptx), and the call that quantizes (or transposes V), then
-runs it. fp8.attention() validates and comes here with a Plan (fp8.Plan).
+"""The FP8 forward's launch: the FP8 builds of the production kernel (ptx/sm90/production/
+forward.ptx with -D PTXATTN_FP8, one per row of builds.FP8_BUILDS), their tensor maps and
+parameters, and the call that quantizes (or transposes V), then runs the forward.
+fp8.attention() validates and comes here with a Plan (fp8.Plan).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
-from . import driver, fp8_quantize, tensors, tma
-from .launch import UNBOUNDED, persistent_ctas
+from . import builds, driver, fp8_quantize, tensors, tma
+from .launch import LINEAGE_PARAMS, PRODUCTION_PARAMS, UNBOUNDED, Param, pack, persistent_ctas
 from .fp8_reference import padded_keys
-from .stages import SWIZZLE_128B, ptx_root
+from .stages import PRODUCTION, SWIZZLE_128B
 from .tensors import BF16, E4M3, DeviceArray
 
 ENTRY = "ptxattn_fwd_fp8"
-FORWARD_FILE = "sm90/production/forward_fp8.ptx"
-Q_BOX_ROWS = 64
+Q_BOX_ROWS = builds.Q_BOX_ROWS
+HEAD_DIMS = builds.FP8_HEAD_DIMS
 _F32 = np.dtype(np.float32)
 
+# The FP8 build's parameters after the production kernel's (descales.ptxh: DESCALE_PARAMS):
+# each descale's float32 array and its element strides (a stride 0 broadcasts)
+DESCALE_PARAMS: tuple[Param, ...] = (
+    Param("q_descale_ptr", driver.PTR, ".u64"),
+    Param("q_descale_batch", driver.U32, ".u32"),
+    Param("q_descale_head_kv", driver.U32, ".u32"),
+    Param("q_descale_group", driver.U32, ".u32"),     # the head within its GQA group
+    Param("q_descale_block", driver.U32, ".u32"),     # a 128-row block of queries
+    Param("k_descale_ptr", driver.PTR, ".u64"),
+    Param("k_descale_batch", driver.U32, ".u32"),
+    Param("k_descale_head_kv", driver.U32, ".u32"),
+    Param("k_descale_block", driver.U32, ".u32"),     # a 128-key block
+    Param("v_descale_ptr", driver.PTR, ".u64"),
+    Param("v_descale_batch", driver.U32, ".u32"),
+    Param("v_descale_head_kv", driver.U32, ".u32"),
+    Param("v_descale_channel", driver.U32, ".u32"),
+)
+PARAMS: tuple[Param, ...] = LINEAGE_PARAMS + PRODUCTION_PARAMS + DESCALE_PARAMS
 
-@dataclass(frozen=True)
-class Build:
-    """One FP8 build (the table in forward_fp8.ptx's header; tests/test_fp8_builds.py checks
-    the two agree): tiles, threads and dynamic shared memory (the barriers' end + 128 bytes of
-    mbarriers + 1 KiB to align the base)."""
-    block_m: int
-    block_n: int
-    threads: int
-    barriers_at: int
 
-    @property
-    def smem_bytes(self) -> int:
-        return self.barriers_at + 128 + 1024
-
-    def grid(self, batch: int, heads: int, seq_q: int, sm_count: int) -> tuple[int, int, int]:
-        tiles = -(-seq_q // self.block_m) * heads * batch
-        return (min(sm_count, tiles), 1, 1)
+def build_of(head_dim: int) -> builds.Build:
+    """The FP8 row of a head dim (ValueError naming the ones there are)."""
+    return builds.get(head_dim, "fp8")
 
 
-BUILDS = {64: Build(192, 128, 512, 81920), 128: Build(128, 128, 384, 131072),
-          256: Build(128, 64, 384, 196608)}
-HEAD_DIMS = tuple(sorted(BUILDS))
+def grid(build: builds.Build, batch: int, heads: int, seq_q: int,
+         sm_count: int) -> tuple[int, int, int]:
+    """Persistent CTAs: one per SM, at most one a tile."""
+    tiles = -(-seq_q // build.block_m) * heads * batch
+    return (min(sm_count, tiles), 1, 1)
 
 
 def qk_swizzle(head_dim: int) -> tuple[str, int]:
-    """(swizzle, bytes a box row) of Q's and K's e4m3 tiles: 128-byte rows (or 128-byte blocks
-    of 256-byte rows), 64-byte rows at D = 64."""
-    return (tma.SWIZZLE_64B, 64) if head_dim == 64 else (SWIZZLE_128B, 128)
+    """(swizzle, bytes a box row) of Q's and K's e4m3 tiles (the row's qk_row_bytes: 128-byte
+    rows, or 128-byte blocks of 256-byte rows; 64-byte rows at D = 64)."""
+    row = build_of(head_dim).qk_row_bytes
+    return (tma.SWIZZLE_64B if row == builds.SMALL_SWIZZLE_ROW_BYTES else SWIZZLE_128B), row
+
+
+def defines_of(head_dim: int, masked: bool, defines: dict | None = None) -> dict:
+    """The preprocessor defines of an FP8 build (and a measurement knob's)."""
+    return {"HEAD_DIM": str(head_dim), "PTXATTN_FP8": "1",
+            **({"PTXATTN_MASKED": "1"} if masked else {}), **(defines or {})}
 
 
 def forward_source(head_dim: int, masked: bool, defines: dict | None = None) -> str:
+    """The expanded PTX of an FP8 build (what ptxas and the JIT get)."""
     from . import ptx
-    defs = {"HEAD_DIM": head_dim, **({"PTXATTN_MASKED": 1} if masked else {}),
-            **(defines or {})}
-    return ptx.expand_file(ptx_root() / FORWARD_FILE, [ptx_root() / "sm90" / "include"],
-                           defs).text
+    return ptx.source(PRODUCTION, defines_of(head_dim, masked, defines))
 
 
 _KERNELS: dict[tuple, driver.Function] = {}
@@ -70,10 +82,11 @@ def kernel(head_dim: int, masked: bool, defines: dict | None = None) -> driver.F
     key = (ctx.ordinal, head_dim, masked, tuple(sorted((defines or {}).items())))
     with _KERNELS_LOCK:
         if key not in _KERNELS:
-            label = f"forward_fp8 -DHEAD_DIM={head_dim}" + (" -DPTXATTN_MASKED" if masked else "")
+            label = (f"forward -DPTXATTN_FP8 -DHEAD_DIM={head_dim}"
+                     + (" -DPTXATTN_MASKED" if masked else ""))
             module = driver.load_module(forward_source(head_dim, masked, defines), label)
             function = module.function(ENTRY)
-            function.set_max_dynamic_smem(BUILDS[head_dim].smem_bytes)
+            function.set_max_dynamic_smem(build_of(head_dim).smem_bytes)
             _KERNELS[key] = function
         return _KERNELS[key]
 
@@ -90,15 +103,16 @@ def e4m3_map(arr: DeviceArray, layout: str, batch: int, heads: int, seq: int, he
                             name=name)
 
 
-def vt_map(vt8: DeviceArray, block_n: int):
-    """V^T's map: 5-D (block_n keys, key blocks, D, heads_kv, batch) over (B, Hkv, D, Lk_pad)
-    e4m3, a box of one block of keys for every channel: lands as [D][block_n bytes], swizzled
-    by its rows (128B at 128 keys, 64B at 64)."""
+def vt_map(vt8: DeviceArray, build: builds.Build):
+    """V^T's map: 5-D (keys, D, 1, heads_kv, batch) over (B, Hkv, D, Lk_pad) e4m3, a box of
+    BLOCK_N keys of every channel (producer.ptxh: V_TILE_BOX, the tile's first key leading):
+    lands as [D][BLOCK_N bytes], swizzled by its rows (128B at 128 keys, 64B at 64)."""
     b, hkv, d, lk_pad = vt8.shape
-    swizzle = SWIZZLE_128B if block_n == 128 else tma.SWIZZLE_64B
-    return tma.encode_tiled(vt8.ptr, (block_n, lk_pad // block_n, d, hkv, b),
-                            (block_n, lk_pad, d * lk_pad, hkv * d * lk_pad),
-                            (block_n, 1, d, 1, 1), swizzle, data_type="u8", name="v")
+    swizzle = (SWIZZLE_128B if build.vt_row_bytes == builds.SWIZZLE_ROW_BYTES
+               else tma.SWIZZLE_64B)
+    return tma.encode_tiled(vt8.ptr, (lk_pad, d, 1, hkv, b),
+                            (lk_pad, d * lk_pad, d * lk_pad, hkv * d * lk_pad),
+                            (build.block_n, d, 1, 1, 1), swizzle, data_type="u8", name="v")
 
 
 class PreparedFp8:
@@ -188,7 +202,7 @@ def _fa3_descales(plan, owned: list):
 
 def prepare(plan, defines: dict | None = None) -> PreparedFp8:
     """Allocate, quantize-or-transpose, build maps and parameters (launch nothing)."""
-    build = BUILDS[plan.head_dim]
+    build = build_of(plan.head_dim)
     ctx = driver.context()
     stream = plan.stream
     function = kernel(plan.head_dim, plan.masked, defines)
@@ -223,23 +237,25 @@ def prepare(plan, defines: dict | None = None) -> PreparedFp8:
         owned.append(lse)
     maps = (e4m3_map(ops.q8, ops.layout, B, H, Lq, D, Q_BOX_ROWS, "q"),
             e4m3_map(ops.k8, ops.layout, B, Hkv, Lk, D, build.block_n, "k"),
-            vt_map(ops.vt8, build.block_n),
+            vt_map(ops.vt8, build),
             tma.encode_qkvo_map(out.ptr, plan.layout, B, H, Lq, D, Q_BOX_ROWS, SWIZZLE_128B, 64,
                                 out.strides, name="out"))
     o_batch, o_head, o_row, _ = tma.bhl_strides(plan.layout, out.shape, out.strides, "out")
     left, right = (UNBOUNDED if x < 0 else min(x, UNBOUNDED) for x in plan.window)
-    (qs, qst), (ks, kst), (vs, vst) = ops.q_descale, ops.k_descale, ops.v_descale
-    values = (*maps, out.ptr, o_row, o_head, o_batch, Lq, Lk, H, B, plan.scale, H // Hkv,
-              lse.ptr if lse is not None else 0, plan.diag_offset, left, right,
-              qs.ptr, *qst, ks.ptr, *kst, vs.ptr, *vst)
-    types = ((driver.BY_VALUE,) * 4 + (driver.PTR, driver.U64, driver.U64, driver.U64)
-             + (driver.U32,) * 4 + (driver.F32, driver.U32, driver.U64)
-             + (driver.S32,) * 3 + (driver.PTR,) + (driver.U32,) * 4
-             + (driver.PTR,) + (driver.U32,) * 3 + (driver.PTR,) + (driver.U32,) * 3)
+    params = dict(zip(("tmap_q", "tmap_k", "tmap_v", "tmap_o"), maps))
+    params.update(o_ptr=out.ptr, o_row_stride=o_row, o_head_stride=o_head, o_batch_stride=o_batch,
+                  seq_q=Lq, seq_k=Lk, heads=H, batch=B, softmax_scale=plan.scale,
+                  heads_per_kv=H // Hkv, lse_ptr=lse.ptr if lse is not None else 0,
+                  diag_offset=plan.diag_offset, window_left=left, window_right=right)
+    for name, (arr, strides) in (("q", ops.q_descale), ("k", ops.k_descale),
+                                 ("v", ops.v_descale)):
+        params[f"{name}_descale_ptr"] = arr.ptr
+        fields = [p.name for p in DESCALE_PARAMS if p.name.startswith(f"{name}_descale_")][1:]
+        params.update(zip(fields, strides))
     cap = persistent_ctas()
-    grid = build.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
-    forward = driver.LaunchSpec(function, grid, (build.threads, 1, 1), build.smem_bytes,
-                                (values, types), stream=stream)
+    cover = grid(build, B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
+    forward = driver.LaunchSpec(function, cover, (build.threads, 1, 1), build.smem_bytes,
+                                pack(PARAMS, params), stream=stream)
     out.stream = stream
     if lse is not None:
         lse.stream = stream

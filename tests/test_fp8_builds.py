@@ -1,8 +1,11 @@
-"""The FP8 forward's builds (CPU only): the build table in forward_fp8.ptx agrees with
-fp8_forward.BUILDS and with itself (shared-memory carve-up, tile bytes, descriptors), the
-generated header is the generator's output and packs P as the fragment model says, the maps
-move the bytes the barriers expect, and every build assembles without spills with QGMMA (and
-no HGMMA) in the counts its tiles imply.
+"""The FP8 builds of the production kernel (CPU only): forward.ptx with -D PTXATTN_FP8 and the
+FP8 rows of the build table (ptxattn/builds.py, FP8_BUILDS). The rows' figures as the
+preprocessor reads them from the generated layout header, their carve-up, tile bytes and
+descriptors; no copy of the bf16 kernel (the FP8 build is the same composing file and parts,
+with the descales as their one FP8-only include); the generated k-steps and P packing against
+the fragment model; the FP8 parameter list against the launcher's table; the maps against the
+barriers' bytes; and every build assembling without spills with QGMMA (and no HGMMA) in the
+counts its tiles imply.
 """
 
 from __future__ import annotations
@@ -11,19 +14,25 @@ import re
 
 import pytest
 
-from ptxattn import fp8_forward
-from ptxattn.tools import ptxgen_fp8, sass
+from ptxattn import builds, fp8_forward, ptx, stages
 from ptxattn import fp8_reference as model
-from ptxattn.stages import ptx_root
+from ptxattn.tools import ptxgen_fp8, ptxgen_layout, sass
 
-SOURCE = (ptx_root() / fp8_forward.FORWARD_FILE).read_text()
+PRODUCTION_DIR = stages.ptx_root() / "sm90" / "production"
+SHARED_INCLUDE = stages.ptx_root() / "sm90" / "include"
+LAYOUT = (PRODUCTION_DIR / "layout.ptxh").read_text()
+DESC_HEADER = (SHARED_INCLUDE / "wgmma_desc.ptxh").read_text()
+FP8_SECTION = LAYOUT.split("// ==== the FP8 builds", 1)[1]
 MAX_DYNAMIC_SMEM = 227 * 1024
+HEAD_DIMS = builds.FP8_HEAD_DIMS
 
 
 def build_defines(head_dim: int) -> dict[str, str]:
-    m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", SOURCE,
+    """The #defines of one FP8 row of the generated header (its `#if HEAD_DIM == d` block in
+    the PTXATTN_FP8 section), value text with any trailing comment removed."""
+    m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", FP8_SECTION,
                   re.M | re.S)
-    assert m, f"forward_fp8.ptx has no build table row for HEAD_DIM {head_dim}"
+    assert m, f"layout.ptxh has no FP8 row for HEAD_DIM {head_dim}"
     out = {}
     for line in m.group(1).splitlines():
         d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
@@ -36,52 +45,122 @@ def num(defs, name):
     return int(defs[name], 0)
 
 
-def test_committed_header_equals_the_generator_output():
+def test_committed_headers_equal_the_generators_output():
     assert ptxgen_fp8.stale() == [], "run `python -m ptxattn.tools.ptxgen_fp8` and commit the header"
+    assert ptxgen_layout.stale() == [], "run `python -m ptxattn.tools.ptxgen_layout`"
 
 
-@pytest.mark.parametrize("d", sorted(fp8_forward.BUILDS))
-def test_build_table_row_is_consistent(d):
-    defs, build = build_defines(d), fp8_forward.BUILDS[d]
+def test_the_fp8_rows_are_the_launchers_and_the_generators():
+    assert HEAD_DIMS == fp8_forward.HEAD_DIMS == (64, 128, 256)
+    assert all(b.fp8 and b.precision == "fp8" for b in builds.FP8_BUILDS)
+    assert ptxgen_fp8.shapes() == sorted((b.block_n, b.head_dim) for b in builds.FP8_BUILDS)
+    in_header = sorted(int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$",
+                                                  FP8_SECTION, re.M))
+    assert in_header == list(HEAD_DIMS)
+    with pytest.raises(ValueError, match="FP8 build is built for 64, 128, 256"):
+        fp8_forward.build_of(96)
+
+
+def _probe(tmp_path, names, defines):
+    probe = tmp_path / "probe.ptx"
+    probe.write_text('#include "layout.ptxh"\n' + "".join(f"@key_{n}= {n} ;\n" for n in names))
+    text = ptx.expand_file(probe, [PRODUCTION_DIR, SHARED_INCLUDE], defines).text
+    return dict(re.findall(r"^@key_(\w+)= (.*?) ;$", text, re.M))
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_the_preprocessor_reads_each_fp8_rows_figures(tmp_path, d):
+    b = builds.get(d, "fp8")
+    want = ptxgen_layout.numbers(b)
+    got = _probe(tmp_path, sorted(want), {"HEAD_DIM": str(d), "PTXATTN_FP8": "1"})
+    assert {k: int(v) for k, v in got.items()} == want
+    # and the bf16 row of the same head dim without the switch (they differ: e4m3 tiles)
+    bf16 = _probe(tmp_path, ["Q_TILE_BYTES"], {"HEAD_DIM": str(d)})
+    assert int(bf16["Q_TILE_BYTES"]) == 2 * want["Q_TILE_BYTES"]
+    with pytest.raises(Exception, match="FP8: HEAD_DIM must be 64, 128 or 256"):
+        _probe(tmp_path, ["CONSUMERS"], {"HEAD_DIM": "96", "PTXATTN_FP8": "1"})
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_fp8_row_is_consistent(d):
+    defs, build = build_defines(d), builds.get(d, "fp8")
     consumers, n = num(defs, "CONSUMERS"), num(defs, "BLOCK_N")
     assert (num(defs, "BLOCK_M"), n) == (build.block_m, build.block_n) == (64 * consumers, n)
     assert build.threads == 128 * (consumers + 1)
     assert 1 << num(defs, "BLOCK_N_SHIFT") == n
     assert num(defs, "Q_TILE_BYTES") == 64 * d                   # e4m3: a byte an element
     assert num(defs, "O_TILE_BYTES") == 64 * d * 2               # bf16 O staging
-    assert num(defs, "KV_TILE_BYTES") == n * d                   # K and V^T alike
+    assert num(defs, "KV_TILE_BYTES") == n * d == num(defs, "KV_TX_BYTES")   # K and V^T alike
     assert num(defs, "KV_SLOT_DESC") == num(defs, "KV_TILE_BYTES") >> 4
     stages_ = num(defs, "KV_STAGES")
     assert 1 << num(defs, "KV_STAGE_SHIFT") == stages_
-    # the carve-up: Q's two buffers, K ring, V ring, O staging, barriers, no overlap
+    # the carve-up: Q's two buffers, K ring, V^T ring, O staging, barriers, no overlap
+    assert num(defs, "Q_BUFFERS") == 2 and num(defs, "O_STAGED_IN_Q") == 0
     q_end = 2 * consumers * num(defs, "Q_TILE_BYTES")
-    assert num(defs, "SMEM_Q") == 0 and num(defs, "SMEM_K") >= q_end
-    assert num(defs, "SMEM_V") >= num(defs, "SMEM_K") + stages_ * num(defs, "KV_TILE_BYTES")
-    assert num(defs, "SMEM_O") >= num(defs, "SMEM_V") + stages_ * num(defs, "KV_TILE_BYTES")
-    assert num(defs, "SMEM_BAR_Q") >= num(defs, "SMEM_O") + consumers * num(defs, "O_TILE_BYTES")
-    assert num(defs, "SMEM_BAR_Q") == build.barriers_at
-    # swizzle atoms: 1024-byte alignment for 128B tiles, 512 for 64B
+    assert num(defs, "SMEM_Q") == 0 and num(defs, "SMEM_K") == q_end
+    assert num(defs, "SMEM_V") == num(defs, "SMEM_K") + stages_ * num(defs, "KV_TILE_BYTES")
+    assert num(defs, "SMEM_O") == num(defs, "SMEM_V") + stages_ * num(defs, "KV_TILE_BYTES")
+    assert num(defs, "SMEM_BAR_Q") == num(defs, "SMEM_O") + consumers * num(defs, "O_TILE_BYTES")
     for name in ("SMEM_K", "SMEM_V", "SMEM_O"):
         assert num(defs, name) % 1024 == 0, name
-    assert build.smem_bytes <= MAX_DYNAMIC_SMEM
+    assert build.smem_bytes == num(defs, "SMEM_BAR_Q") + 128 + 1024 <= MAX_DYNAMIC_SMEM
     # registers: S n / 2, P n / 8 quadruples, O d / 2
     assert (num(defs, "S_REGS"), num(defs, "P_REGS"), num(defs, "O_REGS")) == (n // 2, n // 8, d // 2)
-    # descriptors: Q/K by their row bytes, V^T by its keys' bytes
+    # descriptors: Q/K by their row bytes, V^T by its keys' bytes; the FP8 macros of (n, d)
     qk = "DESC_KMAJOR_SW64" if d == 64 else "DESC_KMAJOR_SW128"
     v = "DESC_KMAJOR_SW64" if n == 64 else "DESC_KMAJOR_SW128"
     assert (defs["DESC_QK_BITS"], defs["DESC_V_BITS"]) == (qk, v)
-    assert fp8_forward.qk_swizzle(d)[1] == ptxgen_fp8.swizzle_row_bytes(d)
+    assert defs["QK_TILE"] == f"QK_FP8_N{n}_D{d}(DQ, DK)" and defs["PV_TILE"] == f"PV_FP8_N{n}_D{d}(DV)"
+    assert defs["PACK_P"] == f"PACK_P_FP8_N{n}" and defs["SCALE_V"] == f"SCALE_V_D{d}"
+    assert fp8_forward.qk_swizzle(d)[1] == build.qk_row_bytes
 
 
-def test_the_sw64_descriptor_is_what_it_says():
-    m = re.search(r"#define DESC_KMAJOR_SW64 (0x[0-9a-fA-F]+)", SOURCE)
-    value = int(m.group(1), 16)
-    assert value >> 62 == 2                                # 64-byte swizzle
-    assert ((value >> 32) & 0x3FFF) << 4 == 512            # SBO: 8 rows of 64 bytes
-    assert ((value >> 16) & 0x3FFF) << 4 == 16             # LBO (unused, K-major swizzled)
+def test_the_descriptors_are_what_they_say():
+    def fields(name):
+        value = int(re.search(rf"#define {name}\s+(0x[0-9a-fA-F]+)", DESC_HEADER).group(1), 16)
+        return value >> 62, ((value >> 32) & 0x3FFF) << 4, ((value >> 16) & 0x3FFF) << 4
+    assert fields("DESC_KMAJOR_SW64") == (2, 512, 16)      # 64B swizzle, SBO 8 rows of 64 B
+    assert fields("DESC_KMAJOR_SW128") == (1, 1024, 16)    # 128B swizzle, SBO 8 rows of 128 B
 
 
-@pytest.mark.parametrize("n", ptxgen_fp8.BLOCK_NS)
+# ---- no copy of the bf16 kernel ---------------------------------------------------------------
+
+def test_the_fp8_build_is_the_production_kernel_composed_with_a_switch():
+    """One composing file for both precisions; the only FP8 source of its own in the
+    production folder is descales.ptxh (and the quantizer, another kernel); the bf16 and FP8
+    expansions share the scheduler, masks, producer and barriers statement for statement
+    (everything that is not an operand's size, a GEMM, the softmax or the descales)."""
+    files = {p.name for p in ptx.source_files(stages.PRODUCTION) if p.parent == PRODUCTION_DIR}
+    assert "descales.ptxh" in files
+    own = sorted(p.name for p in PRODUCTION_DIR.iterdir() if "fp8" in p.name)
+    assert own == ["quantize_fp8.ptx"], own
+    text = {p.name: p.read_text() for p in PRODUCTION_DIR.iterdir() if p.suffix == ".ptx"}
+    assert [n for n, t in text.items() if ".entry FORWARD_ENTRY" in t or "ptxattn_fwd_fp8" in t] \
+        == ["forward.ptx"]
+    fp8 = fp8_forward.forward_source(128, True)
+    bf16 = ptx.source(stages.PRODUCTION.specialize(128, masked=True))
+    for label in ("produce_loop", "kv_masked_run", "kv_back_run", "wait_q_empty", "tile_end"):
+        assert f"{label}:" in fp8 and f"{label}:" in bf16, label
+    assert ".entry ptxattn_fwd_fp8(" in fp8 and ".entry ptxattn_fwd(" in bf16
+
+
+_ENTRY = re.compile(r"\.entry\s+ptxattn_fwd_fp8\s*\((.*?)\)", re.S)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_fp8_parameter_list_is_the_launchers_table(masked):
+    body = _ENTRY.search(fp8_forward.forward_source(128, masked)).group(1)
+    declared = []
+    for piece in body.split(","):
+        m = re.match(r"^\.param\s+(.+?)\s+(\w+)\s*(\[\d+\])?$", " ".join(piece.split()))
+        assert m, piece
+        declared.append((m.group(2), " ".join(m.group(1).split()) + (m.group(3) or "")))
+    assert declared == [(p.name, p.ptx) for p in fp8_forward.PARAMS]
+
+
+# ---- the generated k-steps and P ---------------------------------------------------------------
+
+@pytest.mark.parametrize("n", ptxgen_fp8.block_ns())
 def test_pack_p_puts_each_score_where_the_fragment_model_says(n):
     text = ptxgen_fp8.header()
     body = re.search(rf"#define PACK_P_FP8_N{n} \\\n((?:.*\\\n)*.*\n)", text).group(1)
@@ -95,14 +174,34 @@ def test_pack_p_puts_each_score_where_the_fragment_model_says(n):
         assert got == [int(x) for x in model.p_source_register(t, range(4 * r, 4 * r + 4))]
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_the_qk_steps_walk_the_swizzled_rows(d):
+    """QK_FP8: D / 32 k-steps, 2 descriptor units (32 bytes) apart within a swizzled row, and a
+    jump to the next 128-byte block of D (rows * 128 bytes on) where a row has two."""
+    b = builds.get(d, "fp8")
+    body = re.search(rf"#define QK_FP8_N{b.block_n}_D{d}\(DQ, DK\) \\\n((?:.*\\\n)*.*\n)",
+                     ptxgen_fp8.header()).group(1)
+    assert body.count("wgmma.mma_async.sync.aligned") == d // 32
+    steps = [int(x) for x in re.findall(r"add\.s64 DQ, DQ, (\d+);", body)]
+    k_steps = [int(x) for x in re.findall(r"add\.s64 DK, DK, (\d+);", body)]
+    per_row = b.qk_row_bytes // 32
+    for i, (sq, sk) in enumerate(zip(steps, k_steps), start=1):
+        if i % per_row:
+            assert sq == sk == 2
+        else:   # the next block: back over the row's steps, then rows * row bytes on
+            assert sq == 64 * b.qk_row_bytes // 16 - 2 * (per_row - 1)
+            assert sk == b.block_n * b.qk_row_bytes // 16 - 2 * (per_row - 1)
+
+
 def test_the_maps_move_the_bytes_the_barriers_expect():
-    for d, build in fp8_forward.BUILDS.items():
-        defs = build_defines(d)
+    for d in HEAD_DIMS:
+        defs, build = build_defines(d), builds.get(d, "fp8")
         _, chunk = fp8_forward.qk_swizzle(d)
         assert chunk * 64 * (d // chunk) == num(defs, "Q_TILE_BYTES")
         assert chunk * build.block_n * (d // chunk) == num(defs, "KV_TILE_BYTES")
         assert build.block_n * d == num(defs, "KV_TILE_BYTES")        # the V^T box
         assert model.V_BLOCK % build.block_n == 0                      # whole boxes of V^T
+        assert eval(defs["Q_TX_BYTES"]) == build.consumers * num(defs, "Q_TILE_BYTES")
 
 
 requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
@@ -110,13 +209,13 @@ requires_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None,
 
 
 @requires_ptxas
-@pytest.mark.parametrize("d", sorted(fp8_forward.BUILDS))
+@pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("masked", [False, True])
 def test_build_assembles_without_spills_with_qgmma_only(d, masked):
     """0 spills, setmaxnreg kept, QGMMA (e4m3) in the counts the tiles imply and no HGMMA:
     QK^T D / 32 k-steps and PV BLOCK_N / 32, each three times (prologue, the plain and masked
     steps; PV: two steps and the last tile); e4m3 packs BLOCK_N / 4 per PACK_P, three copies."""
-    build = fp8_forward.BUILDS[d]
+    build = builds.get(d, "fp8")
     built = sass.assemble_ptx(fp8_forward.forward_source(d, masked), "sm_90a",
                               name=f"forward_fp8_d{d}{'_masked' if masked else ''}")
     text = sass.disassemble(built.cubin)

@@ -1,8 +1,9 @@
 """Write the per-register PTX macros of the FP8 forward that the preprocessor cannot compute.
 
-The FP8 build of the production kernel (ptx/sm90/production/forward_fp8.ptx) keeps the bf16
-build's S accumulator and its score macros (gen_n*.ptxh: row max, exponentials, masks); what
-changes is written here into ptx/sm90/include/gen_fp8.ptxh: the e4m3 wgmma k-steps (k32) of
+The FP8 builds of the production kernel (ptx/sm90/production/forward.ptx with -D PTXATTN_FP8,
+one per row of builds.FP8_BUILDS) keep the bf16 builds' S accumulator and score macros
+(gen_n*.ptxh: row max, exponentials, masks); what changes is written here into
+ptx/sm90/include/gen_fp8.ptxh, for the shapes the FP8 rows name (a new row: its macros): the e4m3 wgmma k-steps (k32) of
 S = Q K^T and O += P V, P packed four e4m3 to a register in the order the FP8 PV's A fragment
 wants (fp8_reference.p_source_register: no shuffles, since V^T's keys are permuted to match),
 and the epilogue's per-channel V descale. tests/test_fp8_builds.py checks that the committed
@@ -22,21 +23,30 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import fp8_reference
+from .. import builds, fp8_reference
 from . import ptxgen
 
-BLOCK_NS = (64, 128)          # keys per K/V tile: the N of S, the K of PV
-HEAD_DIMS = (64, 128, 256)
-ROWS = 64                     # query rows per consumer warpgroup
-K_STEP = 32                   # e4m3 wgmma K: 32 one-byte elements, 32 bytes along a row
-DESC_UNIT = 16
+ROWS = builds.Q_BOX_ROWS      # query rows per consumer warpgroup
+K_STEP = builds.FP8_K_STEP    # e4m3 wgmma K: 32 one-byte elements, 32 bytes along a row
+DESC_UNIT = builds.DESC_UNIT
 HEADER = "gen_fp8.ptxh"
 
 
-def swizzle_row_bytes(row_bytes: int) -> int:
-    """The swizzle of a tile whose rows are `row_bytes` long: 128-byte rows (or 128-byte
-    blocks of longer rows) take the 128B swizzle, 64-byte rows the 64B one."""
-    return 64 if row_bytes == 64 else 128
+def shapes() -> list[tuple[int, int]]:
+    """(BLOCK_N, D) of every FP8 row: the k-steps' shapes."""
+    return sorted({(b.block_n, b.head_dim) for b in builds.FP8_BUILDS})
+
+
+def block_ns() -> list[int]:
+    return sorted({n for n, _ in shapes()})
+
+
+def head_dims() -> list[int]:
+    return sorted({d for _, d in shapes()})
+
+
+def _row(n: int, d: int) -> builds.Build:
+    return next(b for b in builds.FP8_BUILDS if (b.block_n, b.head_dim) == (n, d))
 
 
 def _wgmma(n: int) -> str:
@@ -45,8 +55,8 @@ def _wgmma(n: int) -> str:
 
 def qk_macro(n: int, d: int) -> list[str]:
     """S = Q K^T over D bytes of e4m3: D / 32 k-steps; rows are split into swizzled blocks of
-    swizzle_row_bytes(D) bytes, the next block rows * block bytes further (Q 64, K n rows)."""
-    block = swizzle_row_bytes(d)
+    the row's qk_row_bytes, the next block rows * block bytes further (Q 64, K n rows)."""
+    block = _row(n, d).qk_row_bytes
     blocks, per_block = d // block, block // K_STEP
     step = K_STEP // DESC_UNIT
     q_jump = ROWS * block // DESC_UNIT - (per_block - 1) * step
@@ -80,7 +90,7 @@ def pv_macro(n: int, d: int) -> list[str]:
     return ptxgen._macro(
         f"PV_FP8_N{n}_D{d}", "DV", body,
         f"O += P V: {steps} k-steps of 32 keys; DV (b64): V^T (D rows of {n} bytes, "
-        f"{swizzle_row_bytes(n)}B-swizzled, K-major) steps {step}")
+        f"{_row(n, d).vt_row_bytes}B-swizzled, K-major) steps {step}")
 
 
 def pack_macro(n: int) -> list[str]:
@@ -124,11 +134,11 @@ def scale_v_macro(d: int) -> list[str]:
 
 def header() -> str:
     out: list[str] = []
-    for n in BLOCK_NS:
+    for n in block_ns():
         out += pack_macro(n)
-        for d in HEAD_DIMS:
-            out += qk_macro(n, d) + pv_macro(n, d)
-    for d in HEAD_DIMS:
+    for n, d in shapes():
+        out += qk_macro(n, d) + pv_macro(n, d)
+    for d in head_dims():
         out += scale_v_macro(d)
     text = ptxgen._guarded(HEADER, "The FP8 (e4m3) forward's k-steps, P packing and V descale.",
                            out)
