@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from . import builds
 from .reference import _bf16_to_f64, _to_bhld, _window, key_mask
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -284,7 +285,7 @@ def _round_mantissa(x: np.ndarray, bits: int | None) -> np.ndarray:
 
 
 def fp8_attention_model(inputs: Fp8Inputs, *, scale=None, causal: bool = False, window=None,
-                        diagonal: str = "bottom_right", rows=None, block_n: int = 128,
+                        diagonal: str = "bottom_right", rows=None, block_n: int | None = None,
                         rebase_log2: float = 0.0, p_log2: float = 8.0,
                         sum_quantized_p: bool = False, accumulator_bits: int | None = None,
                         return_lse: bool = False):
@@ -298,7 +299,9 @@ def fp8_attention_model(inputs: Fp8Inputs, *, scale=None, causal: bool = False, 
     p_log2), which must stay <= 448); P = 2^(f S - m + p_log2) rounded to e4m3; O = O 2^corr +
     P8 V8 (float32, or accumulator_bits mantissa bits); row sum l of the float32 P (of P8 with
     sum_quantized_p). At the end O v_descale / l. p_log2 lifts P into e4m3's normal range
-    (FlashAttention-3 uses 8)."""
+    (FlashAttention-3 uses 8). block_n None: the FP8 build's K/V tile for this head dim
+    (builds.FP8_BUILDS), since the tiling decides which running max each P is rounded
+    against: a model tiled otherwise differs from the kernel by ~1e-2 (D = 256: 64 keys)."""
     if rebase_log2 + p_log2 > math.log2(E4M3_MAX) + 1e-9:
         raise ValueError(f"rebase_log2 + p_log2 = {rebase_log2 + p_log2}: P would exceed "
                          f"e4m3's {E4M3_MAX}")
@@ -309,6 +312,8 @@ def fp8_attention_model(inputs: Fp8Inputs, *, scale=None, causal: bool = False, 
     v8 = unpermute_vt(inputs.vt8, inputs.seq_k).astype(np.float64)
     batch, h, lq, d = q8.shape
     hkv, lk = k8.shape[1], inputs.seq_k
+    if block_n is None:
+        block_n = builds.get(d, "fp8").block_n if d in builds.FP8_HEAD_DIMS else 128
     kv_of = np.arange(h) // (h // hkv)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mask = _window(causal, window)
