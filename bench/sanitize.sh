@@ -4,15 +4,25 @@
 #   bash bench/sanitize.sh              (on the GPU machine, from the repository root; carry .whl
 #                                        for pcpp; the run tool sets $OUT)
 #
-# Each sanitizer invocation runs ONE stage ONCE at a small shape through bench/sanitize_case.py
-# (random inputs, NaN-poisoned output, one launch, a check against the float64 reference, every
-# buffer freed and the context released). The cases come from the stage registry
-# (`python3 bench/sanitize_case.py --list`): every stage at B=1 H=2 L=256 in BHLD and BSHD
-# (the production kernel once per head dim, STAGE production:64/128/256, also in the persistent
-# cases below);
-# stages with BLOCK_M 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent
-# stages also at B=2 H=2 L=512 with PTXATTN_PERSISTENT_CTAS=2 in both layouts, so each of the 2
-# CTAs walks 8 tiles (at these shapes a grid of 132 CTAs would give each CTA one tile at most).
+# Each sanitizer invocation runs ONE kernel ONCE on a small case through bench/sanitize_case.py
+# (random inputs, NaN-poisoned output and LSE, one launch, a check against the float64
+# reference, every buffer freed and the context released). The cases are the one table of
+# bench/sanitize_case.py (`python3 bench/sanitize_case.py --list`: NAME, CTAS and its arguments,
+# tab-separated): every lineage stage at B=1 H=2 L=256 in BHLD and BSHD; stages with BLOCK_M
+# 128 also at L=512 (several K/V tiles: the K/V ring wraps); persistent stages also at B=2 H=2
+# L=512 with PTXATTN_PERSISTENT_CTAS=2 in both layouts, so each of the 2 CTAs walks 8 tiles (at
+# these shapes a grid of 132 CTAs would give each CTA one tile at most). The production kernel:
+# every head dim's build (production:64/128/256) small and persistent in both layouts, its
+# masked build (causal), a sliding and a two-sided window, a masked persistent walk, GQA, MQA,
+# ragged tails (Lq, Lk not tile multiples, Lq < Lk and Lq > Lk), the top-left diagonal, and the
+# LSE written. Decode (flash_attn_with_kvcache: three splits and the combine, with device
+# lengths out of range) once per head dim. New kernels (paged, varlen, FP8) add rows there; the
+# backward has its own runner (bench/sanitize_bwd.sh).
+#
+# Device time (H200, compute-sanitizer 2025.3, 16 cores): one invocation takes 3-8 s (racecheck
+# the slowest); at JOBS=14 about 2 invocations finish a second. The full run (89 cases x 4
+# tools + 4 controls = 360 invocations, plus 89 plain runs) takes about 3 minutes; the script
+# prints its own estimate first. TOOLS="memcheck synccheck" / "racecheck initcheck" halves it.
 #
 # Negative controls (`sanitize_case.py --controls`), run under racecheck and synccheck: stage 1
 # built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync between the P stores and the PV wgmma
@@ -34,7 +44,7 @@
 #
 # Switches (environment): TOOLS="memcheck racecheck synccheck initcheck"  STAGES=1,5,14,production
 #   CONTROL_TOOLS="racecheck synccheck" (the negative controls; "" skips them)
-#   JOBS=8 (sanitizer processes at once; they share the GPU)  CASE_TIMEOUT=300 (seconds per
+#   JOBS=nproc-2 (sanitizer processes at once; they share the GPU)  CASE_TIMEOUT=300 (seconds per
 #   invocation)  DRY_RUN=1 (print the commands, run nothing)  COMPUTE_SANITIZER=/path/to/it
 #   PYTHON=python3  CUDA_CACHE_DISABLE=0 (default: the plain warm-up run fills the driver's JIT
 #   cache, so each sanitizer invocation loads its stage from the cache)
@@ -51,7 +61,8 @@ PYTHON=${PYTHON:-python3}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
 CONTROL_TOOLS=${CONTROL_TOOLS-racecheck synccheck}
 STAGES=${STAGES:-}
-JOBS=${JOBS:-8}
+JOBS=${JOBS:-$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))}
+SECONDS_PER_INVOCATION=6     # measured on the H200 (2026-12-01): 3-8 s, JOBS of them at once
 CASE_TIMEOUT=${CASE_TIMEOUT:-300}
 DRY_RUN=${DRY_RUN:-}
 export CUDA_CACHE_DISABLE=${CUDA_CACHE_DISABLE:-0}
@@ -106,28 +117,34 @@ if [[ -n $CONTROL_TOOLS ]]; then
     mapfile -t CONTROLS < <("$PYTHON" bench/sanitize_case.py --controls) || exit 3
 fi
 
-case_env() {   # CTAS -> the environment a case needs, as VAR=value words for env(1)
-    local words="CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
-    if (( $1 )); then words+=" PTXATTN_PERSISTENT_CTAS=$1"; fi
-    echo "$words"
+# each line of --list / --controls: NAME <tab> CTAS <tab> the arguments of sanitize_case.py;
+# split once into NAME/RUN (cases) and CNAME/CRUN (controls): RUN is the plain command, the
+# environment a case needs (the persistent grid cap) in front of sanitize_case.py
+split_cases() {   # PREFIX LINES...: PREFIX_NAME[i], PREFIX_RUN[i]
+    local prefix=$1 line name ctas args env; shift
+    local -n names=${prefix}NAME runs=${prefix}RUN
+    names=() runs=()
+    for line in "$@"; do
+        IFS=$'\t' read -r name ctas args <<< "$line"
+        env="CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
+        if (( ctas )); then env+=" PTXATTN_PERSISTENT_CTAS=$ctas"; fi
+        names+=("$name")
+        runs+=("$env|bench/sanitize_case.py $args")
+    done
 }
-case_args() { echo "--stage $1 -b $2 -H $3 -L $4 --layout $6${7:+ -D $7}"; }
-case_name() {
-    local name stage=$1
-    # a lineage stage by number; the production kernel's builds are production:D
-    if [[ $stage =~ ^[0-9]+$ ]]; then stage=$(printf 'stage%02d' "$stage"); fi
-    name=$(printf '%s %sx%sx%s %s' "$stage" "$2" "$3" "$4" "$6")
-    if (( $5 )); then name+=" ctas=$5"; fi
-    if [[ -n ${7:-} ]]; then name+=" $7"; fi
-    echo "$name"
+split_cases "" "${CASES[@]}"
+split_cases C "${CONTROLS[@]}"
+with() {   # RUN [SANITIZER OPTIONS...]: the command line
+    local run=$1; shift
+    echo "env ${run%%|*} ${*:+$* }$PYTHON ${run#*|}"
 }
 
 CMDS=() CMD_CASE=() CMD_TOOL=()
 for tool in $TOOLS; do
     opts=$(tool_options "$tool") || exit 2
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas layout <<< "${CASES[$i]}"
-        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout")")
+        run=${RUN[$i]}
+        CMDS+=("env ${run%%|*} $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON ${run#*|}")
         CMD_CASE+=("$i")
         CMD_TOOL+=("$tool")
     done
@@ -136,19 +153,20 @@ done
 for tool in $CONTROL_TOOLS; do
     opts=$(tool_options "$tool") || exit 2
     for i in "${!CONTROLS[@]}"; do
-        read -r stage b h l ctas layout define <<< "${CONTROLS[$i]}"
-        CMDS+=("env $(case_env "$ctas") $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout" "$define")")
+        run=${CRUN[$i]}
+        CMDS+=("env ${run%%|*} $SAN $opts --error-exitcode $ERROR_EXIT --print-limit 20 $PYTHON ${run#*|}")
         CMD_CASE+=("c$i")
         CMD_TOOL+=("$tool")
     done
 done
+estimate=$(( (${#CMDS[@]} + ${#CASES[@]} / 2 + JOBS - 1) / JOBS * SECONDS_PER_INVOCATION ))
 
 if [[ -n $DRY_RUN ]]; then
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas layout <<< "${CASES[$i]}"
-        echo "env $(case_env "$ctas") $PYTHON bench/sanitize_case.py $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout")"
+        with "${RUN[$i]}"
     done
     printf '%s\n' "${CMDS[@]}"
+    echo "estimate: ${#CMDS[@]} sanitizer invocations + ${#CASES[@]} plain runs, $JOBS at a time: about ${estimate}s" >&2
     exit 0
 fi
 
@@ -158,13 +176,17 @@ LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 started=$SECONDS
 
+SOURCE=$("$PYTHON" -c 'from ptxattn.tools.bench import source_id; s = source_id()
+if s.get("declared_commit"): print("commit:", s["declared_commit"], "(declared by the runner: PTXATTN_SOURCE_COMMIT)")
+print(("git HEAD here:" if s.get("declared_commit") else "commit:"), (s["commit"] or "? (no git here)") + (" (with local changes in ptx/ or ptxattn/)" if s["dirty"] else ""))
+print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1)
 {
     echo "ptxattn compute-sanitizer report, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     # the code that ran: the commit when git can tell, and always a hash of ptx/ and ptxattn/
     # (the device gets a copy of the tree, often without .git)
-    "$PYTHON" -c 'from ptxattn.tools.bench import source_id; s = source_id()
-print("commit:", (s["commit"] or "? (no git here)") + (" (with local changes in ptx/ or ptxattn/)" if s["dirty"] else ""))
-print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1
+    # (the device gets a copy of the tree, often without .git, or with a stale one: the runner
+    # declares the commit it copied in PTXATTN_SOURCE_COMMIT, and the tree hash checks it)
+    echo "$SOURCE"
     echo "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo '?')"
     echo "compute-sanitizer: $SAN"
     "$SAN" --version 2>&1 | sed 's/^/    /'
@@ -172,8 +194,11 @@ print("source: sha256 of ptx/ and ptxattn/", s["tree_sha256"])' 2>&1
          "cuda-bindings $("$PYTHON" -c 'from importlib.metadata import version as v; print(v("cuda-bindings"))' 2>/dev/null || echo '?')"
     echo "settings: TOOLS='$TOOLS' STAGES='${STAGES:-all}' JOBS=$JOBS CASE_TIMEOUT=$CASE_TIMEOUT" \
          "CUDA_CACHE_DISABLE=$CUDA_CACHE_DISABLE"
-    echo "cases: ${#CASES[@]} (STAGE B H L CTAS LAYOUT: ${CASES[*]/%/;})"
-    echo "negative controls: ${#CONTROLS[@]} under '$CONTROL_TOOLS' (${CONTROLS[*]/%/;})"
+    echo "cases: ${#CASES[@]} (bench/sanitize_case.py --list):"
+    printf '    %s\n' "${NAME[@]}"
+    echo "negative controls: ${#CONTROLS[@]} under '$CONTROL_TOOLS':"
+    if (( ${#CONTROLS[@]} )); then printf '    %s\n' "${CNAME[@]}"; fi
+    echo "estimate: ${#CMDS[@]} sanitizer invocations + ${#CASES[@]} plain runs, $JOBS at a time: about ${estimate}s"
     echo
 } > "$REPORT"
 cat "$REPORT"
@@ -191,11 +216,9 @@ throttle() { while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n; done; }
 # ---- 1. plain runs: the JIT cache is filled and every case is checked without a sanitizer ----
 echo "== plain runs (no sanitizer) ==" | tee -a "$REPORT"
 for i in "${!CASES[@]}"; do
-    read -r stage b h l ctas layout <<< "${CASES[$i]}"
     throttle
     # shellcheck disable=SC2046
-    run_logged "plain-$i" env $(case_env "$ctas") "$PYTHON" bench/sanitize_case.py \
-        $(case_args "$stage" "$b" "$h" "$l" "$ctas" "$layout") &
+    run_logged "plain-$i" $(with "${RUN[$i]}") &
 done
 wait
 worst=0
@@ -251,8 +274,8 @@ for k in "${!CMDS[@]}"; do
             cell="not flagged"
         fi
         cell+=", output ${check:-?}"
-        read -r _ _ _ _ _ _ define <<< "${CONTROLS[${CMD_CASE[$k]#c}]}"
-        if [[ ${CMD_TOOL[$k]} == racecheck && $define == *=1 && $cell != FLAGGED* ]]; then
+        control=${CNAME[${CMD_CASE[$k]#c}]}
+        if [[ ${CMD_TOOL[$k]} == racecheck && $control == *HAZARD=1* && $cell != FLAGGED* ]]; then
             worst=1            # the visible hazard went unseen: clean results prove nothing
         fi
         CELL["${CMD_CASE[$k]},${CMD_TOOL[$k]}"]=$cell
@@ -296,22 +319,19 @@ done
 
 # ---- 4. the table, last ------------------------------------------------------------------
 table() {
-    printf '\n%-36s %-8s' "case" "plain"
+    printf '\n%-56s %-8s' "case" "plain"
     for tool in $TOOLS; do printf ' %-14s' "$tool"; done
     printf '\n'
     for i in "${!CASES[@]}"; do
-        read -r stage b h l ctas layout <<< "${CASES[$i]}"
-        printf '%-36s %-8s' "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout")" "${PLAIN[$i]}"
+        printf '%-56s %-8s' "${NAME[$i]}" "${PLAIN[$i]}"
         for tool in $TOOLS; do printf ' %-14s' "${CELL[$i,$tool]}"; done
         printf '\n'
     done
     if (( ${#CONTROLS[@]} )); then
         printf '\nnegative controls (planted hazards; =1 must be FLAGGED by racecheck):\n'
         for i in "${!CONTROLS[@]}"; do
-            read -r stage b h l ctas layout define <<< "${CONTROLS[$i]}"
             for tool in $CONTROL_TOOLS; do
-                printf '  %-52s %-10s %s\n' \
-                    "$(case_name "$stage" "$b" "$h" "$l" "$ctas" "$layout" "$define")" "$tool" \
+                printf '  %-52s %-10s %s\n' "${CNAME[$i]}" "$tool" \
                     "${CELL[c$i,$tool]}"
             done
         done
@@ -325,7 +345,9 @@ table() {
   repeats across calls, streams and persistent grid caps (a race moves the error between runs).
 EOF_NOTE
     fi
-    printf '\n%d invocations in %ds; report: %s\n' "${#CMDS[@]}" $((SECONDS - started)) "$REPORT"
+    printf '\n%s\n' "$SOURCE"
+    printf '%d invocations in %ds (estimated %ds); report: %s\n' "${#CMDS[@]}" \
+        $((SECONDS - started)) "$estimate" "$REPORT"
     echo "sanitize.sh: $( ((worst)) && echo 'NOT CLEAN' || echo 'all clean')"
 }
 table | tee -a "$REPORT"

@@ -1,37 +1,39 @@
 #!/usr/bin/env python3
-"""One stage, one launch, one small shape: what bench/sanitize.sh runs under compute-sanitizer.
+"""One kernel, one launch, one small case: what bench/sanitize.sh runs under compute-sanitizer.
 
-    python3 bench/sanitize_case.py --list [--stages 1,14]
-        the cases, one a line: STAGE B H L CTAS LAYOUT (CTAS 0: the stage's own grid; else
-        the PTXATTN_PERSISTENT_CTAS cap the script sets for that case)
+    python3 bench/sanitize_case.py --list [--stages 1,14,production,decode]
+        the cases, one a line, three tab-separated fields: NAME, CTAS (0: the kernel's own
+        grid; else the PTXATTN_PERSISTENT_CTAS cap the script sets for that case) and the
+        arguments of this script that run it
     python3 bench/sanitize_case.py --controls
-        the negative controls, one a line: STAGE B H L CTAS LAYOUT DEFINE (builds with a
-        planted hazard that the sanitizer is expected to flag; see CONTROLS)
-    python3 bench/sanitize_case.py --stage N -b B -H H -L L [--layout bhld] [--seed S]
-                                   [-D NAME=VALUE ...]
-        random normal bf16 inputs copied in, the output poisoned with NaN (a memset, so it is
-        initialised memory as far as initcheck is concerned and an unwritten tile shows as
-        NaN), one prepare + launch, a check against the float64 reference, then every
-        buffer freed and the primary context released, so that memcheck's leak check sees
-        the context end with nothing left allocated. Prints one line "case ...: PASS|FAIL".
-        Exit status 0: PASS, 1: FAIL, 2: bad arguments.
+        the negative controls in the same form (builds with a planted hazard that the
+        sanitizer is expected to flag; see CONTROLS)
+    python3 bench/sanitize_case.py --stage KERNEL -b B -H H [--heads-kv HKV] -L LQ [--seq-k LK]
+                                   [--layout bhld|bshd] [--causal] [--window L,R]
+                                   [--diagonal top_left] [--lse] [--seed S] [-D NAME=VALUE ...]
+        random normal bf16 inputs copied in, the output (and the LSE) poisoned with NaN (a
+        memset, so it is initialised memory as far as initcheck is concerned and an unwritten
+        tile or row shows as NaN), one prepare + launch, a check against the float64 reference
+        (the LSE too), then every buffer freed and the primary context released, so that
+        memcheck's leak check sees the context end with nothing left allocated. Prints one
+        line "case ...: PASS|FAIL". Exit status 0: PASS, 1: FAIL, 2: bad arguments.
 
-Cases: every stage at B=1 H=2 L=256 in BHLD and in BSHD (other strides in the tensor maps);
-the production kernel's build for each head dim (STAGE production:64, :128, :256) at the same
-shape and at the persistent one below;
-a stage with BLOCK_M 128 also at L=512 (4 or 8 K/V tiles: the 2-slot K/V ring wraps); a
-persistent stage also at B=2 H=2 L=512 with its grid capped at 2 CTAs (16 tiles: 8 per CTA, so
-the multi-tile path with its carried barrier phases runs), in both layouts. At those shapes a
-132-SM grid would give every CTA at most one tile.
-
-Decode (flash_attn_with_kvcache, issue 24), outside the --list table (its columns are the
-forward's): `--decode-cases` lists them as STAGE B H L, STAGE decode:D, and
-`--stage decode:D -b B -H H -L L` runs one: Lq = 2 causal queries against caches of L positions
-(H / 4 K/V heads), two new keys appended, lengths planted on the device at -5, L + 1000 and
-L // 2 (clamped by the kernels: memcheck must see no access outside the caches, the lengths
-array or the workspace), three splits and the combine, checked against the clamped reference:
-    compute-sanitizer --tool memcheck python3 bench/sanitize_case.py --stage decode:128 \
-        -b 3 -H 8 -L 600
+The cases are one table (CASES, built by cases()): every lineage stage at B=1 H=2 L=256 in
+BHLD and in BSHD (other strides in the tensor maps); a stage with BLOCK_M 128 also at L=512
+(4 or 8 K/V tiles: the 2-slot K/V ring wraps); a persistent stage also at B=2 H=2 L=512 with
+its grid capped at 2 CTAs (16 tiles: 8 per CTA, so the multi-tile path with its carried
+barrier phases runs), in both layouts. At those shapes a 132-SM grid would give every CTA at
+most one tile. Then the production kernel (PRODUCTION_ROWS): per head dim (its own CTA and
+carve-up; D = 64: three consumers, 192-row tiles) the unmasked build small and persistent in
+both layouts and the masked build (causal); and, at small shapes, a sliding window, a
+two-sided window, a masked persistent walk, GQA and MQA, ragged tails (Lq and Lk not tile
+multiples, Lq < Lk and Lq > Lk), the top-left diagonal, and the LSE written (alone and with
+the other features). Then decode (flash_attn_with_kvcache, DECODE_ROWS, one per head dim):
+Lq = 2 causal queries against caches of L positions (H / 4 K/V heads), two new keys appended,
+lengths planted on the device at -5, L + 1000 and L // 2 (clamped by the kernels: memcheck must
+see no access outside the caches, the lengths array or the workspace), three splits and the
+combine, checked against the clamped reference. New kernels (paged, varlen, backward, FP8) add
+rows the same way, and a runner in RUNNERS when their call is not attention()'s.
 
 Negative controls (CONTROLS): stage 1 built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync
 between the P stores and the PV wgmma dropped, plus an ordinary ld.shared of a word another
@@ -42,49 +44,253 @@ wgmma through the async proxy; whether racecheck sees that is what the run recor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
 
-SMALL = (1, 2, 256)
-RING = (1, 2, 512)
-PERSISTENT = (2, 2, 512)
-PERSISTENT_CTAS = 2
 HAZARD = "PTXATTN_PLANT_HAZARD"
-# (stage, B, H, L, CTAS, layout, define): the planted hazards of ptx/sm90/01_baseline.ptx
-CONTROLS = ((1, *SMALL, 0, "bhld", f"{HAZARD}=1"),
-            (1, *SMALL, 0, "bhld", f"{HAZARD}=2"))
+PERSISTENT_CTAS = 2
+PRODUCTION_KEY = "production"
+PRODUCTION_NUMBER = 0          # what --stages calls it besides its name
+DECODE_KEY = "decode"
+LAYOUTS = ("bhld", "bshd")
 
 
-def cases(stage_filter=None):
-    """The lineage's stages, then the production kernel, one build per head dim (its STAGE
-    column is production:D; --stages takes "production" or 0 for it)."""
-    from ptxattn import stages
-    for s in stages.all_stages():
-        if stage_filter and s.number not in stage_filter:
-            continue
-        for layout in ("bhld", "bshd"):
-            yield (s.number, *SMALL, 0, layout)
-        if s.block_m == 128:
-            yield (s.number, *RING, 0, "bhld")
-        if s.persistent:
-            for layout in ("bhld", "bshd"):
-                yield (s.number, *PERSISTENT, PERSISTENT_CTAS, layout)
-    if stage_filter and PRODUCTION_NUMBER not in stage_filter:
-        return
-    # The kernel attention() runs: each head dim is its own CTA (D = 64: three consumers, 512
-    # threads, 192-row tiles) and carve-up. L=256 leaves a ragged last Q tile at D = 64 (one
-    # 192-row tile and 64 rows); B=2 H=2 L=512 under 2 CTAs walks 6 (D = 64) or 8 tiles a CTA.
-    for d in stages.PRODUCTION.head_dims:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One sanitizer case: a kernel (a lineage stage number, or KIND:D such as production:64)
+    on one small problem. seq_k 0: as seq_q; heads_kv 0: as heads."""
+    kernel: str
+    batch: int = 1
+    heads: int = 2
+    seq_q: int = 256
+    seq_k: int = 0
+    heads_kv: int = 0
+    layout: str = "bhld"
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    diagonal: str = "bottom_right"
+    lse: bool = False
+    ctas: int = 0
+    define: str | None = None
+
+    @property
+    def lk(self) -> int:
+        return self.seq_k or self.seq_q
+
+    @property
+    def hkv(self) -> int:
+        return self.heads_kv or self.heads
+
+    def args(self) -> list[str]:
+        """This script's arguments for the case (what --stage ... takes)."""
+        out = ["--stage", self.kernel, "-b", str(self.batch), "-H", str(self.heads),
+               "-L", str(self.seq_q), "--layout", self.layout]
+        if self.hkv != self.heads:
+            out += ["--heads-kv", str(self.hkv)]
+        if self.lk != self.seq_q:
+            out += ["--seq-k", str(self.lk)]
+        if self.causal:
+            out.append("--causal")
+        if self.window is not None:
+            out += ["--window", f"{self.window[0]},{self.window[1]}"]
+        if self.diagonal != "bottom_right":
+            out += ["--diagonal", self.diagonal]
+        if self.lse:
+            out.append("--lse")
+        if self.define:
+            out += ["-D", self.define]
+        return out
+
+    def name(self) -> str:
+        """stage14 2x2x512 bshd ctas=2; production:128 1x4:1x200x333 bhld causal lse"""
+        kernel = f"stage{int(self.kernel):02d}" if self.kernel.isdigit() else self.kernel
+        heads = f"{self.heads}" + (f":{self.hkv}" if self.hkv != self.heads else "")
+        seq = f"{self.seq_q}" + (f"x{self.lk}" if self.lk != self.seq_q else "")
+        words = [kernel, f"{self.batch}x{heads}x{seq}", self.layout]
+        if self.causal:
+            words.append("causal")
+        if self.window is not None:
+            words.append(f"window={self.window[0]},{self.window[1]}")
+        if self.diagonal != "bottom_right":
+            words.append("top-left")
+        if self.lse:
+            words.append("lse")
+        if self.ctas:
+            words.append(f"ctas={self.ctas}")
+        if self.define:
+            words.append(self.define)
+        return " ".join(words)
+
+    def line(self) -> str:
+        return "\t".join((self.name(), str(self.ctas), " ".join(self.args())))
+
+
+def lineage_rows(stage) -> list[Case]:
+    rows = [Case(str(stage.number), layout=layout) for layout in LAYOUTS]
+    if stage.block_m == 128:
+        rows.append(Case(str(stage.number), seq_q=512))
+    if stage.persistent:
+        rows += [Case(str(stage.number), batch=2, seq_q=512, ctas=PERSISTENT_CTAS, layout=layout)
+                 for layout in LAYOUTS]
+    return rows
+
+
+def production_rows(head_dims) -> list[Case]:
+    """The production kernel: the builds attention() picks, and each feature it takes."""
+    rows = []
+    for d in head_dims:
         key = f"{PRODUCTION_KEY}:{d}"
-        for layout in ("bhld", "bshd"):
-            yield (key, *SMALL, 0, layout)
-        for layout in ("bhld", "bshd"):
-            yield (key, *PERSISTENT, PERSISTENT_CTAS, layout)
+        # L=256 leaves a ragged last Q tile at D = 64 (one 192-row tile and 64 rows); B=2 H=2
+        # L=512 under 2 CTAs walks 6 (D = 64) or 8 tiles a CTA
+        rows += [Case(key, layout=layout) for layout in LAYOUTS]
+        rows += [Case(key, batch=2, seq_q=512, ctas=PERSISTENT_CTAS, layout=layout)
+                 for layout in LAYOUTS]
+        rows.append(Case(key, causal=True))                        # the masked build of each D
+    p64, p128, p256 = (f"{PRODUCTION_KEY}:{d}" for d in (64, 128, 256))
+    rows += [
+        Case(p128, window=(64, 0)),                                # a sliding window
+        Case(p128, seq_q=200, seq_k=333, window=(32, 32), layout="bshd"),   # two-sided, ragged
+        Case(p128, batch=2, seq_q=512, causal=True, ctas=PERSISTENT_CTAS),  # masked walk
+        Case(p128, heads=4, heads_kv=2),                           # GQA
+        Case(p128, heads=4, heads_kv=1, layout="bshd"),            # MQA
+        Case(p128, seq_q=200, seq_k=333),                          # ragged tails, Lq < Lk
+        Case(p128, seq_q=333, seq_k=200, layout="bshd"),           # ragged tails, Lq > Lk
+        Case(p64, seq_q=200, seq_k=333, causal=True),              # D = 64: 192-row tiles, masked
+        Case(p128, lse=True),                                      # the LSE written
+        Case(p256, heads=4, heads_kv=1, seq_q=130, seq_k=300, causal=True,
+             diagonal="top_left", lse=True),                       # all at once, top-left
+        Case(p64, heads=4, heads_kv=2, seq_q=333, seq_k=200, window=(40, 8), lse=True,
+             layout="bshd"),                                       # rows that see no key
+    ]
+    return rows
 
 
-# flash_attn_with_kvcache: STAGE B H L (see the docstring), one head dim each
-DECODE_CASES = tuple((f"decode:{d}", 3, 8, 600) for d in (64, 128, 256))
+# flash_attn_with_kvcache (see the docstring): B H L are the caches' batch, heads and length
+DECODE_ROWS = tuple(Case(f"{DECODE_KEY}:{d}", batch=3, heads=8, seq_q=600) for d in (64, 128, 256))
+
+
+def cases(stage_filter=None) -> list[Case]:
+    """CASES: the lineage's stages, then the production kernel's rows, then decode's
+    (--stages takes "production" or 0, and "decode", for those)."""
+    from ptxattn import stages
+    rows = []
+    for s in stages.all_stages():
+        if not stage_filter or s.number in stage_filter:
+            rows += lineage_rows(s)
+    if not stage_filter or PRODUCTION_NUMBER in stage_filter:
+        rows += [c for c in production_rows(stages.PRODUCTION.head_dims)
+                 if int(c.kernel.partition(":")[2]) in stages.PRODUCTION.head_dims]
+    if not stage_filter or DECODE_KEY in stage_filter:
+        rows += DECODE_ROWS
+    return rows
+
+
+# the planted hazards of ptx/sm90/01_baseline.ptx
+CONTROLS = (Case("1", define=f"{HAZARD}=1"), Case("1", define=f"{HAZARD}=2"))
+
+
+def stage_and_head_dim(key: str) -> tuple[str, int]:
+    """--stage KEY: a lineage stage (number or name) runs at D = 128; production:D the
+    production kernel's build for head dim D (plain "production": D = 128)."""
+    name, sep, d = str(key).partition(":")
+    if not sep:
+        return name, 128
+    if not d.isdigit():
+        raise argparse.ArgumentTypeError(f"--stage: expected STAGE or production:D, got {key!r}")
+    return name, int(d)
+
+
+def parse_stages(text: str) -> set | None:
+    """--stages "1,14,production,decode" -> {1, 14, 0, "decode"}; empty -> None (all)."""
+    wanted = set()
+    for word in text.replace(",", " ").split():
+        wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else
+                   DECODE_KEY if word == DECODE_KEY else int(word))
+    return wanted or None
+
+
+def parse_define(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    left, sep, right = text.partition(",")
+    try:
+        return int(left), int(right)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window: expected LEFT,RIGHT, got {text!r}") from None
+
+
+def _inputs(case: Case, head_dim: int, seed: int):
+    """q (B, H, Lq, D), k and v (B, Hkv, Lk, D) in the case's layout, bf16 normal."""
+    from ptxattn import reference
+    q, k, v = reference.random_qkv(case.batch, case.heads, case.seq_q, case.lk, head_dim,
+                                   case.layout, seed=seed)
+    axis = 1 if case.layout == "bhld" else 2
+    k, v = (x.take(range(case.hkv), axis=axis) for x in (k, v))
+    return q, k, v
+
+
+def run_attention(case: Case, seed: int, defines=None) -> bool:
+    """The forward kernels (a lineage stage, the production kernel): prepare + one launch."""
+    from ptxattn import api as attn
+    from ptxattn import driver, launch, reference, stages, tensors
+
+    key, head_dim = stage_and_head_dim(case.kernel)
+    stage = stages.get_stage(key)
+    q, k, v = _inputs(case, head_dim, seed)
+    qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
+    out = tensors.empty(q.shape)
+    out.fill_u16(0xFFFF)                        # bf16 NaN on the legacy stream, like the launch
+    masks = dict(causal=case.causal, window=case.window, diagonal=case.diagonal)
+    prepared = attn.prepare(qd, kd, vd, stage=stage, layout=case.layout, out=out,
+                            defines=defines or None, return_lse=case.lse, **masks)
+    if case.lse:
+        driver.memset_u16(prepared.lse.ptr, 0xFFFF, 2 * prepared.lse.size)   # float32 NaN
+    prepared.launch()
+    driver.synchronize()
+    got = out.to_numpy()
+    ref, ref_lse = reference.attention_reference(q, k, v, layout=case.layout,
+                                                 return_lse=True, **masks)
+    m = reference.error_metrics(got, ref)
+    ok = reference.passes(m)
+    lse_note = ""
+    if case.lse:
+        import numpy as np
+        lse = prepared.lse.to_numpy().astype(np.float64)
+        both_empty = np.isneginf(lse) & np.isneginf(ref_lse)
+        err = float(np.max(np.where(both_empty, 0.0, np.abs(lse - ref_lse))))
+        lse_nan = int(np.count_nonzero(np.isnan(lse)))
+        ok = ok and lse_nan == 0 and err <= 2e-3
+        lse_note = f" lse_max_abs={err:.2e} lse_nan={lse_nan}"
+    cap = os.environ.get(launch.PERSISTENT_CTAS_ENV, "")
+    print(f"case {case.name()} D={head_dim} kernel={stage.label} grid={prepared.grid} "
+          f"block={prepared.block} smem={prepared.smem_bytes}"
+          f"{f' {launch.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
+          f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
+          f"max_abs={m['max_abs']:.2e} nan={m['nan_count']}{lse_note} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+
+    # Free everything, then end the context: memcheck --leak-check reports what is still
+    # allocated when the context is destroyed (the primary context lives until released).
+    # Released explicitly: under compute-sanitizer the `del` + gc.collect() below was seen
+    # not to run the buffers' finalizers (H200, 2026-11-29; without the sanitizer the same
+    # sequence frees all four), and memcheck then reported them as leaked.
+    prepared.close()
+    for array in (qd, kd, vd, out):
+        array.free()
+    del prepared, qd, kd, vd, out
+    gc.collect()
+    ctx = driver.context()
+    driver.synchronize()
+    ctx.alive = False                           # later destructors must not call the driver
+    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
+    return ok
 
 
 def run_decode(head_dim, b, h, length, seed) -> bool:
@@ -142,78 +348,19 @@ def run_decode(head_dim, b, h, length, seed) -> bool:
     return ok
 
 
-PRODUCTION_KEY = "production"
-PRODUCTION_NUMBER = 0          # what --stages calls it besides its name
+def run_decode_case(case: Case, seed: int, defines=None) -> bool:
+    return run_decode(stage_and_head_dim(case.kernel)[1], case.batch, case.heads, case.seq_q,
+                      seed)
 
 
-def stage_and_head_dim(key: str) -> tuple[str, int]:
-    """--stage KEY: a lineage stage (number or name) runs at D = 128; production:D the
-    production kernel's build for head dim D (plain "production": D = 128)."""
-    name, sep, d = str(key).partition(":")
-    if not sep:
-        return name, 128
-    if not d.isdigit():
-        raise argparse.ArgumentTypeError(f"--stage: expected STAGE or production:D, got {key!r}")
-    return name, int(d)
+# KIND (the part of --stage before ":"; lineage stages have none) -> how a case of it runs.
+# Kernels with another call (paged, varlen, backward) add theirs.
+RUNNERS = {PRODUCTION_KEY: run_attention, DECODE_KEY: run_decode_case}
 
 
-def parse_stages(text: str) -> set[int] | None:
-    """--stages "1,14,production" -> {1, 14, 0}; empty -> None (every stage)."""
-    wanted = set()
-    for word in text.replace(",", " ").split():
-        wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else int(word))
-    return wanted or None
-
-
-def parse_define(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
-
-
-def run(stage_key, b, h, length, layout, seed, defines=None) -> bool:
-    from ptxattn import api as attn
-    from ptxattn import driver, launch, reference, stages, tensors
-
-    key, head_dim = stage_and_head_dim(stage_key)
-    if key == "decode":
-        return run_decode(head_dim, b, h, length, seed)
-    stage = stages.get_stage(key)
-    q, k, v = reference.random_qkv(b, h, length, length, head_dim, layout, seed=seed)
-    qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
-    out = tensors.empty(q.shape)
-    out.fill_u16(0xFFFF)                        # bf16 NaN on the legacy stream, like the launch
-    prepared = attn.prepare(qd, kd, vd, stage=stage, layout=layout, out=out,
-                            defines=defines or None)
-    prepared.launch()
-    driver.synchronize()
-    got = out.to_numpy()
-    m = reference.error_metrics(got, reference.attention_reference(q, k, v, layout=layout))
-    ok = reference.passes(m)
-    cap = os.environ.get(launch.PERSISTENT_CTAS_ENV, "")
-    print(f"case {stage.label} B={b} H={h} L={length} D={head_dim} {layout} grid={prepared.grid} "
-          f"block={prepared.block} smem={prepared.smem_bytes}"
-          f"{f' {launch.PERSISTENT_CTAS_ENV}={cap}' if cap else ''}"
-          f"{''.join(f' -D{k}={v}' for k, v in (defines or {}).items())}: rel_l2={m['rel_l2']:.2e} "
-          f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} {'PASS' if ok else 'FAIL'}",
-          flush=True)
-
-    # Free everything, then end the context: memcheck --leak-check reports what is still
-    # allocated when the context is destroyed (the primary context lives until released).
-    # Released explicitly: under compute-sanitizer the `del` + gc.collect() below was seen
-    # not to run the buffers' finalizers (H200, 2026-11-29; without the sanitizer the same
-    # sequence frees all four), and memcheck then reported them as leaked.
-    prepared.close()
-    for array in (qd, kd, vd, out):
-        array.free()
-    del prepared, qd, kd, vd, out
-    gc.collect()
-    ctx = driver.context()
-    driver.synchronize()
-    ctx.alive = False                           # later destructors must not call the driver
-    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
-    return ok
+def run(case: Case, seed: int = 0, defines=None) -> bool:
+    kind = case.kernel.partition(":")[0]
+    return RUNNERS.get(kind, run_attention)(case, seed, defines)
 
 
 def _report_unraisable(info) -> None:
@@ -228,37 +375,38 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--stages", default="", help="with --list: only these stage numbers "
-                    "(1,14; production or 0: the production kernel's builds)")
-    ap.add_argument("--stage", help="the stage to run (number or name; production:D, the "
-                    "production kernel at head dim D)")
-    ap.add_argument("-b", "--batch", type=int, default=SMALL[0])
-    ap.add_argument("-H", "--heads", type=int, default=SMALL[1])
-    ap.add_argument("-L", "--seq-len", type=int, default=SMALL[2])
-    ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
-    ap.add_argument("--seed", type=int, default=0)
+                    "(1,14; production or 0: the production kernel's cases)")
     ap.add_argument("--controls", action="store_true", help="print the negative controls")
-    ap.add_argument("--decode-cases", action="store_true",
-                    help="print the flash_attn_with_kvcache cases (STAGE B H L)")
+    ap.add_argument("--stage", help="the kernel to run (a stage number or name; production:D, "
+                    "the production kernel at head dim D)")
+    ap.add_argument("-b", "--batch", type=int, default=1)
+    ap.add_argument("-H", "--heads", type=int, default=2)
+    ap.add_argument("--heads-kv", type=int, default=0, help="k/v heads (GQA/MQA; default H)")
+    ap.add_argument("-L", "--seq-len", type=int, default=256, help="query length")
+    ap.add_argument("--seq-k", type=int, default=0, help="key length (default: -L)")
+    ap.add_argument("--layout", default="bhld", choices=LAYOUTS)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--window", type=parse_window, default=None, help="LEFT,RIGHT (-1: none)")
+    ap.add_argument("--diagonal", default="bottom_right", choices=("bottom_right", "top_left"))
+    ap.add_argument("--lse", action="store_true", help="also write and check the LSE")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-D", "--define", action="append", type=parse_define, default=[],
                     help="a build variant's preprocessor define, NAME=VALUE")
     args = ap.parse_args(argv)
     if args.list:
-        wanted = parse_stages(args.stages)
-        for case in cases(wanted):
-            print(*case)
+        for case in cases(parse_stages(args.stages)):
+            print(case.line())
         return 0
     if args.controls:
         for case in CONTROLS:
-            print(*case)
-        return 0
-    if args.decode_cases:
-        for case in DECODE_CASES:
-            print(*case)
+            print(case.line())
         return 0
     if args.stage is None:
         ap.error("--stage is required (or --list)")
-    return 0 if run(args.stage, args.batch, args.heads, args.seq_len, args.layout,
-                    args.seed, dict(args.define)) else 1
+    case = Case(args.stage, batch=args.batch, heads=args.heads, seq_q=args.seq_len,
+                seq_k=args.seq_k, heads_kv=args.heads_kv, layout=args.layout,
+                causal=args.causal, window=args.window, diagonal=args.diagonal, lse=args.lse)
+    return 0 if run(case, args.seed, dict(args.define)) else 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ __all__ = ["attention", "prepare", "PreparedAttention"]
 
 def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
               return_lse: bool = False, causal: bool = False, window=None,
-              diagonal: str = "bottom_right", precision: str = "bf16", q_descale=None,
-              k_descale=None, v_descale=None, smooth_k: bool = False):
+              diagonal: str = "bottom_right", lse_out=None, precision: str = "bf16",
+              q_descale=None, k_descale=None, v_descale=None, smooth_k: bool = False):
     """softmax(scale * q k^T + mask) v, bf16 in and out, fp32 accumulation.
 
     precision="fp8" runs the FP8 (e4m3) forward instead (ptxattn/fp8.py): bf16 inputs are
@@ -34,7 +34,10 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     q: (B, H, Lq, D), k and v: (B, Hkv, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
     Any lengths Lq, Lk >= 1; Hkv divides H (grouped-query / multi-query attention: query
     head h reads k/v head h // (H // Hkv)). return_lse=True returns (out, lse), lse float32
-    of shape (B, H, Lq): the natural log of sum_j exp(scale * q.k_j) per query row.
+    of shape (B, H, Lq): the natural log of sum_j exp(scale * q.k_j) per query row;
+    lse_out= (with return_lse=True) is the caller's contiguous float32 (B, H, Lq) array for
+    it (a NumPy array for NumPy inputs), written and returned, so that nothing is allocated
+    by the library when out= is given too (CUDA-graph capture).
 
     Masks (FlashAttention's convention): causal=True hides keys past the diagonal;
     window=(left, right) keeps keys j with i + off - left <= j <= i + off + right for query i
@@ -69,6 +72,9 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     """
     if (precision != "bf16" or smooth_k is not False
             or any(x is not None for x in (q_descale, k_descale, v_descale))):
+        if lse_out is not None:
+            raise ValueError("lse_out: the FP8 path (precision='fp8', descales, smooth_k) "
+                             "returns its LSE in a new array; pass lse_out=None")
         from . import fp8
         return fp8.attention(q, k, v, precision=precision, stage=stage, scale=scale,
                              layout=layout, out=out, stream=stream, return_lse=return_lse,
@@ -76,11 +82,12 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                              smooth_k=smooth_k)
     result, key = steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
-                              window, diagonal)
+                              window, diagonal, lse_out=lse_out)
     if result is not None:
         return result
     prepared = prepare(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
-                       return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
+                       return_lse=return_lse, causal=causal, window=window, diagonal=diagonal,
+                       lse_out=lse_out)
     if prepared.host:
         try:
             prepared.launch()
@@ -98,18 +105,23 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
         if out is not None:
             out[...] = result
             result = out
+        if lse_out is not None:
+            lse_out[...] = lse
+            lse = lse_out
         return (result, lse) if return_lse else result
     prepared.launch()
     if key is not None:
         remember(key, prepared)
     result = out if out is not None else prepared.out
-    return (result, prepared.lse) if return_lse else result
+    if not return_lse:
+        return result
+    return result, (lse_out if lse_out is not None else prepared.lse)
 
 
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
             stream=None, return_lse: bool = False, causal: bool = False, window=None,
             diagonal: str = "bottom_right", defines: dict | None = None,
-            extra_params=()) -> PreparedAttention:
+            extra_params=(), lse_out=None) -> PreparedAttention:
     """Validate, pick the stage, copy NumPy inputs in, build maps and parameters.
 
     Arguments as for `attention`. Call `.launch()` to enqueue the kernel (as
@@ -120,7 +132,8 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     buffer: ((trace_ptr, launch.TRACE_BUF.ctype),).
     """
     plan = validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
-                    return_lse=return_lse, causal=causal, window=window, diagonal=diagonal)
+                    return_lse=return_lse, causal=causal, window=window, diagonal=diagonal,
+                    lse_out=lse_out)
     if plan.empty:   # nothing to compute: an empty output, no launch, no driver
         return launch.empty(plan)
     where = launch.target(plan)

@@ -6,8 +6,11 @@ The pipe, in stream order:
   2. the main kernel (a lineage stage, or the production kernel's build for the head dim):
      dK, dV written in place, dQ / scale added into the accumulator;
   3. postprocess (ptx/sm90/backward/postprocess.ptx): dQ = scale * accumulator, to bf16.
-Every workspace comes fresh from the stream-ordered allocator (tensors.empty) for each call and
-is never cached; the deterministic mode's semaphores are zeroed on the stream before the launch.
+Every workspace comes fresh for each call and is never cached: from the stream-ordered
+allocator (tensors.empty), or from the caller's allocator when one is given (`allocator=`:
+ptxattn.torch passes torch.empty, so that the caching allocator, and its private pool under
+CUDA-graph capture, owns every byte); the deterministic mode's semaphores are zeroed on the
+stream before the launch.
 
 Everything about the arguments is checked before the first driver call (bad input gets a
 ValueError/TypeError naming the argument on any machine, and nothing is written).
@@ -276,6 +279,8 @@ class PreparedBackward:
         self._keep: list = []
         self._owned: list = []
         self.dq = self.dk = self.dv = None
+        self.results = None           # what attention_backward returns: DeviceArrays, or the
+                                      # caller's allocator's arrays
         self.neg_lse = self.delta = self.dq_accum = self.semaphores = None
 
     # -- the three launches
@@ -314,23 +319,52 @@ class PreparedBackward:
         self.close()
 
 
-def _empty_result(plan: BackwardPlan):
-    """dq empty; dk, dv zero: no query row attends, so no key gets a gradient."""
+def _empty_result(plan: BackwardPlan, allocate):
+    """dq empty; dk, dv zero: no query row attends, so no key gets a gradient. (arrays,
+    objects): the DeviceArrays and what the caller gets (the allocator's objects, if any)."""
     if plan.host:
-        return (np.zeros(plan.q_shape, BF16), np.zeros(plan.kv_shape, BF16),
-                np.zeros(plan.kv_shape, BF16))
-    device = plan.q.device
-    dq = DeviceArray(0, plan.q_shape, device=device)
-    out = [dq]
+        result = (np.zeros(plan.q_shape, BF16), np.zeros(plan.kv_shape, BF16),
+                  np.zeros(plan.kv_shape, BF16))
+        return result, result
+    arrays = [allocate(plan.q_shape, BF16)]
     for _ in range(2):
-        if math.prod(plan.kv_shape):
-            x = tensors.empty(plan.kv_shape, stream=plan.stream, stream_owner=plan.stream_object)
-            driver.memset_u16(x.ptr, 0, x.size, stream=plan.stream)
+        x = allocate(plan.kv_shape, BF16)
+        if x[0].size:
+            driver.memset_u16(x[0].ptr, 0, x[0].size, stream=plan.stream)
+        arrays.append(x)
+    return tuple(a for a, _ in arrays), tuple(o for _, o in arrays)
+
+
+def _allocator_of(plan: BackwardPlan, allocator):
+    """allocate(shape, dtype) -> (DeviceArray, what the caller gets back): fresh memory for
+    one call, from `allocator` (the caller's, e.g. torch.empty) or stream-ordered
+    (tensors.empty, freed on the stream when the array goes)."""
+    if allocator is None or plan.host:
+        def allocate(shape, dtype):
+            if not math.prod(shape) and not plan.host:
+                x = DeviceArray(0, shape, device=plan.q.device, dtype=dtype)
+            else:
+                x = tensors.empty(shape, stream=plan.stream, dtype=dtype,
+                                  stream_owner=None if plan.host else plan.stream_object)
             x.stream = plan.stream
-        else:
-            x = DeviceArray(0, plan.kv_shape, device=device)
-        out.append(x)
-    return tuple(out)
+            return x, x
+        return allocate
+
+    def allocate(shape, dtype):
+        obj = allocator(tuple(shape), np.dtype(dtype))
+        name = f"allocator({tuple(shape)}, {np.dtype(dtype).name})"
+        x = tensors.as_device_array(obj, name=name, stream=plan.stream, dtype=dtype)
+        if tuple(x.shape) != tuple(shape) or not x.is_contiguous or x.dtype != np.dtype(dtype):
+            raise ValueError(f"allocator: expected a contiguous {np.dtype(dtype).name} array "
+                             f"of shape {tuple(shape)}, got {x.dtype} {tuple(x.shape)} strides "
+                             f"{x.strides}")
+        if x.size and x.ptr % 16:
+            raise ValueError(f"allocator: the array at 0x{x.ptr:x} is not 16-byte aligned")
+        if x.device is not None and plan.q.device is not None and x.device != plan.q.device:
+            raise ValueError(f"allocator: gave an array on CUDA device {x.device}, q is on "
+                             f"{plan.q.device}")
+        return x, obj
+    return allocate
 
 
 def _inputs_on_stream(plan: BackwardPlan, ctx) -> tuple:
@@ -361,11 +395,13 @@ def _inputs_on_stream(plan: BackwardPlan, ctx) -> tuple:
     return tuple(out)
 
 
-def build(plan: BackwardPlan) -> PreparedBackward:
-    """Device buffers, tensor maps, parameters and the three launch specs of a plan."""
+def build(plan: BackwardPlan, allocator=None) -> PreparedBackward:
+    """Device buffers, tensor maps, parameters and the three launch specs of a plan.
+    allocator: see prepare_backward."""
     prepared = PreparedBackward(plan)
+    allocate = _allocator_of(plan, allocator)
     if plan.empty:
-        prepared.dq, prepared.dk, prepared.dv = _empty_result(plan)
+        (prepared.dq, prepared.dk, prepared.dv), prepared.results = _empty_result(plan, allocate)
         return prepared
     ctx = driver.context()
     stage, defines = plan.stage, defines_for(plan)
@@ -377,7 +413,7 @@ def build(plan: BackwardPlan) -> PreparedBackward:
     main = kernel(stage.file, ENTRY, defines, smem)
     pre = kernel(*PREPROCESS)
     post = kernel(*POSTPROCESS)
-    stream, owner = plan.stream, plan.stream_object
+    stream = plan.stream
     q, k, v, out, lse, dout = _inputs_on_stream(plan, ctx)
     if plan.host:
         prepared._owned += [q, k, v, out, lse, dout]
@@ -385,20 +421,20 @@ def build(plan: BackwardPlan) -> PreparedBackward:
                             plan.head_dim)
     Lq_pad = plan.seq_q_pad
 
-    def fresh(shape, dtype=BF16):
-        x = tensors.empty(shape, stream=stream, dtype=dtype,
-                          stream_owner=None if plan.host else owner)
-        x.stream = stream
-        return x
-
-    dq, dk, dv = fresh(plan.q_shape), fresh(plan.kv_shape), fresh(plan.kv_shape)
-    neg_lse, delta = fresh((B, H, Lq_pad), F32), fresh((B, H, Lq_pad), F32)
-    accum = fresh((B, H, Lq_pad, D), F32)
-    sem = fresh((B, H, Lq_pad // plan.block_m), F32) if plan.deterministic else None
+    (dq, dq_obj), (dk, dk_obj), (dv, dv_obj) = (allocate(plan.q_shape, BF16),
+                                                allocate(plan.kv_shape, BF16),
+                                                allocate(plan.kv_shape, BF16))
+    neg_lse, delta = allocate((B, H, Lq_pad), F32)[0], allocate((B, H, Lq_pad), F32)[0]
+    accum = allocate((B, H, Lq_pad, D), F32)[0]
+    sem = allocate((B, H, Lq_pad // plan.block_m), F32)[0] if plan.deterministic else None
     prepared.dq, prepared.dk, prepared.dv = dq, dk, dv
+    prepared.results = (dq_obj, dk_obj, dv_obj)
     prepared.neg_lse, prepared.delta, prepared.dq_accum = neg_lse, delta, accum
     prepared.semaphores = sem
-    prepared._owned += [neg_lse, delta, accum] + ([sem] if sem is not None else [])
+    if allocator is None or plan.host:      # ours: close() frees them
+        prepared._owned += [neg_lse, delta, accum] + ([sem] if sem is not None else [])
+    else:                                   # the caller's: referenced until the call is done
+        prepared._keep.append((neg_lse, delta, accum, sem))
     if plan.host:
         prepared._owned += [dq, dk, dv]
 
@@ -452,18 +488,26 @@ def build(plan: BackwardPlan) -> PreparedBackward:
 
 def prepare_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bhld",
                      causal: bool = False, window=None, diagonal: str = "bottom_right",
-                     deterministic: bool = False, stream=None, stage=None) -> PreparedBackward:
+                     deterministic: bool = False, stream=None, stage=None,
+                     allocator=None) -> PreparedBackward:
     """Validate, copy NumPy inputs in, allocate outputs and workspaces, build the launches.
     Arguments as for attention_backward; stage=None is the production kernel, "b1".. a
-    lineage stage (head dim 128, no mask, no GQA, Lq % 64 == 0, Lk % 128 == 0)."""
+    lineage stage (head dim 128, no mask, no GQA, Lq % 64 == 0, Lk % 128 == 0).
+
+    allocator(shape, dtype) -> array: for device inputs, where dq, dk, dv and every workspace
+    come from (dtype a NumPy dtype: bfloat16 or float32; the array contiguous, 16-byte
+    aligned, a DLPack or __cuda_array_interface__ producer on q's device, e.g.
+    `lambda shape, dtype: torch.empty(shape, dtype=..., device=q.device)`). It is called for
+    this call only; nothing it returns is kept past the prepared call. None: stream-ordered
+    memory of the library's own (tensors.empty). Ignored for NumPy inputs."""
     return build(_validate(q, k, v, out, lse, dout, scale=scale, layout=layout, causal=causal,
                            window=window, diagonal=diagonal, deterministic=deterministic,
-                           stream=stream, stage=stage))
+                           stream=stream, stage=stage), allocator)
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bhld",
                        causal: bool = False, window=None, diagonal: str = "bottom_right",
-                       deterministic: bool = False, stream=None):
+                       deterministic: bool = False, stream=None, allocator=None):
     """(dq, dk, dv): the gradients of attention(q, k, v, ...) for an upstream gradient dout.
 
     out and lse are what the forward returned with return_lse=True (lse: float32 (B, H, Lq),
@@ -476,10 +520,12 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bh
     lse float32 or float64); DLPack / __cuda_array_interface__ in -> DeviceArrays out,
     launched asynchronously on `stream` (None: the inputs' framework's current stream).
     deterministic=True adds dQ in a fixed order (a semaphore per query block): gradients are
-    bit-for-bit equal across runs, at some cost in speed."""
+    bit-for-bit equal across runs, at some cost in speed.
+    allocator= (device inputs): the caller's allocator for the outputs and workspaces (see
+    prepare_backward); the outputs then come back as its arrays (e.g. torch tensors)."""
     prepared = prepare_backward(q, k, v, out, lse, dout, scale=scale, layout=layout,
                                 causal=causal, window=window, diagonal=diagonal,
-                                deterministic=deterministic, stream=stream)
+                                deterministic=deterministic, stream=stream, allocator=allocator)
     if prepared.plan.host and not prepared.plan.empty:
         try:
             prepared.launch()
@@ -491,4 +537,4 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bh
                 pass
         return result
     prepared.launch()
-    return prepared.dq, prepared.dk, prepared.dv
+    return prepared.results

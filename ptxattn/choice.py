@@ -60,10 +60,10 @@ def registry() -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def specialized(stage: Stage, head_dim: int, masked: bool) -> Stage:
-    """stage.specialize(head_dim, masked), built once per triple (a dataclasses.replace per
-    call is a measurable part of a small call's host time)."""
-    return stage.specialize(head_dim, masked)
+def specialized(stage: Stage, head_dim: int, masked: bool, varlen: bool = False) -> Stage:
+    """stage.specialize(head_dim, masked, varlen), built once per arguments (a
+    dataclasses.replace per call is a measurable part of a small call's host time)."""
+    return stage.specialize(head_dim, masked, varlen)
 
 
 def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,

@@ -17,8 +17,8 @@ tensors.empty (stream-ordered cuMemAllocAsync) otherwise. So a decode step can b
 a CUDA graph and replayed with new lengths. See decode_plan.py for the lengths contract and
 the split heuristic, decode_launch.py for the kernels.
 
-Imported from plan.py: _window (the
-causal/window_size rule) and _caller_stream (the framework's current stream for stream=None).
+Imported from plan.py: _window (the causal/window_size rule); the argument readers (bf16
+views, int32 device vectors, the stream) are device_args.py's, shared with varlen.py.
 """
 
 from __future__ import annotations
@@ -30,119 +30,21 @@ import threading
 import numpy as np
 
 from . import driver, tensors, tma
-from .plan import _window, caller_stream as _caller_stream
+from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
+from .plan import _window
 from .decode_builds import build_for
 from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
-from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, POISON_WORKSPACE_ENV, DecodeCall, Lengths,
-                          bhld_of, bytes_strides, check_bounds_requested, check_host_lengths,
-                          check_num_splits, check_rows_aligned, check_scale, check_shapes,
+from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKSPACE_ENV,
+                          DecodeCall, Lengths, Paging, bhld_of, bytes_strides, check_bounds_requested,
+                          check_host_block_table, check_host_lengths, check_num_splits,
+                          check_page_size, check_rows_aligned, check_scale, check_shapes,
                           overlaps, resolve_splits)
-from .tensors import BF16, DeviceArray
+from .tensors import DeviceArray
 
 F32 = np.dtype(np.float32)
 
 
 # --------------------------------------------------------------------------- arguments
-
-def _is_torch(obj) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _bf16_view(name: str, obj, stream: int) -> DeviceArray:
-    """A device view of a bf16 CUDA array (torch, DLPack, __cuda_array_interface__)."""
-    if isinstance(obj, np.ndarray):
-        raise TypeError(f"{name}: expected a CUDA array, got a NumPy (host) array; "
-                        "flash_attn_with_kvcache works on device caches in place (copy host "
-                        "data with ptxattn.from_numpy)")
-    if not (isinstance(obj, DeviceArray) or hasattr(obj, "__dlpack__")
-            or hasattr(obj, "__cuda_array_interface__")):
-        raise TypeError(f"{name}: expected a CUDA array (DLPack or __cuda_array_interface__), "
-                        f"got {type(obj).__name__}")
-    arr = tensors.as_device_array(obj, name=name, stream=stream)
-    if arr.dtype != BF16:
-        raise TypeError(f"{name}: expected dtype bfloat16, got {arr.dtype}")
-    return arr
-
-
-class _Vector:
-    """A non-bf16 device array (int32 lengths, a float32 LSE out): address and geometry."""
-
-    def __init__(self, ptr, shape, strides, device, owner):
-        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
-        self.device, self.owner = device, owner
-
-
-_DL_CODES = {"int32": (tensors.kDLInt, 32), "float32": (tensors.kDLFloat, 32)}
-_TYPESTRS = {"int32": "<i4", "float32": "<f4"}
-
-
-def _foreign(name: str, obj, dtype: str, stream: int) -> _Vector:
-    """A device array of `dtype` from torch, DLPack or __cuda_array_interface__ (a host array
-    or another dtype is a TypeError naming the argument)."""
-    if _is_torch(obj):
-        torch = sys.modules["torch"]
-        if obj.dtype != getattr(torch, dtype):
-            raise TypeError(f"{name}: expected dtype {dtype}, got {obj.dtype}")
-        if not obj.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor, got one on {obj.device}")
-        current = tensors.torch_current_stream(obj.get_device())
-        if current != stream:
-            driver.stream_wait(stream, current)
-        return _Vector(obj.data_ptr(), obj.shape, obj.stride(), obj.get_device(), obj)
-    if isinstance(obj, DeviceArray):
-        if obj.dtype != np.dtype(dtype):
-            raise TypeError(f"{name}: expected dtype {dtype}, got {obj.dtype}")
-        return _Vector(obj.ptr, obj.shape, obj.strides, obj.device, obj)
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None and not hasattr(obj, "__dlpack__"):
-        if cai.get("typestr") != _TYPESTRS[dtype]:
-            raise TypeError(f"{name}: expected dtype {dtype} (typestr {_TYPESTRS[dtype]!r}), "
-                            f"got typestr {cai.get('typestr')!r}")
-        shape = tuple(int(n) for n in cai["shape"])
-        strides = (tensors.contiguous_strides(shape) if cai.get("strides") is None
-                   else tuple(int(s) // 4 for s in cai["strides"]))
-        return _Vector(cai["data"][0] or 0, shape, strides, None, obj)
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(name, obj, dtype, stream)
-    raise TypeError(f"{name}: expected a CUDA {dtype} array, got {type(obj).__name__}")
-
-
-def _from_dlpack(name: str, obj, dtype: str, stream: int) -> _Vector:
-    """Consume a DLPack capsule of `dtype` (tensors' capsule structs; the importer there
-    takes bf16 only). The consumed tensor's deleter runs when the returned view's owner goes."""
-    if hasattr(obj, "__dlpack_device__"):
-        dev_type, _ = obj.__dlpack_device__()
-        if int(dev_type) not in (tensors.kDLCUDA, tensors.kDLCUDAManaged):
-            raise TypeError(f"{name}: expected a CUDA array, got one on "
-                            f"{tensors._device_name(int(dev_type))} memory")
-    s = 1 if stream == 0 else stream
-    try:
-        capsule = obj.__dlpack__(stream=s, max_version=tensors.DLPACK_VERSION)
-    except TypeError:
-        capsule = obj.__dlpack__(stream=s)
-    addr = id(capsule)
-    for versioned in (True, False):
-        if tensors._capsule_is_valid(addr, tensors._NAME[versioned]):
-            break
-    else:
-        raise TypeError(f"{name}: __dlpack__ did not return an unused DLPack capsule")
-    pointer = tensors._capsule_get_pointer(addr, tensors._NAME[versioned])
-    managed = (tensors.DLManagedTensorVersioned if versioned
-               else tensors.DLManagedTensor).from_address(pointer)
-    tensors._capsule_set_name(addr, tensors._USED_NAME[versioned])
-    holder = tensors._Imported(capsule, pointer, managed.deleter, obj)
-    t = managed.dl_tensor
-    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (*_DL_CODES[dtype], 1):
-        raise TypeError(f"{name}: expected dtype {dtype}, got "
-                        f"{tensors._dtype_name(t.dtype.code, t.dtype.bits, t.dtype.lanes)}")
-    if t.device.device_type not in (tensors.kDLCUDA, tensors.kDLCUDAManaged):
-        raise TypeError(f"{name}: expected a CUDA array, got one on "
-                        f"{tensors._device_name(t.device.device_type)} memory")
-    shape = tuple(t.shape[:t.ndim])
-    strides = tuple(t.strides[:t.ndim]) if t.strides else tensors.contiguous_strides(shape)
-    return _Vector((t.data or 0) + t.byte_offset, shape, strides, t.device.device_id, holder)
-
 
 def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Lengths:
     """cache_seqlens as Lengths; host data is range-checked here (see decode_plan)."""
@@ -156,7 +58,7 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
     if isinstance(obj, (int, np.integer)):
         check_host_lengths(np.full(batch, int(obj), np.int64), batch, cache_len, seq_new)
         return Lengths("int", value=int(obj))
-    if _is_torch(obj) and not obj.is_cuda:
+    if is_torch(obj) and not obj.is_cuda:
         torch = sys.modules["torch"]
         if obj.dtype != torch.int32:
             raise TypeError(f"cache_seqlens: expected dtype int32 (FlashAttention's), got "
@@ -169,7 +71,7 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
         values = np.ascontiguousarray(obj)
         check_host_lengths(values, batch, cache_len, seq_new)
         return Lengths("host", host=values)
-    vec = _foreign("cache_seqlens", obj, "int32", stream)
+    vec = foreign("cache_seqlens", obj, "int32", stream)
     if vec.shape != (batch,):
         raise ValueError(f"cache_seqlens: expected shape ({batch},), one length per sequence, "
                          f"got {vec.shape}")
@@ -181,35 +83,66 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
     return Lengths("device", ptr=vec.ptr, owner=vec)
 
 
-def _stream(q, arrays, stream) -> tuple[int, object]:
-    """(handle, object): torch's current stream for torch tensors (stream= must be None then:
-    torch code chooses streams with torch.cuda.stream), else stream=, else the framework's."""
-    if _is_torch(q):
-        if not q.is_cuda:
-            raise TypeError(f"q: expected a CUDA tensor, got one on {q.device}")
-        if stream is not None:
-            raise TypeError("stream: torch tensors run on torch's current stream; choose it "
-                            "with `with torch.cuda.stream(s):` (stream= is for other arrays)")
-        return tensors.torch_current_stream(q.get_device()), None
-    if stream is None:
-        stream = _caller_stream(arrays)
-    return driver.stream_handle(stream), stream
+def _paging(obj, batch: int, k_dims, stream: int) -> Paging:
+    """block_table as Paging: (B, max_pages) int32, a device array (read by the kernels only)
+    or host data (checked against host lengths in validate, copied in per call)."""
+    num_pages, _, page_size, _ = k_dims          # (num_pages, page_size, Hkv, D) read as BSHD
+    check_page_size(page_size)
+    if isinstance(obj, bool) or isinstance(obj, (int, float)):
+        raise TypeError(f"block_table: expected an int32 array (B, max_pages), got "
+                        f"{type(obj).__name__}")
+    host = host_int32("block_table", obj)
+    if host is not None:
+        shape, strides = host.shape, tensors.contiguous_strides(host.shape)
+    else:
+        vec = foreign("block_table", obj, "int32", stream)
+        shape, strides = vec.shape, vec.strides
+    if len(shape) != 2 or shape[0] != batch:
+        raise ValueError(f"block_table: expected shape ({batch}, max_pages), one row of page "
+                         f"numbers per sequence, got {tuple(shape)}")
+    max_pages = int(shape[1])
+    if max_pages == 0:
+        raise ValueError("block_table: rows of no page (max_pages 0)")
+    if max_pages > 1 and strides[1] != 1:
+        raise ValueError(f"block_table: expected rows of contiguous entries, got stride "
+                         f"{strides[1]} along a row")
+    row_stride = int(strides[0]) if batch > 1 else max_pages
+    if batch > 1 and row_stride < max_pages:
+        raise ValueError(f"block_table: row stride {row_stride} is below the row's "
+                         f"{max_pages} entries")
+    paging = Paging("host" if host is not None else "device", page_size=page_size,
+                    num_pages=num_pages, max_pages=max_pages, row_stride=row_stride)
+    if paging.capacity > MAX_CACHE_LEN:
+        raise ValueError(f"block_table: {max_pages} pages of {page_size} positions exceed "
+                         f"{MAX_CACHE_LEN}")
+    if host is not None:
+        paging.host = host
+    else:
+        if vec.ptr % 4:
+            raise ValueError(f"block_table: base address 0x{vec.ptr:x} is not 4-byte aligned")
+        paging.ptr, paging.owner = vec.ptr, vec
+    return paging
 
 
 def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=False,
              window_size=(-1, -1), softmax_scale=None, return_lse=False, num_splits=0, *,
-             layout="bshd", out=None, lse_out=None, stream=None) -> DecodeCall:
+             block_table=None, layout="bshd", out=None, lse_out=None,
+             stream=None) -> DecodeCall:
     """Every check of a call, in a fixed order, before any launch: a DecodeCall or a
     ValueError/TypeError naming the argument (nothing is written on error)."""
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bshd' (FlashAttention's (batch, seq, heads, "
                          f"head_dim)) or 'bhld', got {layout!r}")
     layout = layout.lower()
+    paged = block_table is not None
+    if paged and layout != "bshd":
+        raise ValueError("layout: a paged cache (block_table=) is (num_pages, page_size, Hkv, "
+                         "D), FlashAttention's: layout must be 'bshd'")
     if (k is None) != (v is None):
         raise ValueError(f"{'v' if k is not None else 'k'}: k and v are appended together; "
                          "pass both or neither")
-    handle, stream_object = _stream(q, (q, k_cache, v_cache, out), stream)
-    views = {name: _bf16_view(name, obj, handle)
+    handle, stream_object = call_stream(q, (q, k_cache, v_cache, out), stream)
+    views = {name: bf16_view(name, obj, handle)
              for name, obj in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                                ("k", k), ("v", v)) if obj is not None}
     q_dims = bhld_of("q", views["q"].shape, layout)
@@ -219,13 +152,20 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     if k is not None:
         new = (bhld_of("k", views["k"].shape, layout), views["v"].shape, views["k"].shape)
         bhld_of("v", views["v"].shape, layout)
-    check_shapes(q_dims, k_dims, views["v_cache"].shape, views["k_cache"].shape, layout, new)
+    check_shapes(q_dims, k_dims, views["v_cache"].shape, views["k_cache"].shape, layout, new,
+                 paged=paged)
     devices = {n: a.device for n, a in views.items() if a.device is not None}
     if len(set(devices.values())) > 1:
         raise ValueError("q, k_cache, v_cache: expected arrays on one device, got "
                          + ", ".join(f"{n} on CUDA device {d}" for n, d in devices.items()))
     batch, heads, seq_q, head_dim = q_dims
     _, heads_kv, cache_len, _ = k_dims
+    paging = _paging(block_table, batch, k_dims, handle) if paged else None
+    if paging is not None:
+        cache_len = paging.capacity              # the positions a sequence's pages can hold
+        if new is not None and new[0][2] > cache_len:
+            raise ValueError(f"k: {new[0][2]} new keys do not fit {paging.max_pages} pages of "
+                             f"{paging.page_size} positions")
     seq_new = new[0][2] if new is not None else 0
     left, right = _window(causal, window_size, "bottom_right")
     scale = check_scale(softmax_scale, head_dim)
@@ -234,14 +174,19 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     splits_requested = check_num_splits(num_splits)
     lengths = _lengths(cache_seqlens, batch, cache_len, seq_new, handle)
     build = build_for(head_dim)
+    if paging is not None and paging.kind == "host":
+        check_host_block_table(paging.host, _host_lengths_of(lengths, batch, seq_new), paging)
 
     # geometry: TMA reads the caches (16-byte base and strides), the other kernels move
     # 16-byte chunks of q, k, v and the output
     for name in ("k_cache", "v_cache"):
         arr = views[name]
         tma.check_base(arr.ptr, name)
-        tma.map_geometry(layout, batch, heads_kv, cache_len, head_dim, build.block_n, TMA_CHUNK,
-                         arr.strides, name)
+        if paging is None:
+            tma.map_geometry(layout, batch, heads_kv, cache_len, head_dim, build.block_n,
+                             TMA_CHUNK, arr.strides, name)
+        else:
+            _paged_map_geometry(arr, paging, heads_kv, head_dim, build.block_n, name)
     check_rows_aligned(views["q"], layout, "q")
     if k is not None:
         for name in ("k", "v"):
@@ -263,7 +208,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
 
     out_view = None
     if out is not None:
-        out_view = _bf16_view("out", out, handle)
+        out_view = bf16_view("out", out, handle)
         if tuple(out_view.shape) != tuple(views["q"].shape):
             raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
                              f"{tuple(out_view.shape)}")
@@ -280,7 +225,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     if lse_out is not None:
         if not return_lse:
             raise ValueError("lse_out: given with return_lse=False")
-        lse_view = _foreign("lse_out", lse_out, "float32", handle)
+        lse_view = foreign("lse_out", lse_out, "float32", handle)
         if lse_view.shape != (batch, heads, seq_q) or (
                 batch * heads * seq_q > 1
                 and lse_view.strides != tensors.contiguous_strides(lse_view.shape)):
@@ -293,13 +238,31 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
                       heads_kv=heads_kv, head_dim=head_dim, cache_len=cache_len,
                       seq_new=seq_new, lengths=lengths, window=(left, right), scale=scale,
                       want_lse=return_lse, splits=0, splits_requested=splits_requested,
-                      stream=handle, stream_object=stream_object, torch=_is_torch(q),
+                      stream=handle, stream_object=stream_object, torch=is_torch(q),
                       build=build, out_strides=out_strides, q_shape=tuple(views["q"].shape),
-                      objects={"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+                      objects={"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v},
+                      paging=paging)
     if call.rows >= 1 << 31:
         raise ValueError(f"q: {call.rows} output rows (B x H x Lq) are too many for one call "
                          "(the kernels' row indices are 32-bit)")
     return call
+
+
+def _host_lengths_of(lengths: Lengths, batch: int, seq_new: int):
+    """The keys each sequence holds after the append, when the lengths are host data (else
+    None: they live on the device)."""
+    if lengths.kind == "device":
+        return None
+    if lengths.kind == "host":
+        return lengths.host.astype(np.int64) + seq_new
+    return np.full(batch, lengths.value + (seq_new if lengths.kind == "int" else 0), np.int64)
+
+
+def _paged_map_geometry(arr, paging: Paging, heads_kv: int, head_dim: int, block_n: int,
+                        name: str) -> dict:
+    rows, d_blocks = paging.map_box(head_dim, block_n)
+    return tma.map_geometry("bshd", paging.num_pages, heads_kv, paging.page_size, head_dim,
+                            rows, TMA_CHUNK, arr.strides, name, d_blocks)
 
 
 def _contiguous_bytes(shape, layout: str) -> tuple[int, int, int]:
@@ -378,6 +341,24 @@ def _lengths_args(call: DecodeCall, keep: list) -> tuple[int, int]:
     return 0, lengths.value
 
 
+def _block_table_arg(call: DecodeCall, keep: list) -> int:
+    """The block table's device address for the kernels (0 without paging); a host table is
+    copied in (stream-ordered memory, freed after the launch in stream order)."""
+    paging = call.paging
+    if paging is None:
+        return 0
+    if paging.kind == "device":
+        return paging.ptr
+    buf = driver.DeviceBuffer(paging.host.nbytes, stream=call.stream,
+                              stream_owner=call.stream_object)
+    driver.memcpy_htod(buf.ptr, paging.host, stream=call.stream)
+    keep.append(buf)
+    return buf.ptr
+
+
+BOUNDS_WORDS = 8     # the PTXATTN_CHECK_BOUNDS report: a bad length (words 0-1), a bad page (2-4)
+
+
 def _is_capturing(stream: int) -> bool:
     d = driver.cu()
     err, status = d.cuStreamIsCapturing(d.CUstream(stream))
@@ -391,13 +372,14 @@ def _bounds_buffer(call: DecodeCall) -> driver.DeviceBuffer:
         raise RuntimeError(f"{CHECK_BOUNDS_ENV}=1 reads the kernel's report back on the host, "
                            "which a stream being captured into a CUDA graph cannot do; capture "
                            f"without {CHECK_BOUNDS_ENV}")
-    buf = driver.DeviceBuffer(8, stream=call.stream, stream_owner=call.stream_object)
-    driver.memset_u8(buf.ptr, 0, 8, stream=call.stream)
+    buf = driver.DeviceBuffer(4 * BOUNDS_WORDS, stream=call.stream,
+                              stream_owner=call.stream_object)
+    driver.memset_u8(buf.ptr, 0, 4 * BOUNDS_WORDS, stream=call.stream)
     return buf
 
 
 def _raise_if_out_of_bounds(call: DecodeCall, buf: driver.DeviceBuffer) -> None:
-    report = np.zeros(2, np.int32)
+    report = np.zeros(BOUNDS_WORDS, np.int32)
     driver.memcpy_dtoh(report, buf.ptr, stream=call.stream)    # waits for the stream
     if report[0]:
         b = int(report[0]) - 1
@@ -406,6 +388,12 @@ def _raise_if_out_of_bounds(call: DecodeCall, buf: driver.DeviceBuffer) -> None:
                          f"{int(report[1])}, outside [0, {top}] ({CHECK_BOUNDS_ENV}=1; "
                          "without it the kernels clamp to [0, Lmax]); the output is of the "
                          "clamped lengths")
+    if report[2]:
+        b, page, entry = int(report[2]) - 1, int(report[3]), int(report[4])
+        raise ValueError(f"block_table: on the device, sequence {b}'s page {page} (within its "
+                         f"length) is entry {entry}, outside [0, {call.paging.num_pages}) "
+                         f"({CHECK_BOUNDS_ENV}=1; without it the kernels read such a page as "
+                         "zeros and the append drops its writes: no access leaves the caches)")
 
 
 def _stream_handshake(call: DecodeCall) -> None:
@@ -428,11 +416,13 @@ def run_call(call: DecodeCall, launcher: Launcher, out_obj=None, lse_obj=None):
     fresh = _allocate(call, out_obj, lse_obj)
     keep = fresh.keep
     seqlens_ptr, seqlen_const = _lengths_args(call, keep)
+    table_ptr = _block_table_arg(call, keep)
     bounds = _bounds_buffer(call) if check_bounds_requested() else None
     k_new = call.k_new.ptr if call.k_new is not None else 0
     v_new = call.v_new.ptr if call.v_new is not None else 0
     launcher.run(call.q.ptr, fresh.out_ptr, fresh.lse_ptr, fresh.ws_ptr, seqlens_ptr,
-                 seqlen_const, k_new, v_new, bounds.ptr if bounds is not None else 0)
+                 seqlen_const, k_new, v_new, bounds.ptr if bounds is not None else 0,
+                 table_ptr)
     if not call.torch:
         for arr in (fresh.out, fresh.lse):
             if isinstance(arr, DeviceArray):
@@ -465,8 +455,8 @@ def _empty_result(call: DecodeCall):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             causal=False, window_size=(-1, -1), softmax_scale=None,
-                            return_lse=False, num_splits=0, *, layout="bshd", out=None,
-                            lse_out=None, stream=None):
+                            return_lse=False, num_splits=0, *, block_table=None, layout="bshd",
+                            out=None, lse_out=None, stream=None):
     """Attention of 1 to 16 queries per sequence against a KV cache (FlashAttention's API).
 
     q: (B, Lq, H, D) bf16, Lq <= 16; k_cache, v_cache: (B, Lmax, Hkv, D) bf16, Hkv dividing H
@@ -481,6 +471,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     unbounded (causal is right = 0). softmax_scale defaults to 1 / sqrt(D).
     return_lse: also return the float32 (B, H, Lq) log-sum-exp (natural log; -inf for a query
     that sees no key, whose output is 0).
+    block_table: a paged cache (FlashAttention's): k_cache and v_cache are then (num_pages,
+    page_size, Hkv, D), page_size a power of two from 16 to 256, and block_table an int32
+    (B, max_pages) array whose row b names sequence b's pages in order (key j of sequence b
+    is row j % page_size of page block_table[b, j // page_size]); a sequence holds at most
+    max_pages * page_size keys. New k/v are appended into the pages in place. Entries past a
+    sequence's last page are never read (transformers pads with -1). Read on the device like
+    the lengths: a device table's entries outside [0, num_pages) within a sequence's pages
+    read as zero keys and drop the append's writes (no access leaves the caches), and
+    PTXATTN_CHECK_BOUNDS=1 reports them; a NumPy table is checked here (ValueError).
     num_splits: split-KV's split count (0: the heuristic, decode_plan.choose_splits; at most
     128, and at most the cache's K/V tiles).
     Beyond FlashAttention's: layout, out= (a bf16 array of q's shape), lse_out= (a float32
@@ -496,19 +495,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """
     result, key = _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size,
                                softmax_scale, return_lse, num_splits, layout, out, lse_out,
-                               stream)
+                               stream, block_table)
     if result is not None:
         return result
     call = validate(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size,
-                    softmax_scale, return_lse, num_splits, layout=layout, out=out,
-                    lse_out=lse_out, stream=stream)
+                    softmax_scale, return_lse, num_splits, block_table=block_table,
+                    layout=layout, out=out, lse_out=lse_out, stream=stream)
     if call.empty:
         if call.seq_new and call.batch and call.heads_kv:     # no query, but keys to append
             call.splits = 1
             _stream_handshake(call)
             seqlens_ptr, seqlen_const = _lengths_args(call, keep := [])
+            table_ptr = _block_table_arg(call, keep)
             Launcher(call, call.stream, attention=False).run(
-                0, 0, 0, 0, seqlens_ptr, seqlen_const, call.k_new.ptr, call.v_new.ptr)
+                0, 0, 0, 0, seqlens_ptr, seqlen_const, call.k_new.ptr, call.v_new.ptr,
+                block_table_ptr=table_ptr)
             del keep
         return _empty_result(call)
     call.splits = resolve_splits(call, driver.context().sm_count)
@@ -559,12 +560,15 @@ def clear_steady_cache() -> None:
 
 def _launcher(call: DecodeCall) -> Launcher:
     """A Launcher for this call's geometry (built once per geometry and stream)."""
+    paging = call.paging
     key = (driver.context().ordinal, call.stream, call.layout, call.batch, call.seq_q,
            call.heads, call.heads_kv, call.head_dim, call.cache_len, call.seq_new,
-           call.k_cache.ptr, call.k_cache.strides, call.v_cache.ptr, call.v_cache.strides,
-           tuple(call.q.strides), call.out_strides,
+           call.k_cache.ptr, tuple(call.k_cache.shape), call.k_cache.strides, call.v_cache.ptr,
+           call.v_cache.strides, tuple(call.q.strides), call.out_strides,
            None if call.k_new is None else tuple(call.k_new.strides),
-           call.window, call.scale, call.splits, os.environ.get(PDL_ENV))
+           call.window, call.scale, call.splits, os.environ.get(PDL_ENV),
+           None if paging is None else (paging.page_size, paging.num_pages, paging.max_pages,
+                                        paging.row_stride))
     hit = _LAUNCHERS.get(key)
     if hit is None:
         hit = Launcher(call, call.stream)
@@ -624,7 +628,7 @@ def _torch_key_part(obj, torch_type):
 
 
 def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, softmax_scale,
-                 return_lse, num_splits, layout, out, lse_out, stream):
+                 return_lse, num_splits, layout, out, lse_out, stream, block_table=None):
     """(result, None) when a remembered launch took the call; else (None, key or None). Never
     raises for bad input: what it cannot key exactly goes to the full path."""
     torch = sys.modules.get("torch")
@@ -656,6 +660,14 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
         seqlen_value, seqlens_ptr = None, cache_seqlens.data_ptr()
     else:
         return None, None
+    if block_table is None:
+        table_key, table_ptr = None, 0
+    elif (type(block_table) is tt and block_table.dtype is torch.int32 and block_table.is_cuda
+          and block_table.dim() == 2):
+        table_key = (tuple(block_table.shape), block_table.stride(), block_table.get_device())
+        table_ptr = block_table.data_ptr()
+    else:
+        return None, None
     qm, km, vm, knm, vnm, om = metas
     env = _knobs()
     key = (qm[1], qm[2], qm[3], km, vm,
@@ -663,7 +675,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
            None if vnm is None else (vnm[1], vnm[2], vnm[3]),
            None if om is None else (om[1], om[2], om[3]),
            lengths_key, causal, window_size, softmax_scale, return_lse, num_splits, layout,
-           tensors.torch_current_stream(qm[3]), env)
+           tensors.torch_current_stream(qm[3]), env, table_key)
     entry = _STEADY.get(key)
     if entry is None:
         return None, key
@@ -676,7 +688,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
         return None, key
     if seqlen_value is not None and not 0 <= seqlen_value <= entry.top:
         return None, key
-    if seqlens_ptr % 4:
+    if (seqlens_ptr | table_ptr) % 4:
         return None, key
     k_ptr = v_ptr = 0
     if knm is not None:
@@ -718,7 +730,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     bounds = _bounds_buffer(call) if _on(env[0]) else None
     launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr,
                  seqlen_value if seqlen_value is not None else call.lengths.value,
-                 k_ptr, v_ptr, bounds.ptr if bounds is not None else 0)
+                 k_ptr, v_ptr, bounds.ptr if bounds is not None else 0, table_ptr)
     if bounds is not None:
         _raise_if_out_of_bounds(call, bounds)
     return ((f_out, lse) if return_lse else f_out), None
@@ -726,7 +738,8 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
 
 def _remember(key: tuple, call: DecodeCall, launcher: Launcher) -> None:
     """Store a launched torch call under its key (the full path's answer for those arguments)."""
-    if not call.torch or call.lengths.kind == "host" or call.lse_out is not None:
+    if (not call.torch or call.lengths.kind == "host" or call.lse_out is not None
+            or (call.paging is not None and call.paging.kind == "host")):
         return
     entry = _Steady(driver.context(), call, launcher)
     # the entry keeps the call's plain fields; drop its references to the caller's tensors
@@ -743,4 +756,6 @@ def _detached(call: DecodeCall) -> DecodeCall:
     return dataclasses.replace(call, q=None, k_cache=None, v_cache=None, k_new=None,
                                v_new=None, out=None, out_given=None, lse_out=None,
                                lengths=Lengths(call.lengths.kind, value=call.lengths.value),
-                               objects={})
+                               objects={},
+                               paging=None if call.paging is None else dataclasses.replace(
+                                   call.paging, ptr=0, host=None, owner=None))

@@ -32,6 +32,8 @@ SMEM_PER_SM = 228 * 1024     # sm_90: shared memory of an SM
 SMEM_PER_CTA_MAX = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the system's share of each resident CTA
 REGISTERS_PER_SM = 65536
+MIN_PAGE_SIZE = 16           # a paged cache's page: 16 .. 256 rows, a power of two (a
+MAX_PAGE_SIZE = 256          # multiple of the 8-row swizzle pattern; at most a TMA box)
 COMBINE_THREADS = 256        # one warp per output row, 8 rows a CTA
 APPEND_THREADS = 256         # one thread per 16 bytes of a new key or value row
 
@@ -94,6 +96,11 @@ class DecodeBuild:
     @property
     def o_regs(self) -> int:
         return self.head_dim // 2
+
+    @property
+    def max_pages_per_tile(self) -> int:
+        """Pages a K/V tile spans at the smallest page size (the paged build's boxes a tile)."""
+        return max(1, self.block_n // MIN_PAGE_SIZE)
 
     @property
     def combine_cols(self) -> int:

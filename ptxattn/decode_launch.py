@@ -59,41 +59,71 @@ APPEND_PARAMS = (
     ("seqlens_ptr", PTR), ("seqlen_const", U32), ("seq_new", U32), ("cache_len", U32),
     ("heads_kv", U32), ("chunks", U32), ("total", U32),
 )
+# The paged builds (PTXATTN_PAGED) take these after the rest (decode_kv_address.ptxh)
+PAGED_DECODE_PARAMS = (
+    ("block_table_ptr", PTR), ("bt_row_stride", U32), ("max_pages", U32), ("num_pages", U32),
+    ("page_shift", U32),
+)
+PAGED_APPEND_PARAMS = (
+    ("block_table_ptr", PTR), ("bt_row_stride", U32), ("num_pages", U32), ("page_shift", U32),
+)
 # What changes per call, by parameter name, in the order Launcher.run fills them (the rest is
-# fixed by the Launcher's key)
+# fixed by the Launcher's key); a paged build adds its block table's address
 DECODE_PER_CALL = ("q_ptr", "o_ptr", "lse_ptr", "ws_ptr", "ws_lse_ptr", "seqlens_ptr",
                    "bounds_ptr", "seqlen_const")
 COMBINE_PER_CALL = ("ws_ptr", "ws_lse_ptr", "o_ptr", "lse_ptr")
 APPEND_PER_CALL = ("k_new", "v_new", "seqlens_ptr", "seqlen_const")
+PAGED_PER_CALL = ("block_table_ptr",)
+
+
+def decode_params(paged: bool = False):
+    """The decode kernel's parameter table of one build."""
+    return DECODE_PARAMS + (PAGED_DECODE_PARAMS if paged else ())
+
+
+def append_params(paged: bool = False):
+    """The append kernel's parameter table of one build."""
+    return APPEND_PARAMS + (PAGED_APPEND_PARAMS if paged else ())
 
 
 def kernel_path(file: str) -> Path:
     return ptx_root() / KERNEL_DIR / file
 
 
+PAGED_DEFINE = "PTXATTN_PAGED"   # the paged-cache build of the decode and append kernels
+
+
+def build_defines(head_dim: int, paged: bool = False) -> dict:
+    """The preprocessor defines of one build: the head dim's row of gen_decode.ptxh, and the
+    paged cache's K/V addressing (decode_kv_address.ptxh, decode_append.ptx)."""
+    return {"HEAD_DIM": head_dim, **({PAGED_DEFINE: 1} if paged else {})}
+
+
 @functools.lru_cache(maxsize=32)
-def kernel_source(file: str, head_dim: int) -> str:
+def kernel_source(file: str, head_dim: int, paged: bool = False) -> str:
     """The expanded PTX of one kernel for one head dim (the build row of gen_decode.ptxh)."""
     from . import ptx
     path = kernel_path(file)
-    return ptx.expand_file(path, [ptx_root() / "sm90" / "include"], {"HEAD_DIM": head_dim}).text
+    return ptx.expand_file(path, [ptx_root() / "sm90" / "include"],
+                           build_defines(head_dim, paged)).text
 
 
 _FUNCTIONS: dict[tuple, driver.Function] = {}
 _FUNCTIONS_LOCK = threading.RLock()
 
 
-def function(file: str, entry: str, head_dim: int, smem_bytes: int = 0) -> driver.Function:
-    """The kernel, JIT-compiled once per (device, file, head dim), shared-memory opt-in done."""
+def function(file: str, entry: str, head_dim: int, smem_bytes: int = 0,
+             paged: bool = False) -> driver.Function:
+    """The kernel, JIT-compiled once per (device, file, build), shared-memory opt-in done."""
     ctx = driver.context()
-    key = (ctx.ordinal, file, head_dim)
+    key = (ctx.ordinal, file, head_dim, paged)
     hit = _FUNCTIONS.get(key)
     if hit is not None:
         return hit
     with _FUNCTIONS_LOCK:
         if key not in _FUNCTIONS:
-            label = f"{file} -DHEAD_DIM={head_dim}"
-            module = driver.load_module(kernel_source(file, head_dim), label)
+            label = file + "".join(f" -D{k}={v}" for k, v in build_defines(head_dim, paged).items())
+            module = driver.load_module(kernel_source(file, head_dim, paged), label)
             fn = module.function(entry)
             if smem_bytes:
                 fn.set_max_dynamic_smem(smem_bytes)
@@ -133,14 +163,17 @@ class Launcher:
         self.splits = call.splits
         self.rows = call.rows
         self.append = call.seq_new > 0
+        self.paging = paging = call.paging
+        self.paged = paged = paging is not None
         self._launch = driver.cu().cuLaunchKernelEx
         self.lock = threading.Lock()
         d = call.head_dim
-        self.decode_fn = function(DECODE_FILE, DECODE_ENTRY, d, build.smem_bytes) \
+        self.decode_fn = function(DECODE_FILE, DECODE_ENTRY, d, build.smem_bytes, paged) \
             if attention else None
         self.combine_fn = function(COMBINE_FILE, COMBINE_ENTRY, d) \
             if attention and self.splits > 1 else None
-        self.append_fn = function(APPEND_FILE, APPEND_ENTRY, d) if self.append else None
+        self.append_fn = function(APPEND_FILE, APPEND_ENTRY, d, 0, paged) \
+            if self.append else None
         from .decode_plan import bytes_strides
         if self.append_fn is not None:
             self._pack_append(call, bytes_strides)
@@ -149,23 +182,41 @@ class Launcher:
 
     def _pack_attention(self, call, bytes_strides) -> None:
         build, stream, d = self.build, self.stream, call.head_dim
-        maps = tuple(tma.encode_qkvo_map(arr.ptr, call.layout, call.batch, call.heads_kv,
-                                         call.cache_len, d, build.block_n, SWIZZLE_128B,
-                                         TMA_CHUNK, arr.strides, name=name)
-                     for name, arr in (("k_cache", call.k_cache), ("v_cache", call.v_cache)))
+        paging = self.paging
+        caches = (("k_cache", call.k_cache), ("v_cache", call.v_cache))
+        if paging is None:
+            maps = tuple(tma.encode_qkvo_map(arr.ptr, call.layout, call.batch, call.heads_kv,
+                                             call.cache_len, d, build.block_n, SWIZZLE_128B,
+                                             TMA_CHUNK, arr.strides, name=name)
+                         for name, arr in caches)
+        else:
+            # (64 of D, row in the page, D / 64, K/V head, page) over all pages; the box a
+            # tile (page >= tile) or a page of 64 columns of D (decode_kv_address.ptxh)
+            rows, d_blocks = paging.map_box(d, build.block_n)
+            maps = tuple(tma.encode_qkvo_map(arr.ptr, "bshd", paging.num_pages, call.heads_kv,
+                                             paging.page_size, d, rows, SWIZZLE_128B,
+                                             TMA_CHUNK, arr.strides, name=name,
+                                             d_blocks=d_blocks)
+                         for name, arr in caches)
         self._maps = maps                            # the packs point at their bytes
         qs = bytes_strides(call.q, call.layout, "q")
         os_ = call.out_strides
         left, right = call.window_params
         self.decode_grid = call.m_tiles * self.splits * call.batch * call.heads_kv
-        self.decode = Pack(DECODE_PARAMS, dict(
+        values = dict(
             tmap_k=maps[0], tmap_v=maps[1], q_ptr=0, q_batch_stride=qs[0], q_row_stride=qs[1],
             q_head_stride=qs[2], o_ptr=0, o_batch_stride=os_[0], o_row_stride=os_[1],
             o_head_stride=os_[2], lse_ptr=0, ws_ptr=0, ws_lse_ptr=0, seqlens_ptr=0,
             bounds_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
             seq_q=call.seq_q, heads=call.heads, heads_kv=call.heads_kv, group=call.group,
             batch=call.batch, m_tiles=call.m_tiles, splits=self.splits,
-            softmax_scale=call.scale, window_left=left, window_right=right), DECODE_PER_CALL)
+            softmax_scale=call.scale, window_left=left, window_right=right)
+        if paging is not None:
+            values.update(block_table_ptr=0, bt_row_stride=paging.row_stride,
+                          max_pages=paging.max_pages, num_pages=paging.num_pages,
+                          page_shift=paging.page_shift)
+        self.decode = Pack(decode_params(self.paged), values,
+                           DECODE_PER_CALL + (PAGED_PER_CALL if self.paged else ()))
         self.decode_config = driver._launch_config((self.decode_grid, 1, 1), (THREADS, 1, 1),
                                                    build.smem_bytes, (1, 1, 1), stream)[0]
         if self.combine_fn is not None:
@@ -186,35 +237,42 @@ class Launcher:
         cs = bytes_strides(call.k_cache, call.layout, "k_cache")
         chunks = call.head_dim // 8
         total = call.batch * call.seq_new * call.heads_kv * chunks
-        self.append_pack = Pack(APPEND_PARAMS, dict(
+        values = dict(
             k_new=0, v_new=0, new_batch_stride=ns[0], new_row_stride=ns[1],
             new_head_stride=ns[2], k_cache=call.k_cache.ptr, v_cache=call.v_cache.ptr,
             cache_batch_stride=cs[0], cache_row_stride=cs[1], cache_head_stride=cs[2],
             seqlens_ptr=0, seqlen_const=0, seq_new=call.seq_new, cache_len=call.cache_len,
-            heads_kv=call.heads_kv, chunks=chunks, total=total), APPEND_PER_CALL)
+            heads_kv=call.heads_kv, chunks=chunks, total=total)
+        if self.paging is not None:
+            values.update(block_table_ptr=0, bt_row_stride=self.paging.row_stride,
+                          num_pages=self.paging.num_pages, page_shift=self.paging.page_shift)
+        self.append_pack = Pack(append_params(self.paged), values,
+                                APPEND_PER_CALL + (PAGED_PER_CALL if self.paged else ()))
         grid = -(-total // APPEND_THREADS)
         self.append_config = driver._launch_config((grid, 1, 1), (APPEND_THREADS, 1, 1), 0,
                                                    (1, 1, 1), self.stream)[0]
 
     def run(self, q_ptr: int, out_ptr: int, lse_ptr: int, ws_ptr: int, seqlens_ptr: int,
             seqlen_const: int, k_new_ptr: int = 0, v_new_ptr: int = 0,
-            bounds_ptr: int = 0) -> None:
+            bounds_ptr: int = 0, block_table_ptr: int = 0) -> None:
         """Enqueue the call's kernels. With splits > 1 the decode kernel writes the workspace
-        (partials at ws_ptr, LSEs after them) and the combine writes out_ptr and lse_ptr."""
+        (partials at ws_ptr, LSEs after them) and the combine writes out_ptr and lse_ptr. A
+        paged Launcher's kernels read the block table at block_table_ptr."""
         split = self.splits > 1
         ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
         launch = self._launch
         with self.lock:
             if self.append_fn is not None:
                 p = self.append_pack
-                p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const)
+                p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const, block_table_ptr)
                 _check(launch(self.append_config, self.append_fn.handle, p.address, 0),
                        "ptxattn_append")
             if self.decode_fn is None:
                 return
             p = self.decode
             p.fill(q_ptr, 0 if split else out_ptr, 0 if split else lse_ptr,
-                   ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const)
+                   ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const,
+                   block_table_ptr)
             _check(launch(self.decode_config, self.decode_fn.handle, p.address, 0),
                    "ptxattn_decode")
             if split:

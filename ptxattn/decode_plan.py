@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .decode_builds import MAX_QUERIES, MAX_SPLITS, ROWS, DecodeBuild, build_for
+from .decode_builds import (MAX_PAGE_SIZE, MAX_QUERIES, MAX_SPLITS, MIN_PAGE_SIZE, ROWS,
+                            DecodeBuild, build_for)
 
 LAYOUTS = ("bshd", "bhld")
 _AXES = {"bshd": "(batch, seq, heads, head_dim)", "bhld": "(batch, heads, seq, head_dim)"}
@@ -102,6 +103,72 @@ class Lengths:
 
 
 @dataclass
+class Paging:
+    """A paged cache (block_table=): k_cache and v_cache are (num_pages, page_size, Hkv, D)
+    pages, and row b of the int32 block table (B, max_pages) names sequence b's pages in
+    order: its key j is row j % page_size of page block_table[b, j // page_size]. The kernels
+    see max_pages * page_size positions a sequence (its lengths are clamped to that). kind:
+    "device" (an int32 device array at ptr, read by the kernels only) or "host" (a NumPy
+    array, checked here and copied in per call)."""
+    kind: str
+    page_size: int
+    num_pages: int
+    max_pages: int
+    row_stride: int = 0             # entries between two sequences' rows
+    ptr: int = 0                    # "device"
+    host: np.ndarray | None = None  # "host": int32 (B, max_pages), contiguous
+    owner: object = None            # keeps an imported device array alive
+
+    @property
+    def page_shift(self) -> int:
+        return self.page_size.bit_length() - 1
+
+    @property
+    def capacity(self) -> int:
+        """Positions a sequence's pages hold: the kernels' cache_len."""
+        return self.max_pages * self.page_size
+
+    def map_box(self, head_dim: int, block_n: int) -> tuple[int, int | None]:
+        """(rows, d_blocks) of the paged caches' TMA box: a tile of all D when a page holds a
+        tile, else a page of one 64-column block of D (decode_kv_address.ptxh)."""
+        if self.page_size >= block_n:
+            return block_n, None
+        return self.page_size, 1
+
+
+def check_page_size(page_size: int) -> None:
+    """A page holds 16 to 256 rows, a power of two (ValueError naming k_cache)."""
+    if (page_size & (page_size - 1) or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE):
+        raise ValueError(f"k_cache: page size {page_size} (the second dim of a paged cache "
+                         f"(num_pages, page_size, Hkv, D)) must be a power of two from "
+                         f"{MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
+
+
+def reached_pages(lengths: np.ndarray, page_size: int) -> np.ndarray:
+    """The pages each sequence's keys reach: ceil(length / page_size) (lengths >= 0)."""
+    return -(-np.asarray(lengths, np.int64) // page_size)
+
+
+def check_host_block_table(table: np.ndarray, lengths: np.ndarray | None, paging: Paging,
+                           name: str = "block_table") -> None:
+    """Host data: the entries of every page a sequence's keys reach lie in [0, num_pages);
+    entries past its last page are not read (may be anything, e.g. transformers' -1). Without
+    host lengths (they live on the device) nothing is known to be reached: the kernels clamp."""
+    if lengths is None:
+        return
+    reach = np.minimum(reached_pages(lengths, paging.page_size), paging.max_pages)
+    used = np.arange(paging.max_pages)[None, :] < reach[:, None]
+    bad = used & ((table < 0) | (table >= paging.num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: sequence {b}'s page {j} (keys {j * paging.page_size} .. "
+                         f"{(j + 1) * paging.page_size - 1}, within its length "
+                         f"{int(lengths[b])}) is entry {int(table[b, j])}, outside [0, "
+                         f"{paging.num_pages}) (the caches' pages); {int(bad.sum())} entries "
+                         f"of reached pages are out of range")
+
+
+@dataclass
 class DecodeCall:
     """A flash_attn_with_kvcache call that passed validation: shapes, views and choices."""
     q: object                       # tensors.DeviceArray views (bf16)
@@ -133,6 +200,7 @@ class DecodeCall:
     out_strides: tuple[int, int, int] = (0, 0, 0)   # bytes (batch, seq, head) of the output
     q_shape: tuple = ()                             # q's (and the output's) shape
     objects: dict = field(default_factory=dict)     # what the caller passed, by name
+    paging: Paging | None = None                    # a paged cache (block_table=), or None
 
     @property
     def group(self) -> int:
@@ -271,13 +339,19 @@ def resolve_splits(call: DecodeCall, sm_count: int) -> int:
     return max(1, min(splits, ((1 << 31) - 1) // max(call.rows, 1)))
 
 
-def check_shapes(q_dims, k_dims, v_shape, k_shape, layout: str, new=None) -> None:
-    """The shape rules between q, the caches and new keys (raises ValueError naming one)."""
+def check_shapes(q_dims, k_dims, v_shape, k_shape, layout: str, new=None,
+                 paged: bool = False) -> None:
+    """The shape rules between q, the caches and new keys (raises ValueError naming one).
+    paged: the caches are (num_pages, page_size, Hkv, D) pages; their first dim is not q's
+    batch, and Lmax below is one page (the block table's width makes the capacity)."""
     (b, h, lq, d), (bk, hk, lmax, dk) = q_dims, k_dims
     if tuple(v_shape) != tuple(k_shape):
         raise ValueError(f"v_cache: expected the same shape as k_cache, {tuple(k_shape)}, "
                          f"got {tuple(v_shape)}")
-    if bk != b:
+    if paged:
+        if bk == 0:
+            raise ValueError("k_cache: a paged cache of no page (num_pages 0)")
+    elif bk != b:
         raise ValueError(f"k_cache: batch {bk} does not match q's batch {b} (layout "
                          f"{layout!r}: {_AXES[layout]})")
     if dk != d:
@@ -304,5 +378,5 @@ def check_shapes(q_dims, k_dims, v_shape, k_shape, layout: str, new=None) -> Non
             raise ValueError(f"k: expected {b} sequences, {hk} K/V heads and head dim {d} "
                              f"(the cache's), got {nb}, {nh}, {nd} (layout {layout!r}: "
                              f"{_AXES[layout]})")
-        if lnew > lmax:
+        if lnew > lmax and not paged:
             raise ValueError(f"k: {lnew} new keys do not fit a cache of {lmax} positions")

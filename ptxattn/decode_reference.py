@@ -205,3 +205,77 @@ def combine(part_o: np.ndarray, part_lse: np.ndarray):
         out = np.where(none[..., None], 0.0, acc / np.where(total > 0, total, 1.0)[..., None])
         lse = np.where(none, -np.inf, safe_m + np.log(np.where(total > 0, total, 1.0)))
     return out, lse
+
+
+# --------------------------------------------------------------------------- the paged cache
+
+def contiguous_from_pages(k_pages, v_pages, block_table, lengths):
+    """The contiguous caches (B, max_pages * page_size, Hkv, D) a paged cache stands for:
+    sequence b's key j is row j % page_size of page block_table[b, j // page_size], for the
+    keys below lengths[b]; positions past a sequence's length, and keys on a page outside
+    [0, num_pages), are zero (what the kernels read there: TMA fills them with zeros)."""
+    k_pages, v_pages = np.asarray(k_pages), np.asarray(v_pages)
+    table = np.asarray(block_table, np.int64)
+    num_pages, page, hkv, d = k_pages.shape
+    batch, max_pages = table.shape
+    k = np.zeros((batch, max_pages * page, hkv, d), k_pages.dtype)
+    v = np.zeros_like(k)
+    for b in range(batch):
+        length = min(max(int(lengths[b]), 0), max_pages * page)
+        for j in range(-(-length // page)):
+            entry = int(table[b, j])
+            if 0 <= entry < num_pages:
+                k[b, j * page:(j + 1) * page] = k_pages[entry]
+                v[b, j * page:(j + 1) * page] = v_pages[entry]
+        k[b, length:] = 0
+        v[b, length:] = 0
+    return k, v
+
+
+def paged_tile_boxes(key_base: int, seq_len: int, table_row, page_size: int, block_n: int,
+                     head_dim: int) -> list[dict]:
+    """The TMA boxes decode_kv_address.ptxh issues for the K (or V) tile at key_base, integer
+    for integer, each as {page, row (in the page), dblk (first 64-column block of D), dblks,
+    rows, tile_row, smem (byte offset in the tile: dblk * block_n * 128 + tile_row * 128)}. A
+    page that holds a tile: one box of block_n rows and all of D; smaller pages: a box per
+    page and 64 columns of D. Pages the length does not reach go to page -1 (zero fill, no
+    read); the table index is clamped to its row (max_pages - 1)."""
+    page_shift = page_size.bit_length() - 1
+    block_shift = block_n.bit_length() - 1
+    box_shift = min(page_shift, block_shift)
+    pages_per_tile = 1 << (block_shift - box_shift)
+    split_d = pages_per_tile > 1
+    max_page_idx = len(table_row) - 1
+    first = key_base >> page_shift
+    row = key_base & (page_size - 1)
+    boxes = []
+    for j in range(pages_per_tile):
+        idx = first + j
+        reached = (idx << page_shift) < seq_len
+        page = int(table_row[min(idx, max_page_idx)]) if reached else -1
+        tile_row = j << box_shift
+        for dblk in range(head_dim // 64 if split_d else 1):
+            boxes.append(dict(page=page, row=row, dblk=dblk,
+                              dblks=1 if split_d else head_dim // 64, rows=1 << box_shift,
+                              tile_row=tile_row, smem=dblk * block_n * 128 + tile_row * 128))
+    return boxes
+
+
+def gather_tile(k_pages, boxes, head: int, block_n: int) -> np.ndarray:
+    """The (block_n, D) tile the boxes land as in shared memory ([D / 64][block_n][64], shown
+    unswizzled: the swizzle is the same pattern for every box), zero where a box lies outside
+    the pages (TMA's fill). Every byte of the tile must be written by exactly one box."""
+    k_pages = np.asarray(k_pages)
+    num_pages, _, _, d = k_pages.shape
+    tile = np.zeros((block_n, d), np.float64)
+    written = np.zeros((block_n, d), np.int64)
+    for box in boxes:
+        r0, rows = box["tile_row"], box["rows"]
+        c0, c1 = 64 * box["dblk"], 64 * (box["dblk"] + box["dblks"])
+        assert box["smem"] == box["dblk"] * block_n * 128 + r0 * 128
+        written[r0:r0 + rows, c0:c1] += 1
+        if 0 <= box["page"] < num_pages:
+            tile[r0:r0 + rows, c0:c1] = _bf16_to_f64(
+                k_pages[box["page"], box["row"]:box["row"] + rows, head, c0:c1])
+    assert (written == 1).all(), "the boxes do not tile the K/V tile exactly once"
+    return tile

@@ -29,6 +29,21 @@ Local attention: by default ptxattn.attention with return_lse=True (causal=True 
 diagonal pairs, which needs a checkout whose attention() takes `causal`). Any function with
 the signature of `torch_local_attention` can stand in for it (`local_attention=`): the CPU
 tests use the torch reference below.
+
+Backward (when q, k or v requires grad and grad mode is on; the standard ring-attention
+backward): the forward saves this rank's q, k, v shards, its merged output and merged LSE.
+The backward walks the same ring in the same order. At each step, for every shard pair it
+runs the local backward of its q rows against the k/v shard held, with the GLOBAL output and
+LSE of those rows: P = exp(scale q k^T - lse) is then the global softmax restricted to that
+shard and delta = rowsum(dO * O) the global one, so the local dQ, dK, dV are exactly that
+pair's share of the true gradients. dQ stays local (summed over the steps in fp32); dK and dV
+of the shard held are summed in fp32 and travel the ring with it, one step behind the k/v
+shard: a rank adds its share to the partial sums the previous rank sent for that shard and
+sends them on; after the last step one more hop brings each shard's complete dK, dV home. On
+the GPU both exchanges run on the comm stream, the k/v one overlapped with the step's
+compute. `local_backward=` swaps the local kernel (default ptxattn.attention_backward;
+`torch_local_backward` is the reference the CPU tests use). A gradient of the returned LSE is
+not supported (the backward says so).
 """
 
 from __future__ import annotations
@@ -329,6 +344,56 @@ def torch_local_attention(q, k, v, *, causal: bool, scale: float, layout: str):
     return out.to(q.dtype).contiguous(), lse
 
 
+def torch_local_backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, layout: str):
+    """Reference local backward in torch (any device): (dq, dk, dv) in float32 (float64 for
+    float64 inputs), from the GIVEN out and lse as the kernels compute it (P = exp(scale
+    q k^T - lse), delta = rowsum(dout * out), dS = P (dP - delta)); dk, dv summed over each
+    GQA group; the causal mask aligned bottom-right, as torch_local_attention's."""
+    torch = _torch()
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qh, kh, vh, oh, doh = (x.to(compute) for x in (q, k, v, out, dout))
+    if layout == "bshd":
+        qh, kh, vh, oh, doh = (x.transpose(1, 2) for x in (qh, kh, vh, oh, doh))
+    group = qh.shape[1] // kh.shape[1]
+    kr = kh.repeat_interleave(group, dim=1) if group > 1 else kh
+    vr = vh.repeat_interleave(group, dim=1) if group > 1 else vh
+    s = torch.matmul(qh, kr.transpose(-1, -2)) * scale
+    lse = lse.to(compute)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    p = torch.where(torch.isneginf(lse)[..., None], 0.0, p)
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        i = torch.arange(lq, device=s.device)[:, None] + (lk - lq)
+        j = torch.arange(lk, device=s.device)[None, :]
+        p = p.masked_fill(j > i, 0.0)
+    ds = p * (torch.matmul(doh, vr.transpose(-1, -2)) - (doh * oh).sum(-1, keepdim=True))
+    b, h, _, d = qh.shape
+    dq = scale * torch.matmul(ds, kr)
+    dk = (scale * torch.matmul(ds.transpose(-1, -2), qh)).reshape(b, h // group, group, -1, d)
+    dv = torch.matmul(p.transpose(-1, -2), doh).reshape(b, h // group, group, -1, d)
+    dk, dv = dk.sum(2), dv.sum(2)
+    if layout == "bshd":
+        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    return dq, dk, dv
+
+
+def ptxattn_local_backward(q, k, v, out, lse, dout, *, causal: bool, scale: float,
+                           layout: str):
+    """The default local backward: ptxattn.attention_backward on torch CUDA tensors, on torch's
+    current stream, its outputs and workspaces from torch's allocator; (dq, dk, dv) bf16."""
+    torch = _torch()
+    import os
+    os.environ.setdefault("PTXATTN_DEVICE", str(q.device.index or 0))
+    from .backward import attention_backward
+    device = q.device
+
+    def allocator(shape, dtype):
+        return torch.empty(shape, device=device,
+                           dtype=torch.float32 if dtype == np.float32 else torch.bfloat16)
+    return attention_backward(q, k, v, out, lse.float(), dout, scale=scale, layout=layout,
+                              causal=causal, allocator=allocator)
+
+
 def _ptxattn_takes_causal() -> bool:
     from . import api
     return "causal" in inspect.signature(api.attention).parameters
@@ -423,10 +488,230 @@ def _comm_stream(torch, device):
     return _COMM_STREAMS[key]
 
 
+@dataclass(frozen=True)
+class _Ring:
+    """What one ring_attention call's forward and backward share: the plan, this rank's
+    place on the ring, the axes, the local kernels and the streams."""
+    plan: ShardPlan
+    group: object
+    rank: int
+    world: int
+    send_to: int                  # global ranks (P2P peers are global, also in a sub-group)
+    recv_from: int
+    layout: str
+    axis: int                     # the sequence axis of q, k, v
+    scale: float
+    local: object                 # local_attention(q, k, v, *, causal, scale, layout)
+    local_backward: object        # local_backward(q, k, v, out, lse, dout, *, ...)
+    timeline: object = None
+
+
+def _exchange(torch, dist, ring: _Ring, sends, recvs, compute, comm, timeline=None):
+    """Post one ring exchange (each of `sends` to the next rank, each of `recvs` filled from
+    the previous one); returns what _arrived waits on. On the GPU it runs on the comm stream,
+    after everything enqueued on compute so far (the tensors sent are ready, and the buffers
+    received into are no longer read by earlier steps)."""
+    ops = [dist.P2POp(dist.isend, t, ring.send_to, ring.group) for t in sends] + \
+          [dist.P2POp(dist.irecv, t, ring.recv_from, ring.group) for t in recvs]
+    if comm is None:
+        return dist.batch_isend_irecv(ops)
+    comm.wait_stream(compute)
+    with torch.cuda.stream(comm):
+        start = timeline._event(torch) if timeline is not None else None
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()                                 # the comm stream waits for NCCL's
+        done = torch.cuda.Event(enable_timing=timeline is not None)
+        done.record()
+        if timeline is not None:
+            timeline.comm.append((start, done))
+    return done
+
+
+def _arrived(pending, compute) -> None:
+    """Order what follows after an exchange: the compute stream waits for its event (GPU), or
+    the host for its requests (CPU)."""
+    if compute is not None:
+        compute.wait_event(pending)
+    else:
+        for r in pending:
+            r.wait()
+
+
+def _shard_view(buf, like, axis: int, n: int):
+    """A prefix of the flat buffer `buf`, viewed as `like` with n positions on `axis`."""
+    shape = list(like.shape)
+    shape[axis] = n
+    return buf[:math.prod(shape)].view(shape)
+
+
+def _streams(torch, q, world: int):
+    cuda = q.is_cuda
+    compute = torch.cuda.current_stream(q.device) if cuda else None
+    comm = _comm_stream(torch, q.device) if cuda and world > 1 else None
+    return compute, comm
+
+
+def _ring_forward(torch, dist, q, k, v, ring: _Ring):
+    """(out in q's dtype, merged lse (B, H, Lq_r)): the ring's forward (see the module's
+    docstring); no autograd."""
+    plan, axis, layout, world, rank = ring.plan, ring.axis, ring.layout, ring.world, ring.rank
+    timeline = ring.timeline
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    head_ax = 1 if layout == "bhld" else 2
+    acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    acc_lse = torch.full((q.shape[0], q.shape[head_ax], q.shape[axis]), float("-inf"),
+                         dtype=acc_dtype, device=q.device)
+    compute, comm = _streams(torch, q, world)
+    if timeline is not None:
+        if not q.is_cuda:
+            raise ValueError("timeline: CUDA events need CUDA tensors")
+        timeline.origin = timeline._event(torch)
+
+    # Two flat receive buffers per tensor, used in turn; a shard is a prefix viewed in the
+    # shard's shape (contiguous, as the transport needs).
+    cur_k, cur_v = k.contiguous(), v.contiguous()
+    longest = max(plan.shard_len(r, keys=True) for r in range(world))
+    numel = cur_k.numel() // max(1, k.shape[axis]) * longest
+    bufs = [[torch.empty(numel, dtype=k.dtype, device=k.device) for _ in range(2)]
+            for _ in range(2)] if world > 1 else []
+    hold = []     # local results, freed at the end of the call (see ptxattn_local_attention)
+
+    for step in range(world):
+        src = ring_source(rank, step, world)
+        pending = None
+        if step < world - 1:
+            n = plan.shard_len(ring_source(rank, step + 1, world), keys=True)
+            nk, nv = (_shard_view(b, k, axis, n) for b in bufs[step % 2])
+            pending = _exchange(torch, dist, ring, (cur_k, cur_v), (nk, nv), compute, comm,
+                                timeline)
+
+        if timeline is not None:
+            t0 = timeline._event(torch)
+        results = []
+        for p in plan.pairs(rank, src):
+            qs = q.narrow(axis, p.q0, p.q1 - p.q0)
+            ks = cur_k.narrow(axis, p.k0, p.k1 - p.k0)
+            vs = cur_v.narrow(axis, p.k0, p.k1 - p.k0)
+            results.append((p, ring.local(qs, ks, vs, causal=p.causal, scale=ring.scale,
+                                          layout=layout)))
+        hold.append(results)
+        if timeline is not None:
+            t1 = timeline._event(torch)
+        for p, (o, lse) in results:
+            merge_partial(acc_out.narrow(axis, p.q0, p.q1 - p.q0),
+                          acc_lse.narrow(2, p.q0, p.q1 - p.q0), o, lse, layout)
+        if timeline is not None:
+            timeline.compute.append((t0, t1, timeline._event(torch)))
+
+        if pending is not None:
+            _arrived(pending, compute)
+            cur_k, cur_v = nk, nv
+
+    out = acc_out.to(q.dtype)
+    del hold
+    return out, acc_lse
+
+
+def _ring_backward(torch, dist, q, k, v, out, lse, dout, ring: _Ring):
+    """(dq, dk, dv) of this rank's shards: the ring backward (see the module's docstring)."""
+    plan, axis, layout, world, rank = ring.plan, ring.axis, ring.layout, ring.world, ring.rank
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute, comm = _streams(torch, q, world)
+    dout = dout.to(q.dtype).contiguous()
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    cur_k, cur_v = k.contiguous(), v.contiguous()
+    longest = max(plan.shard_len(r, keys=True) for r in range(world))
+    row = cur_k.numel() // max(1, k.shape[axis])
+    kv_bufs = [[torch.empty(row * longest, dtype=k.dtype, device=k.device) for _ in range(2)]
+               for _ in range(2)] if world > 1 else []
+    # the dK, dV partial sums received, in turn: fp32 (float64 for float64 inputs)
+    grad_bufs = [[torch.empty(row * longest, dtype=acc_dtype, device=k.device)
+                  for _ in range(2)] for _ in range(2)] if world > 1 else []
+    hold = []     # tensors sent, alive until the call ends (the comm stream may still read)
+    partial = None                     # the exchange bringing this step's shard's partial sums
+    for step in range(world):
+        src = ring_source(rank, step, world)
+        pending_kv = None
+        if step < world - 1:
+            n = plan.shard_len(ring_source(rank, step + 1, world), keys=True)
+            nk, nv = (_shard_view(b, k, axis, n) for b in kv_bufs[step % 2])
+            pending_kv = _exchange(torch, dist, ring, (cur_k, cur_v), (nk, nv), compute, comm)
+
+        dk = torch.zeros(cur_k.shape, dtype=acc_dtype, device=k.device)
+        dv = torch.zeros(cur_v.shape, dtype=acc_dtype, device=k.device)
+        for p in plan.pairs(rank, src):
+            rows = p.q1 - p.q0
+            keys = p.k1 - p.k0
+            g = ring.local_backward(
+                q.narrow(axis, p.q0, rows), cur_k.narrow(axis, p.k0, keys),
+                cur_v.narrow(axis, p.k0, keys), out.narrow(axis, p.q0, rows),
+                lse.narrow(2, p.q0, rows), dout.narrow(axis, p.q0, rows),
+                causal=p.causal, scale=ring.scale, layout=layout)
+            hold.append(g)
+            dq.narrow(axis, p.q0, rows).add_(g[0].to(acc_dtype))
+            dk.narrow(axis, p.k0, keys).add_(g[1].to(acc_dtype))
+            dv.narrow(axis, p.k0, keys).add_(g[2].to(acc_dtype))
+        if partial is not None:        # the shares of the ranks before us on this shard
+            _arrived(partial[0], compute)
+            dk.add_(partial[1])
+            dv.add_(partial[2])
+        if world > 1:
+            # on to the next rank, which holds this shard at the next step; from the previous
+            # one, the sums of the shard we hold next (after the last step: our own, complete)
+            n = plan.shard_len(ring_source(rank, step + 1, world), keys=True)
+            rk, rv = (_shard_view(b, dk, axis, n) for b in grad_bufs[step % 2])
+            hold.append((dk, dv))
+            partial = (_exchange(torch, dist, ring, (dk, dv), (rk, rv), compute, comm), rk, rv)
+        if pending_kv is not None:
+            _arrived(pending_kv, compute)
+            cur_k, cur_v = nk, nv
+    if partial is not None:
+        _arrived(partial[0], compute)
+        dk, dv = partial[1], partial[2]
+    result = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    del hold
+    return result
+
+
+_FUNCTION = []
+
+
+def _ring_function(torch):
+    """The autograd.Function of the ring (made once: torch is imported lazily here)."""
+    if _FUNCTION:
+        return _FUNCTION[0]
+    import torch.distributed as dist
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, ring):
+            out, lse = _ring_forward(torch, dist, q, k, v, ring)
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.ring = ring
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            if grad_lse is not None:
+                raise NotImplementedError(
+                    "ring_attention: a gradient reached the returned lse; the ring's backward "
+                    "differentiates the output only (use the lse without grad: lse.detach())")
+            if grad_out is None:
+                return None, None, None, None
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = _ring_backward(torch, dist, q, k, v, out, lse, grad_out, ctx.ring)
+            return dq, dk, dv, None
+
+    _FUNCTION.append(RingAttention)
+    return RingAttention
+
+
 def ring_attention(q, k, v, *, seq_len: int, seq_len_k: int | None = None,
                    group=None, causal: bool = False, scheme: str | None = None,
                    layout: str = "bhld", scale: float | None = None, return_lse: bool = False,
-                   local_attention=None, timeline: RingTimeline | None = None):
+                   local_attention=None, local_backward=None,
+                   timeline: RingTimeline | None = None):
     """Context-parallel attention: this rank's shard of softmax(scale q k^T) v.
 
     q, k, v: this rank's shards (`shard(x, plan, rank)`), torch tensors, q (B, H, Lq_r, D)
@@ -438,6 +723,10 @@ def ring_attention(q, k, v, *, seq_len: int, seq_len_k: int | None = None,
     shape), or (out, lse) with lse float32 (B, H, Lq_r), natural log.
     local_attention(q, k, v, *, causal, scale, layout) -> (out, lse): the kernel for one
     shard pair (default: ptxattn's, ptxattn_local_attention).
+    Differentiable: with grad mode on and q, k or v requiring grad, out.backward() runs the
+    ring backward (every rank must call it, as every rank ran the forward), whose kernel for
+    one shard pair is local_backward(q, k, v, out, lse, dout, *, causal, scale, layout) ->
+    (dq, dk, dv) (default: ptxattn's, ptxattn_local_backward).
     """
     torch = _torch()
     import torch.distributed as dist
@@ -468,89 +757,14 @@ def ring_attention(q, k, v, *, seq_len: int, seq_len_k: int | None = None,
                              f"positions of {plan.seq_len_k if keys else plan.seq_len} "
                              f"({plan.scheme} sharding over {world} ranks), got {x.shape[axis]}")
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    local = local_attention or ptxattn_local_attention
-    cuda = q.is_cuda
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    acc_lse = torch.full((q.shape[0], q.shape[head_ax], q.shape[axis]), float("-inf"),
-                         dtype=acc_dtype, device=q.device)
-
-    compute = torch.cuda.current_stream(q.device) if cuda else None
-    comm = _comm_stream(torch, q.device) if cuda and world > 1 else None
-    if timeline is not None:
-        if not cuda:
-            raise ValueError("timeline: CUDA events need CUDA tensors")
-        timeline.origin = timeline._event(torch)
-
-    # Two flat receive buffers per tensor, used in turn; a shard is a prefix viewed in the
-    # shard's shape (contiguous, as the transport needs).
-    cur_k, cur_v = k.contiguous(), v.contiguous()
-    longest = max(plan.shard_len(r, keys=True) for r in range(world))
-    numel = cur_k.numel() // max(1, k.shape[axis]) * longest
-    bufs = [[torch.empty(numel, dtype=k.dtype, device=k.device) for _ in range(2)]
-            for _ in range(2)] if world > 1 else []
-    # P2P peers are global ranks, also inside a sub-group
     send_to, recv_from = ((rank + 1) % world, (rank - 1) % world)
     if group is not None:
         send_to, recv_from = (dist.get_global_rank(group, r) for r in (send_to, recv_from))
-    hold = []     # local results, freed at the end of the call (see ptxattn_local_attention)
-
-    for step in range(world):
-        src = ring_source(rank, step, world)
-        reqs, done = None, None
-        if step < world - 1:
-            n = plan.shard_len(ring_source(rank, step + 1, world), keys=True)
-            shape = list(k.shape)
-            shape[axis] = n
-            size = math.prod(shape)
-            nk, nv = (b[:size].view(shape) for b in bufs[step % 2])
-            ops = [dist.P2POp(dist.isend, cur_k, send_to, group),
-                   dist.P2POp(dist.isend, cur_v, send_to, group),
-                   dist.P2POp(dist.irecv, nk, recv_from, group),
-                   dist.P2POp(dist.irecv, nv, recv_from, group)]
-            if cuda:
-                # The comm stream starts after everything enqueued on compute so far: the
-                # shard being sent is ready, and the buffer being received into (the shard of
-                # step - 1) is no longer read by the attention of that step.
-                comm.wait_stream(compute)
-                with torch.cuda.stream(comm):
-                    if timeline is not None:
-                        c0 = timeline._event(torch)
-                    reqs = dist.batch_isend_irecv(ops)
-                    for r in reqs:
-                        r.wait()                     # the comm stream waits for NCCL's
-                    done = torch.cuda.Event(enable_timing=timeline is not None)
-                    done.record()
-                    if timeline is not None:
-                        timeline.comm.append((c0, done))
-            else:
-                reqs = dist.batch_isend_irecv(ops)
-
-        if timeline is not None:
-            t0 = timeline._event(torch)
-        results = []
-        for p in plan.pairs(rank, src):
-            qs = q.narrow(axis, p.q0, p.q1 - p.q0)
-            ks = cur_k.narrow(axis, p.k0, p.k1 - p.k0)
-            vs = cur_v.narrow(axis, p.k0, p.k1 - p.k0)
-            results.append((p, local(qs, ks, vs, causal=p.causal, scale=scale, layout=layout)))
-        hold.append(results)
-        if timeline is not None:
-            t1 = timeline._event(torch)
-        for p, (o, lse) in results:
-            merge_partial(acc_out.narrow(axis, p.q0, p.q1 - p.q0),
-                          acc_lse.narrow(2, p.q0, p.q1 - p.q0), o, lse, layout)
-        if timeline is not None:
-            timeline.compute.append((t0, t1, timeline._event(torch)))
-
-        if step < world - 1:
-            if cuda:
-                compute.wait_event(done)
-            else:
-                for r in reqs:
-                    r.wait()
-            cur_k, cur_v = nk, nv
-
-    out = acc_out.to(q.dtype)
-    del hold
-    return (out, acc_lse) if return_lse else out
+    ring = _Ring(plan, group, rank, world, send_to, recv_from, layout, axis, scale,
+                 local_attention or ptxattn_local_attention,
+                 local_backward or ptxattn_local_backward, timeline)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _ring_function(torch).apply(q, k, v, ring)
+    else:
+        out, lse = _ring_forward(torch, dist, q, k, v, ring)
+    return (out, lse) if return_lse else out

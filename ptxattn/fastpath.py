@@ -128,7 +128,10 @@ def remember(key: tuple, prepared: PreparedAttention) -> None:
     seen = tuple(None if a is None else (a.ptr, a.shape, a.strides, a.device, a.readonly,
                                          a.dtype)
                  for a in (plan.q, plan.k, plan.v, plan.out))
-    if seen != key[-4:] or plan.stream != key[7]:
+    lse_out = plan.lse_out
+    lse_seen = None if lse_out is None else (lse_out.ptr, lse_out.shape, lse_out.strides,
+                                             lse_out.device, lse_out.readonly, lse_out.dtype)
+    if seen != key[-4:] or plan.stream != key[7] or lse_seen != key[9]:
         return       # a producer that exported something else the second time: never reuse
     values = prepared._spec.params[0]
     if len(values) != len(prepared.abi):
@@ -145,7 +148,7 @@ def remember(key: tuple, prepared: PreparedAttention) -> None:
 
 
 def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, window,
-                diagonal, qkv_meta=None):
+                diagonal, qkv_meta=None, lse_out=None):
     """(result, None) when a remembered launch took the call; else (None, key or None), the
     key under which the full path's launch is to be remembered (remember()). Never raises for
     bad input: whatever it cannot key exactly goes to the full path, which raises its own
@@ -154,7 +157,8 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
 
     qkv_meta: tensors.torch_meta of q, k and v (and of out, a fourth) when the caller
     (ptxattn.torch) has read them already; each must be that function's answer for that
-    exact torch.Tensor."""
+    exact torch.Tensor. lse_out: attention()'s; keyed like out when it is a torch.Tensor
+    (float32) or a DeviceArray, else the full path."""
     # plain argument types only (see the notes above)
     if (type(layout) is not str or type(diagonal) is not str or type(return_lse) is not bool
             or type(causal) is not bool
@@ -223,8 +227,25 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
         else:
             arrays.append(obj)
         metas.append((obj.ptr, obj.shape, obj.strides, obj.device, obj.readonly, obj.dtype))
+    lse_meta = None
+    if lse_out is not None:
+        kind = type(lse_out)
+        if not return_lse:
+            return None, None                  # the full path names the error
+        if kind is tensor_type:
+            meta = tensors.torch_meta(lse_out, True)
+            if meta is None:
+                return None, None
+            lse_meta = (*meta, False, _F32)
+        elif kind is DeviceArray and lse_out.device is not None:
+            lse_meta = (lse_out.ptr, lse_out.shape, lse_out.strides, lse_out.device,
+                        lse_out.readonly, lse_out.dtype)
+            arrays.append(lse_out)
+        else:
+            return None, None
     env = _ENVIRON.get(_KNOB) if _ENVIRON is not None else os.environ.get(PERSISTENT_CTAS_ENV)
-    key = (layout, stage, scale, return_lse, causal, window, diagonal, handle, env, *metas)
+    key = (layout, stage, scale, return_lse, causal, window, diagonal, handle, env, lse_meta,
+           *metas)
     try:
         entry = _STEADY.get(key)
     except TypeError:                     # an unhashable Stage (a dict in its fields)
@@ -250,8 +271,10 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
             driver.stream_wait(handle, pending)
         arr.used_on(handle)
     if stream_object is _CALLER_STREAM:
-        stream_object = None if handle in _DEFAULT_STREAMS or (
-            out is not None and not return_lse and type(out) is not DeviceArray) \
+        # only an array this call allocates, or a DeviceArray it returns, holds the object
+        holds = out is None or type(out) is DeviceArray or (
+            return_lse and (lse_out is None or type(lse_out) is DeviceArray))
+        stream_object = None if handle in _DEFAULT_STREAMS or not holds \
             else caller_stream((q, k, v, out))
     if out is None:
         result = tensors.fresh(*entry.out_array, ctx.ordinal, handle, stream_object)
@@ -261,7 +284,9 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
         out_ptr = metas[3][0]
     lse = None
     lse_ptr = 0
-    if return_lse:
+    if lse_out is not None:
+        lse, lse_ptr = lse_out, lse_meta[0]
+    elif return_lse:
         lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
         lse_ptr = lse.ptr
     # `packed` (the void*[] and what it points at) stays referenced here until the launch is
@@ -276,9 +301,12 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
         result.stream = handle
         result.stream_owner = stream_object
     if lse is not None:
-        lse.stream = handle
+        if type(lse) is DeviceArray:
+            lse.stream = handle
+            lse.stream_owner = stream_object
         return (result, lse), None
     return result, None
 
 
+_F32 = np.dtype(np.float32)
 _CALLER_STREAM = object()     # "torch's current stream object, if an allocation needs it"

@@ -66,6 +66,13 @@ PRODUCTION_PARAMS: tuple[Param, ...] = (
     Param("window_left", driver.S32, ".s32"),      # the keys row r sees: [r + diag - left,
     Param("window_right", driver.S32, ".s32"),     #   r + diag + right]; UNBOUNDED: no edge
 )
+# What the production kernel's varlen build (PTXATTN_VARLEN: flash_attn_varlen_func) takes
+# after those: the tile table varlen_tiles.ptx wrote (scheduler.ptxh) and q's rows (the LSE's
+# row stride, (heads, total_q)).
+VARLEN_PARAMS: tuple[Param, ...] = (
+    Param("tiles_ptr", driver.PTR, ".u64"),
+    Param("total_q", driver.U32, ".u32"),
+)
 # A dynamic tile scheduler's two u32 counters (Stage.dynamic_tiles), after the rest.
 TILE_COUNTER = Param("tile_counter", driver.PTR, ".u64")
 # A traced build's event buffer (PTXATTN_TRACE: the TRACE_PARAM macro), always last; passed by
@@ -77,6 +84,7 @@ def params_of(stage: Stage) -> tuple[Param, ...]:
     """The parameter list of a kernel's launch, in order (a build variant's extra_params, the
     trace buffer, come after it)."""
     return (LINEAGE_PARAMS + (PRODUCTION_PARAMS if stage.production else ())
+            + (VARLEN_PARAMS if stage.varlen else ())
             + ((TILE_COUNTER,) if stage.dynamic_tiles else ()))
 
 
@@ -238,8 +246,10 @@ def empty(plan: Plan) -> PreparedAttention:
     device = None if plan.host else plan.q.device
     out = plan.out if isinstance(plan.out, DeviceArray) else DeviceArray(
         0, plan.out_shape, device=device)
-    lse = DeviceArray(0, plan.lse_shape, device=device, dtype=np.float32) \
-        if plan.want_lse else None
+    lse = None
+    if plan.want_lse:
+        lse = plan.lse_out if isinstance(plan.lse_out, DeviceArray) else DeviceArray(
+            0, plan.lse_shape, device=device, dtype=np.float32)
     return PreparedAttention(plan, plan.stage, out, lse=lse)
 
 
@@ -318,11 +328,18 @@ def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedA
                   softmax_scale=plan.scale)
     keep = [q, k, v, maps]
     lse = None
-    if plan.want_lse:
+    if plan.want_lse and plan.lse_out is not None and not plan.host:
+        lse = plan.lse_out                  # the caller's buffer (lse_out=): its allocator
+        pending = lse.producer_stream if lse.producer_stream is not None else lse.stream
+        if pending is not None and pending != stream:
+            driver.stream_wait(stream, pending)
+        lse.used_on(stream)
+    elif plan.want_lse:
         lse = tensors.empty(plan.lse_shape, stream=stream, dtype=np.float32,
                             stream_owner=plan.stream_object)
-        lse.stream = stream
         owned += (lse,)
+    if lse is not None:
+        lse.stream = stream
     if stage.production:
         # GQA group size, where the log-sum-exp goes (0: not wanted), the diagonal and the
         # window (read by the masked build only)

@@ -48,6 +48,7 @@ class Plan:
     want_lse: bool = False           # also return the log-sum-exp of each query row
     window: tuple[int, int] = (-1, -1)   # keys seen by query i: [i + diag - left, i + diag + right]
     diag_offset: int = 0             # Lk - Lq (bottom-right diagonal) or 0 (top-left)
+    lse_out: object = None           # the caller's float32 (B, H, Lq) array for the LSE, or None
 
     @property
     def masked(self) -> bool:
@@ -160,6 +161,59 @@ def _check_out(plan: Plan, out_obj):
     return out
 
 
+def _check_lse_out(plan: Plan, lse_obj):
+    """The caller's LSE buffer: float32 of shape (B, H, Lq), contiguous (the kernel writes row
+    b * H * Lq + h * Lq + i), on the host for NumPy inputs and on q's device otherwise,
+    writeable and not overlapping q, k, v or out."""
+    expected = plan.lse_shape
+    if plan.host:
+        if not isinstance(lse_obj, np.ndarray):
+            raise ValueError(f"lse_out: q, k, v are NumPy (host) arrays, so lse_out must be a "
+                             f"NumPy array too, got {type(lse_obj).__name__}")
+        lse = lse_obj
+        if lse.dtype != np.float32:
+            raise TypeError(f"lse_out: expected dtype float32, got {lse.dtype}")
+    else:
+        if isinstance(lse_obj, np.ndarray):
+            raise ValueError("lse_out: q, k, v are device arrays, so lse_out must be a device "
+                             "array too, got a NumPy (host) array")
+        if not (isinstance(lse_obj, DeviceArray) or hasattr(lse_obj, "__dlpack__")
+                or hasattr(lse_obj, "__cuda_array_interface__")):
+            raise TypeError(f"lse_out: expected a CUDA array (DLPack or "
+                            f"__cuda_array_interface__), got {type(lse_obj).__name__}")
+        lse = as_device_array(lse_obj, name="lse_out", stream=plan.stream, dtype=np.float32)
+        if lse.dtype != np.float32:
+            raise TypeError(f"lse_out: expected dtype float32, got {lse.dtype}")
+    if tuple(lse.shape) != expected:
+        raise ValueError(f"lse_out: expected shape (batch, heads, seq_q) = {expected}, got "
+                         f"{tuple(lse.shape)}")
+    if plan.host:
+        if not lse.flags.writeable:
+            raise ValueError("lse_out: the NumPy array is read-only")
+        for name in ("q", "k", "v", "out"):
+            x = getattr(plan, name)
+            if x is not None and np.may_share_memory(lse, x):
+                raise ValueError(f"lse_out: overlaps {name}; the LSE must not alias an input "
+                                 "or the output")
+        return lse
+    if lse.readonly:
+        raise ValueError("lse_out: the device array is exported read-only")
+    if lse.device is not None and plan.q.device is not None and lse.device != plan.q.device:
+        raise ValueError(f"lse_out: on CUDA device {lse.device}, but q is on device "
+                         f"{plan.q.device}")
+    if not lse.is_contiguous:
+        raise ValueError(f"lse_out: expected a contiguous array (the kernel writes row "
+                         f"(b * heads + h) * seq_q + i), got strides {lse.strides}")
+    if lse.ptr % 4:
+        raise ValueError(f"lse_out: base address 0x{lse.ptr:x} is not 4-byte aligned")
+    for name in ("q", "k", "v", "out"):
+        x = getattr(plan, name)
+        if x is not None and _overlaps(lse, x):
+            raise ValueError(f"lse_out: overlaps {name}; the LSE must not alias an input or "
+                             "the output")
+    return lse
+
+
 def _framework_stream(obj):
     """The current stream object of the framework that made `obj`: PyTorch's
     torch.cuda.current_stream(device), CuPy's get_current_stream(); None otherwise.
@@ -258,7 +312,7 @@ def scale_of(scale, head_dim: int) -> float:
 
 
 def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, causal=False,
-              window=None, diagonal="bottom_right") -> Plan:
+              window=None, diagonal="bottom_right", lse_out=None) -> Plan:
     stream_handle = driver.stream_handle
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
@@ -282,6 +336,9 @@ def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, ca
     (b, h, lq, d), (bk, hk, lk, dk) = dims["q"], dims["k"]
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
+    if lse_out is not None and not return_lse:
+        raise ValueError("lse_out: given with return_lse=False (the buffer is where the "
+                         "log-sum-exp goes: ask for it with return_lse=True)")
     left, right = _window(causal, window, diagonal)
     masked = (left, right) != (-1, -1)
     if lk == 0:
@@ -319,4 +376,6 @@ def validate(q, k, v, *, stage, scale, layout, out, stream, return_lse=False, ca
         check_device_geometry("v", plan.v, plan, lk, chosen.block_n)
     if out is not None:
         plan.out = _check_out(plan, out)
+    if lse_out is not None:
+        plan.lse_out = _check_lse_out(plan, lse_out)
     return plan

@@ -88,6 +88,12 @@ class Stage:
                      doc="Takes causal and sliding-window masks.")
 
     @property
+    def varlen(self) -> bool:
+        """The production kernel's packed-sequence build (flash_attn_varlen_func): its ABI adds
+        launch.VARLEN_PARAMS."""
+        return ("PTXATTN_VARLEN", "1") in self.defines
+
+    @property
     def tma_chunk(self) -> int:
         """Elements of D per innermost TMA box dimension.
 
@@ -98,17 +104,21 @@ class Stage:
         """
         return 8 if self.swizzle == SWIZZLE_NONE else 64
 
-    def specialize(self, head_dim: int, masked: bool = False) -> "Stage":
+    def specialize(self, head_dim: int, masked: bool = False, varlen: bool = False) -> "Stage":
         """The build that runs one call. A lineage stage has one build: itself. The production
         kernel has one per (head dim, masked) in PRODUCTION_VARIANTS, selected by preprocessor
-        defines, with the tile shape and shared memory of that row of the table."""
+        defines, with the tile shape and shared memory of that row of the table; varlen
+        (flash_attn_varlen_func: packed sequences, PTXATTN_VARLEN) is the masked build of the
+        head dim on a tile table (scheduler.ptxh), with the same figures."""
         if not self.production:
             return self
+        masked = masked or varlen
         v = PRODUCTION_VARIANTS.get((head_dim, masked))
         if v is None:
             raise ValueError(f"{self.label}: no build for head dim {head_dim}"
                              f"{' with a mask' if masked else ''}")
-        defines = (("HEAD_DIM", str(head_dim)),) + ((("PTXATTN_MASKED", "1"),) if masked else ())
+        defines = (("HEAD_DIM", str(head_dim)),) + ((("PTXATTN_MASKED", "1"),) if masked else ()) \
+            + ((("PTXATTN_VARLEN", "1"),) if varlen else ())
         return dataclasses.replace(self, head_dims=(head_dim,), block_m=v.block_m,
                                    block_n=v.block_n, threads=v.threads,
                                    smem_bytes=v.smem_bytes, defines=defines)

@@ -226,13 +226,20 @@ def as_device_array(obj, *, name: str = "array", stream=None, dtype=BF16) -> "De
     `stream` (an int handle, default: legacy default stream) is where the
     array will be used; a DLPack producer makes its pending writes visible
     there. Raises TypeError for host arrays and for dtypes other than `dtype`
-    (bfloat16; float32 for the backward's log-sum-exp input).
+    (bfloat16; float32 for the backward's log-sum-exp input), our own DeviceArrays included
+    (a float32 log-sum-exp is no q, k, v or out).
     """
     dtype = np.dtype(dtype)
     if isinstance(obj, DeviceArray):
+        if obj.dtype != dtype:
+            wanted = "bfloat16" if dtype == BF16 else str(dtype)
+            raise TypeError(f"{name}: expected dtype {wanted}, got {obj.dtype} (a DeviceArray "
+                            "of another dtype; device arrays are used in place, never "
+                            f"converted: cast to {wanted} first)")
         return obj
     handle = driver.stream_handle(stream)
-    fast = _from_torch(obj, handle) if dtype == BF16 else None
+    fast = _from_torch(obj, handle) if dtype == BF16 else (
+        _from_torch(obj, handle, True) if dtype == np.float32 else None)
     if fast is not None:
         return fast
     if hasattr(obj, "__dlpack__"):
@@ -261,7 +268,8 @@ def as_device_array(obj, *, name: str = "array", stream=None, dtype=BF16) -> "De
                     f"__cuda_array_interface__), got {type(obj).__name__}")
 
 
-# torch's types once torch is imported: (module, Tensor, bfloat16, strided, raw stream getter).
+# torch's types once torch is imported: (module, Tensor, bfloat16, strided, raw stream getter,
+# float32).
 # Remembered per module object (tests put a stand-in module in sys.modules).
 _TORCH: tuple | None = None
 
@@ -277,13 +285,15 @@ def _torch_types():
     # the raw handle without building a torch Stream object (what torch's own compiled code
     # reads); None where that private call is missing (the public one is used then)
     raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
-    _TORCH = (torch, torch.Tensor, torch.bfloat16, torch.strided, raw)
+    _TORCH = (torch, torch.Tensor, torch.bfloat16, torch.strided, raw,
+              getattr(torch, "float32", None))
     return _TORCH
 
 
-def torch_meta(obj) -> tuple | None:
-    """(data_ptr, shape, strides, device index) of a plain CUDA bf16 torch.Tensor that DLPack
-    would export as it is; None for anything else (then DLPack decides, and raises its errors).
+def torch_meta(obj, float32: bool = False) -> tuple | None:
+    """(data_ptr, shape, strides, device index) of a plain CUDA bf16 torch.Tensor (float32
+    with float32=True: a log-sum-exp) that DLPack would export as it is; None for anything
+    else (then DLPack decides, and raises its errors).
 
     Only exact torch.Tensor objects qualify (not subclasses), without requires_grad, strided,
     not nested, not a conjugate or negative view. data_ptr() includes the storage offset. torch is never
@@ -292,7 +302,7 @@ def torch_meta(obj) -> tuple | None:
         else _torch_types()
     if types is None or type(obj) is not types[1]:
         return None
-    if (obj.dtype is not types[2] or not obj.is_cuda or obj.requires_grad
+    if (obj.dtype is not types[5 if float32 else 2] or not obj.is_cuda or obj.requires_grad
             or obj.layout is not types[3] or obj.is_nested or obj.is_conj() or obj.is_neg()):
         return None                 # (a strided nested tensor is a torch.Tensor without sizes)
     return obj.data_ptr(), obj.shape, obj.stride(), obj.get_device()
@@ -308,8 +318,9 @@ def torch_current_stream(device: int) -> int:
     return sys.modules["torch"].cuda.current_stream(device).cuda_stream
 
 
-def _from_torch(obj, stream: int) -> "DeviceArray | None":
-    """A plain CUDA bf16 torch.Tensor read without a DLPack capsule, or None (then DLPack).
+def _from_torch(obj, stream: int, float32: bool = False) -> "DeviceArray | None":
+    """A plain CUDA bf16 (float32=True: float32) torch.Tensor read without a DLPack capsule,
+    or None (then DLPack).
 
     What torch's __dlpack__(stream=s) would give, at a fraction of its host time: the same
     address (data_ptr() includes the storage offset), shape, strides, device, the tensor kept
@@ -319,14 +330,15 @@ def _from_torch(obj, stream: int) -> "DeviceArray | None":
     conjugate/negative views, other dtypes or devices) goes through __dlpack__, which accepts
     it or raises its own error.
     """
-    meta = torch_meta(obj)
+    meta = torch_meta(obj, float32)
     if meta is None:
         return None
     ptr, shape, strides, device = meta
     current = torch_current_stream(device)
     if current != stream:
         driver.stream_wait(stream, current)
-    return DeviceArray(ptr, shape, strides, device=device, owner=obj)
+    return DeviceArray(ptr, shape, strides, device=device, owner=obj,
+                       dtype=np.float32 if float32 else BF16)
 
 
 def _from_cai(cai: dict, obj, name: str, dtype=BF16) -> "DeviceArray":

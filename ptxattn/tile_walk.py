@@ -1,8 +1,8 @@
 """The production kernel's persistent tile walk: which Q tile each CTA takes, in which order,
 and what that costs in load balance and in L2 reuse of K/V.
 
-The kernel (ptx/sm90/production.ptx) runs grid = min(SMs, tiles) persistent CTAs. Tile t of the
-walk is a (query block, (batch, head)) pair; CTA c takes tile k*G + c in round k (plain
+The kernel (ptx/sm90/production/forward.ptx, its walk in scheduler.ptxh) runs
+grid = min(SMs, tiles) persistent CTAs. Tile t of the walk is a (query block, (batch, head)) pair; CTA c takes tile k*G + c in round k (plain
 round-robin), or k*G + G-1-c in odd rounds (the snake of the masked build). Which tile t is:
 
   head-major     (batch, head) = t / M, m = t % M: the CTAs running at once share one head's K/V

@@ -48,21 +48,24 @@ def bhl_strides(layout: str, shape, strides=None, name: str = "tensor") -> tuple
 
 
 def map_geometry(layout: str, batch: int, heads: int, seq: int, head_dim: int, rows: int,
-                 chunk: int, strides=None, name: str = "tensor") -> dict:
+                 chunk: int, strides=None, name: str = "tensor", d_blocks: int | None = None
+                 ) -> dict:
     """Dims, byte strides, box and element strides of one map, as plain ints.
 
     `strides` are element strides in the array's own axis order (layout order);
-    None means contiguous. Raises ValueError (naming `name`) when TMA cannot
-    address the array.
+    None means contiguous. d_blocks: the box's d_outer extent (None: all D / chunk; 1 makes
+    a box of one chunk of D, as the paged decode cache's per-page boxes). Raises ValueError
+    (naming `name`) when TMA cannot address the array.
     """
     dims, byte_strides, box = _geometry(layout, batch, heads, seq, head_dim, rows, chunk,
-                                        None if strides is None else tuple(strides), name)
+                                        None if strides is None else tuple(strides), name,
+                                        d_blocks)
     return {"dims": dims, "strides": byte_strides, "box": box,
             "element_strides": (1, 1, 1, 1, 1)}
 
 
 @functools.lru_cache(maxsize=1024)
-def _geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name):
+def _geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name, d_blocks=None):
     """(dims, byte strides, box) of map_geometry; a pure function of its arguments, so a call
     path that sees the same geometry again pays a dict lookup (errors are not cached)."""
     layout = layout.lower()
@@ -86,7 +89,10 @@ def _geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name):
         if (s * ELEMENT_BYTES) % _TMA_ALIGN:
             raise ValueError(f"{name}: {label} stride of {s} elements ({s * ELEMENT_BYTES} bytes) "
                              f"is not a multiple of {_TMA_ALIGN} bytes, which TMA requires")
-    return dims, byte_strides, (chunk, rows, head_dim // chunk, 1, 1)
+    if d_blocks is not None and not 1 <= d_blocks <= head_dim // chunk:
+        raise ValueError(f"{name}: a box of {d_blocks} chunks of D (D / chunk is "
+                         f"{head_dim // chunk})")
+    return dims, byte_strides, (chunk, rows, d_blocks or head_dim // chunk, 1, 1)
 
 
 def check_base(ptr: int, name: str = "tensor") -> None:
@@ -110,12 +116,15 @@ def clear_map_cache() -> None:
 
 
 def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, head_dim: int,
-                    rows: int, swizzle: str, chunk: int, strides=None, name: str = "tensor"):
+                    rows: int, swizzle: str, chunk: int, strides=None, name: str = "tensor",
+                    d_blocks: int | None = None):
     """A bf16 CUtensorMap for one of Q, K, V, O (pass it by value, type None); encoded once
-    per (address, geometry, swizzle) and shared after (the launch copies its bytes)."""
+    per (address, geometry, swizzle) and shared after (the launch copies its bytes).
+    d_blocks: as map_geometry's."""
     check_base(ptr, name)
     dims, byte_strides, box = _geometry(layout, batch, heads, seq, head_dim, rows, chunk,
-                                        None if strides is None else tuple(strides), name)
+                                        None if strides is None else tuple(strides), name,
+                                        d_blocks)
     key = (int(ptr), dims, byte_strides, box, swizzle)
     tmap = _MAPS.get(key)
     if tmap is None:

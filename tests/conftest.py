@@ -70,3 +70,16 @@ def no_driver(monkeypatch):
 
     monkeypatch.setattr(driver, "context", refuse)
     monkeypatch.setattr(driver, "cu", refuse)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """An H200 emulated on the CPU (ptxattn/tools/emulator): ptxattn.driver.cu() returns the
+    emulator's fake of cuda.bindings.driver, so attention() and every other public entry point
+    run end to end (validation, plan, maps, parameters, launch, output). The runtime's caches of
+    contexts, modules and maps are cleared before and after. Yields the FakeDriver (its
+    .launches hold each launch's report)."""
+    from ptxattn.tools.emulator import fake_driver
+    fake = fake_driver.install(monkeypatch)
+    yield fake
+    fake_driver.clear_runtime_caches()

@@ -33,8 +33,47 @@ def case_inputs(case: dict):
     return one(h, lq), one(hkv, lk), one(hkv, lk)
 
 
+def case_dout(case: dict):
+    """The upstream gradient of a gradient case: q's shape, bf16 values (float64 or float32)."""
+    rng = np.random.default_rng(case["seed"] + 1000)
+    b, h, lq, d = (case[n] for n in ("batch", "heads", "seq_len", "head_dim"))
+    shape = (b, h, lq, d) if case["layout"] == "bhld" else (b, lq, h, d)
+    x = rng.standard_normal(shape).astype(np.float32).astype(reference.BF16)
+    return x.astype(np.float64 if case["dtype"] == "float64" else np.float32)
+
+
+def _run_grad_case(torch, dist, group, case: dict, out_dir: str, tag: str) -> None:
+    """The ring's forward and backward on this rank's shards; saves the all-gathered full
+    dq, dk, dv (and this rank's own shards of them)."""
+    from ptxattn import distributed as cp
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = case_inputs(case)
+    dout = case_dout(case)
+    dtype = torch.float64 if case["dtype"] == "float64" else torch.bfloat16
+    plan = cp.ShardPlan(case["seq_len"], world, causal=case["causal"], scheme=case["scheme"],
+                        seq_len_k=case["seq_len_k"])
+    layout = case["layout"]
+    qs, ks, vs, dos = (cp.shard(torch.from_numpy(x).to(dtype), plan, rank, layout=layout,
+                                keys=keys)
+                       for x, keys in ((q, False), (k, True), (v, True), (dout, False)))
+    for t in (qs, ks, vs):
+        t.requires_grad_(True)
+    out = cp.ring_attention(qs, ks, vs, seq_len=case["seq_len"], seq_len_k=case["seq_len_k"],
+                            causal=case["causal"], scheme=case["scheme"], layout=layout,
+                            group=group, local_attention=cp.torch_local_attention,
+                            local_backward=cp.torch_local_backward)
+    out.backward(dos)
+    full = {name: cp.gather(t.grad, plan, group=group, layout=layout, keys=keys)
+            for name, t, keys in (("dq", qs, False), ("dk", ks, True), ("dv", vs, True))}
+    np.savez(os.path.join(out_dir, f"{tag}-{case['name']}-rank{rank}.npz"),
+             **{n: g.to(torch.float64).numpy() for n, g in full.items()},
+             grad_dtypes=str([str(t.grad.dtype) for t in (qs, ks, vs)]))
+
+
 def _run_case(torch, dist, group, case: dict, out_dir: str, tag: str) -> None:
     from ptxattn import distributed as cp
+    if case.get("grad"):
+        return _run_grad_case(torch, dist, group, case, out_dir, tag)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     q, k, v = case_inputs(case)
     dtype = torch.float64 if case["dtype"] == "float64" else torch.bfloat16

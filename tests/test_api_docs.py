@@ -56,17 +56,46 @@ def _env():
     return env
 
 
+def _sanitize_case_module():
+    """bench/sanitize_case.py as a fresh module (registered: its dataclass needs that)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sanitize_case", CASE)
+    case = importlib.util.module_from_spec(spec)
+    sys.modules["sanitize_case"] = case
+    spec.loader.exec_module(case)
+    return case
+
+
+def _listed(*extra):
+    """bench/sanitize_case.py --list (or --controls): (name, ctas, the arguments) per line."""
+    out = subprocess.run([sys.executable, str(CASE), *(extra or ("--list",))],
+                         capture_output=True, text=True, check=True, env=_env(), cwd=ROOT).stdout
+    return [tuple(line.split("\t")) for line in out.splitlines() if line.strip()]
+
+
+def _parsed_cases(*extra):
+    """(Case, CTAS) for each listed line: the Case its arguments run, through the script's own
+    parser (its run() replaced by a recorder)."""
+    case = _sanitize_case_module()
+    seen = []
+    case.run = lambda c, seed, defines: seen.append(c) or True
+    out = []
+    for _, ctas, args in _listed(*extra):
+        assert case.main(args.split()) == 0
+        out.append((seen[-1], int(ctas)))
+    del sys.modules["sanitize_case"]
+    return out
+
+
 def test_sanitizer_cases_cover_every_stage():
-    out = subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True, text=True,
-                         check=True, env=_env(), cwd=ROOT).stdout
-    cases = [line.split() for line in out.splitlines() if line.strip()]
-    # each line: STAGE B H L CTAS LAYOUT  (CTAS 0 = the stage's own grid)
+    cases = _parsed_cases()
     by_stage, layouts = {}, {}
-    for number, b, h, l, ctas, layout in cases:
-        # the production kernel's builds: production:D
-        key = number if number.startswith("production:") else int(number)
-        by_stage.setdefault(key, []).append((int(b), int(h), int(l), int(ctas)))
-        layouts.setdefault(key, set()).add(layout)
+    for c, ctas in cases:
+        # the production kernel's and decode's cases: production:D, decode:D
+        key = c.kernel if ":" in c.kernel else int(c.kernel)
+        assert c.ctas == 0 and ctas in (0, 2)                # the cap comes from the script
+        by_stage.setdefault(key, []).append((c.batch, c.heads, c.seq_q, ctas))
+        layouts.setdefault(key, set()).add(c.layout)
     for stage in stages.all_stages():
         shapes = by_stage[stage.number]
         assert (1, 2, 256, 0) in shapes, stage.label
@@ -87,28 +116,54 @@ def test_sanitizer_cases_cover_every_stage():
         tiles = -(-l // build.block_m) * h * b
         assert ctas == 2 and tiles >= 3 * ctas, (d, tiles)
     assert set(by_stage) == {s.number for s in stages.all_stages()} | {
-        f"production:{d}" for d in stages.PRODUCTION.head_dims}
+        f"production:{d}" for d in stages.PRODUCTION.head_dims} | {
+        f"decode:{d}" for d in (64, 128, 256)}
+
+
+def test_sanitizer_cases_cover_the_production_features():
+    """Issue 28, defect 10: the masked builds (causal for each head dim, windows), GQA and MQA,
+    ragged tails (Lq and Lk not tile multiples, Lq != Lk both ways), the top-left diagonal and
+    the LSE, in the persistent walk too; every case small enough for racecheck."""
+    cases = [(c, ctas) for c, ctas in _parsed_cases() if c.kernel.startswith("production:")]
+    prod = [c for c, _ in cases]
+    dims = lambda c: int(c.kernel.split(":")[1])
+    tiles = {d: stages.PRODUCTION.specialize(d, masked=True).block_m
+             for d in stages.PRODUCTION.head_dims}
+    assert {dims(c) for c in prod if c.causal} == set(stages.PRODUCTION.head_dims)
+    assert any(c.window and c.window[1] == 0 and not c.causal for c in prod)   # sliding
+    assert any(c.window and c.window[0] > 0 and c.window[1] > 0 for c in prod)  # two-sided
+    assert any(c.causal for c, ctas in cases if ctas)                  # masked, several tiles
+    assert any(1 < c.hkv < c.heads for c in prod) and any(c.hkv == 1 < c.heads for c in prod)
+    ragged = [c for c in prod if c.seq_q % tiles[dims(c)] and c.lk % 128]
+    assert any(c.seq_q < c.lk for c in ragged) and any(c.seq_q > c.lk for c in ragged)
+    assert any(c.diagonal == "top_left" for c in prod)
+    lse = [c for c in prod if c.lse]
+    assert any(not (c.causal or c.window or c.hkv != c.heads) for c in lse)     # alone
+    assert any(c.causal or c.window for c in lse) and any(c.hkv != c.heads for c in lse)
+    for c in prod:
+        assert c.batch * c.heads * c.seq_q * c.lk <= 2 * 2 * 512 * 512, c    # small: racecheck
+    controls = [name for name, _, _ in _listed("--controls")]
+    assert [n.split()[-1] for n in controls] == ["PTXATTN_PLANT_HAZARD=1",
+                                                 "PTXATTN_PLANT_HAZARD=2"]
 
 
 def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
     """--stage production:64 prepares the production kernel on D = 64 inputs (its three-consumer
-    build), a lineage stage on D = 128; --stages takes "production" (or 0) for its cases."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sanitize_case", CASE)
-    case = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(case)
+    build), a lineage stage on D = 128, with the case's features passed to prepare() and its
+    k/v heads; --stages takes "production" (or 0) for its cases."""
+    case = _sanitize_case_module()
     assert case.stage_and_head_dim("production:64") == ("production", 64)
     assert case.stage_and_head_dim("14") == ("14", 128)
     with pytest.raises(Exception, match="production:D"):
         case.stage_and_head_dim("production:x")
     assert case.parse_stages("1, production") == {1, 0} and case.parse_stages("") is None
-    assert {c[0] for c in case.cases({0})} == {f"production:{d}" for d in (64, 128, 256)}
+    assert {c.kernel for c in case.cases({0})} == {f"production:{d}" for d in (64, 128, 256)}
 
     from ptxattn import api
     seen = {}
 
     def prepare(q, k, v, *, stage, **kw):
-        seen["stage"], seen["d"] = stage, q.shape[-1]
+        seen.update(stage=stage, d=q.shape[-1], k=k.shape, kw=kw)
         raise RuntimeError("stop here")          # the launch needs a GPU
 
     monkeypatch.setattr(api, "prepare", prepare)
@@ -117,9 +172,18 @@ def test_sanitize_case_runs_the_production_build_of_its_head_dim(monkeypatch):
     monkeypatch.setattr(tensors, "empty", lambda shape, **kw: type(
         "Out", (), {"fill_u16": lambda self, v: None})())
     with pytest.raises(RuntimeError, match="stop here"):
-        case.run("production:64", 1, 2, 256, "bhld", seed=0)
+        case.main("--stage production:64 -b 1 -H 4 --heads-kv 2 -L 333 --seq-k 200 "
+                  "--layout bshd --window 40,8 --diagonal top_left --lse".split())
     assert seen["stage"].production and seen["d"] == 64
     assert stages.get_stage(seen["stage"]).specialize(seen["d"]).threads == 512
+    assert seen["k"] == (1, 200, 2, 64)                                  # BSHD, 2 k/v heads
+    assert seen["kw"] == dict(layout="bshd", out=seen["kw"]["out"], defines=None,
+                              return_lse=True, causal=False, window=(40, 8),
+                              diagonal="top_left")
+    # decode's rows (and bench/decode_device.sh's command) go to its own runner
+    monkeypatch.setattr(case, "run_decode", lambda *a: seen.update(decode=a) or True)
+    assert case.main("--stage decode:128 -b 3 -H 8 -L 600".split()) == 0
+    assert seen["decode"] == (128, 3, 8, 600, 0)
 
 
 def test_sanitize_dry_run_names_every_command(tmp_path):
@@ -129,14 +193,14 @@ def test_sanitize_dry_run_names_every_command(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [l for l in result.stdout.splitlines()
              if "sanitize_case.py" in l and "PLANT_HAZARD" not in l]   # controls: test_bench
-    n_cases = len(subprocess.run([sys.executable, str(CASE), "--list"], capture_output=True,
-                                 text=True, check=True, env=_env(), cwd=ROOT).stdout.split("\n")
-                  ) - 1
+    n_cases = len(_listed())
+    assert re.search(r"estimate: \d+ sanitizer invocations \+ \d+ plain runs, \d+ at a time: "
+                     r"about \d+s", result.stderr), result.stderr
     for tool in TOOLS:
         mine = [l for l in lines if f"--tool {tool}" in l]
         assert len(mine) == n_cases, (tool, len(mine), n_cases)
     assert any("PTXATTN_PERSISTENT_CTAS=2" in l for l in lines)
-    assert all(re.search(r"--stage (\d+|production:\d+) ", l) for l in lines)
+    assert all(re.search(r"--stage (\d+|production:\d+|decode:\d+) ", l) for l in lines)
     assert any("--stage production:64 " in l for l in lines)
     assert not list(tmp_path.iterdir())            # a dry run writes no report
 

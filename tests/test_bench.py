@@ -103,14 +103,30 @@ def test_results_filename_and_round_trip(tmp_path):
     assert bench.load_results(path) == result
 
 
-def test_check_subset_bounds_the_reference_work():
-    sub = bench.check_subset((8, 16, 16384, 128), max_rows=4096)
-    assert sub["batches"] == [0, 7] and sub["heads"] == [0, 15]
-    rows = sub["rows"]
-    assert len(rows) == 4096 and len(set(rows.tolist())) == 4096
-    assert set((rows % 128).tolist()) == set(range(128))       # every position in a tile
-    assert len(set(np.diff(rows).tolist())) > 2                # random, not a stride
-    np.testing.assert_array_equal(bench.check_subset((1, 1, 512, 128))["rows"], np.arange(512))
+@pytest.mark.parametrize("shape", [(8, 16, 16384, 128), (8, 16, 4096, 128), (2, 16, 16384, 128),
+                                   (16, 16, 512, 128), (1, 12, 32760, 128), (4, 32, 8192, 64)])
+def test_check_subset_checks_every_head_on_a_bounded_number_of_rows(shape):
+    batch, heads, seq, _ = shape
+    sub = bench.check_subset(shape, max_rows=4096)
+    assert sub["batches"] == list(range(batch)) and sub["heads"] == list(range(heads))
+    n, pairs = sub["rows_per_pair"], batch * heads
+    # the cost bound: the budget in all, or MIN_ROWS_PER_PAIR per pair when there are many
+    assert n * pairs <= max(bench.CHECK_ROW_BUDGET, pairs * bench.MIN_ROWS_PER_PAIR)
+    assert bench.MIN_ROWS_PER_PAIR <= n <= 4096
+    draws = {(b, h): bench.subset_rows(sub, b, h) for b in (0, batch - 1)
+             for h in (0, heads // 2, heads - 1)}
+    for rows in draws.values():
+        assert len(rows) == n and len(set(rows.tolist())) == n
+        assert set((rows % 128).tolist()) == set(range(128))    # every position in a tile
+        assert set((rows % 192).tolist()) == set(range(192))
+        assert len(set(np.diff(rows).tolist())) > 2             # random, not a stride
+    assert len({tuple(r.tolist()) for r in draws.values()}) == len(draws)   # a draw per pair
+
+
+def test_check_subset_short_sequences_check_every_row():
+    sub = bench.check_subset((1, 1, 512, 128))
+    np.testing.assert_array_equal(bench.subset_rows(sub, 0, 0), np.arange(512))
+    assert bench.check_subset((2, 2, 100, 64))["rows_per_pair"] == 100
 
 
 @pytest.mark.parametrize("layout", ["bhld", "bshd"])
@@ -120,8 +136,9 @@ def test_check_output_passes_the_reference_and_catches_nan(layout):
     exact = reference.attention_reference(q, k, v, layout=layout).astype(np.float32)
     good = bench.check_output(q, k, v, exact.astype(q.dtype), layout, max_rows=32)
     assert good["pass"] and good["rel_l2"] < 4e-3 and good["nan_total"] == 0
-    assert good["checked"] == "batch 0,1 head 0,2 rows 32 of 128 at random (seed 0)"
-    rows = bench.check_subset((2, 3, 128, 128), 32)["rows"]
+    assert good["checked"] == ("every (batch, head) of 2x3, 32 of 128 rows each, at random "
+                               "(seed 0, a draw per (batch, head))")
+    rows = bench.subset_rows(bench.check_subset((2, 3, 128, 128), 32), 1, 1)
     unchecked = int(np.setdiff1d(np.arange(128), rows)[0])
     poisoned = exact.copy()
     poisoned[(1, 1, unchecked, 0) if layout == "bhld" else (1, unchecked, 1, 0)] = np.inf
@@ -131,6 +148,22 @@ def test_check_output_passes_the_reference_and_catches_nan(layout):
     assert bench.failure_reason(bad) == "check failed: 1 NaN/Inf"
     biased = bench.check_output(q, k, v, exact * 1.0075, layout, max_rows=32)
     assert not biased["pass"] and "rel L2" in bench.failure_reason(biased)
+
+
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_a_kernel_wrong_on_the_middle_heads_fails_the_check(layout):
+    """Half wrong on heads 1..H-2 of the middle batch only: the corner heads and batches are
+    right, so a check of {0, B-1} x {0, H-1} alone reported it ok."""
+    from ptxattn import reference
+    B, H = 3, 6
+    q, k, v = reference.random_qkv(B, H, 300, 200, 64, layout, seed=4)
+    exact = reference.attention_reference(q, k, v, layout=layout).astype(np.float32)
+    wrong = exact.copy()
+    middle = (1, slice(1, H - 1)) if layout == "bhld" else (1, slice(None), slice(1, H - 1))
+    wrong[middle] *= 0.5
+    m = bench.check_output(q, k, v, wrong.astype(q.dtype), layout)
+    assert not m["pass"] and "rel L2" in bench.failure_reason(m), m
+    assert bench.check_output(q, k, v, exact.astype(q.dtype), layout)["pass"]
 
 
 def test_plot_progression(tmp_path):
@@ -454,6 +487,90 @@ def test_combine_results_a_failure_in_any_run_shows_failed():
     assert "FAILED" in line and "112" not in line
 
 
+def test_no_check_rows_say_unchecked_in_the_run_the_table_and_the_ranges(monkeypatch):
+    """--no-check: every row is 'unchecked' (never 'ok' with pass None), the protocol says the
+    check was off, and ranges over such runs say unchecked too."""
+    import fake_gpu
+    runs = []
+    for check in (False, False, True):
+        fake_gpu.install(monkeypatch, {1: 4.0, 3: 2.0}, wrong={3})
+        runs.append(bench.run_benchmark([1, 3], ["1x2x128x128"], reps=2, rounds=2, check=check))
+    unchecked, _, checked = runs
+    for row in unchecked["results"]:
+        assert row["status"] == "unchecked" and "pass" not in row and row["ms"] > 0, row
+    assert unchecked["protocol"]["check"].startswith("off (--no-check)")
+    assert "failed: not timed" in checked["protocol"]["check"]
+    assert {r["stage"]: r["status"] for r in checked["results"]} == {"stage01": "ok",
+                                                                    "stage03": "FAILED"}
+    table = bench.format_table(unchecked)
+    assert table.splitlines()[1].startswith("check: off (--no-check)")
+    for line in table.splitlines()[3:5]:
+        assert line.startswith("stage0") and " unchecked " in f"{line} ", line
+    both = bench.combine_results(runs[:2])
+    assert {r["stage"]: r["status"] for r in both["rows"]} == {"stage01": "unchecked",
+                                                               "stage03": "unchecked"}
+    text = bench.format_combined(both)
+    line = next(x for x in text.splitlines() if x.startswith("stage01"))
+    assert "unchecked" in line and "unchecked,unchecked" in line
+    assert "check off (--no-check)" in text.splitlines()[0]
+    mixed = {r["stage"]: r for r in bench.combine_results(runs[1:])["rows"]}
+    assert mixed["stage01"]["status"] == "unchecked" and mixed["stage01"]["runs"] == [
+        "unchecked", "ok"]
+    assert mixed["stage03"]["status"] == "FAILED"
+
+
+def test_an_older_no_check_row_reads_as_unchecked():
+    """Rows written by --no-check before it said so: status ok, no check result."""
+    a = run_result({("stage01", "4k"): 30.0, ("stage14", "4k"): 112.0, ("stage14", "8k"): 116.0})
+    b = json.loads(json.dumps(a))
+    for row in b["results"]:
+        del row["pass"]
+    rows = {(r["stage"], r["shape"]): r for r in bench.combine_results([a, b])["rows"]}
+    assert rows[("stage14", "4k")]["status"] == "unchecked"
+    assert rows[("stage14", "4k")]["runs"] == ["ok", "unchecked"]
+    assert " unchecked " in bench.format_table(b)
+
+
+def test_combine_refuses_two_cases_that_share_a_name(tmp_path):
+    """A BSHD (1, 1, 4096, 64) run and a BHLD (8, 16, 4096, 128) run both named '4k' were
+    merged into one row; now the case is matched in full and a mismatch is refused."""
+    a = run_result({("stage01", "4k"): 30.0, ("stage14", "4k"): 112.0, ("stage14", "8k"): 116.0})
+    b = json.loads(json.dumps(a))
+    b["schema"] = 3
+    b["protocol"]["layout"] = "per case"
+    b["cases"] = {
+        "4k": dict(batch=1, heads=1, heads_kv=1, seq_q=4096, seq_k=4096, head_dim=64,
+                   layout="bshd", causal=False, window=None),
+        "8k": dict(batch=4, heads=16, heads_kv=16, seq_q=8192, seq_k=8192, head_dim=128,
+                   layout="bhld", causal=False, window=None)}
+    paths = [bench.write_results(r, tmp_path / f"{n}.json") for n, r in (("a", a), ("b", b))]
+    with pytest.raises(ValueError) as err:
+        bench.combine_results(paths, names=["one", "two"])
+    message = str(err.value)
+    for words in ("case '4k'", "B=8 H=16 L=4096 D=128 bhld dense", "B=1 H=1 L=4096 D=64 bshd",
+                  "one (", "two (", "batch 8 vs 1", "head_dim 128 vs 64", "layout bhld vs bshd"):
+        assert words in message, (words, message)
+    # the same cases, described either way (shapes + layout, or `cases`), do combine
+    b["cases"]["4k"].update(batch=8, heads=16, heads_kv=16, head_dim=128, layout="bhld")
+    combined = bench.combine_results([a, b])
+    assert combined["cases"]["4k"] == dict(batch=8, heads=16, heads_kv=16, seq_q=4096,
+                                           seq_k=4096, head_dim=128, layout="bhld",
+                                           mask="dense", dtype="bfloat16")
+    for change, field in ((dict(causal=True), "mask dense vs causal"),
+                          (dict(window=[64, 0]), "mask dense vs window 64,0"),
+                          (dict(heads_kv=4), "heads_kv 16 vs 4"),
+                          (dict(seq_k=2048), "seq_k 4096 vs 2048"),
+                          (dict(dtype="float8_e4m3"), "dtype bfloat16 vs float8_e4m3")):
+        c = json.loads(json.dumps(b))
+        c["cases"]["4k"].update(change)
+        with pytest.raises(ValueError, match=field):
+            bench.combine_results([a, c])
+    older = json.loads(json.dumps(a))
+    older["shapes"]["4k"] = [1, 1, 4096, 4096, 64]           # no `cases`: shapes say it
+    with pytest.raises(ValueError, match="batch 8 vs 1"):
+        bench.combine_results([a, older])
+
+
 @pytest.mark.parametrize("content,what", [("{}", "not a ptxattn benchmark result"),
                                           ('{"events": []}', "not a ptxattn benchmark result"),
                                           ("# README\n", "not a JSON file")])
@@ -673,9 +790,10 @@ def test_sanitize_cases_cover_bshd_several_tiles_and_the_controls():
     listed = subprocess.run([sys.executable, "bench/sanitize_case.py", "--list", "--stages",
                              "1,14"], cwd=ROOT, capture_output=True, text=True, env=env,
                             timeout=120, check=True).stdout.split("\n")
-    cases = [line.split() for line in listed if line]
-    assert ["1", "1", "2", "256", "0", "bshd"] in cases
-    assert ["14", "2", "2", "512", "2", "bshd"] in cases       # 8 tiles per CTA, BSHD
+    cases = [line.split("\t") for line in listed if line]
+    assert ["stage01 1x2x256 bshd", "0", "--stage 1 -b 1 -H 2 -L 256 --layout bshd"] in cases
+    assert ["stage14 2x2x512 bshd ctas=2", "2",                 # 8 tiles per CTA, BSHD
+            "--stage 14 -b 2 -H 2 -L 512 --layout bshd"] in cases
     controls = subprocess.run([sys.executable, "bench/sanitize_case.py", "--controls"], cwd=ROOT,
                               capture_output=True, text=True, env=env, timeout=120,
                               check=True).stdout.split("\n")

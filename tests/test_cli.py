@@ -407,3 +407,14 @@ def test_info_shows_the_version_of_every_tool_found(no_gpu):
         if sass.locate(name):
             [line] = [l for l in result.output.splitlines() if l.split()[:1] == [name]]
             assert re.match(rf"\s+{name}\s+\d+\.\d+\.\d+\s+/", line), line
+
+
+@pytest.mark.parametrize("command", ["ptx", "sass"])
+def test_a_define_the_kernel_refuses_shows_its_error_text(command):
+    """`-d HEAD_DIM=96` stops at the kernel's #error: its text is in the one error line
+    without -v (it read "preprocessing failed:" and nothing else), and -v shows every line."""
+    line = one_clean_error(cli(command, "production", "-d", "HEAD_DIM=96"),
+                           "preprocessing failed:", "#error", "HEAD_DIM", "-v")
+    assert line.count("#error") == 1, line
+    full = cli("-v", command, "production", "-d", "HEAD_DIM=96")
+    assert full.exit_code == 1 and full.output.count("#error") >= 2, full.output

@@ -23,10 +23,17 @@ from ptxattn.decode_reference import (clamped_lengths, combine, cta_tiles, kvcac
 
 BASE = 0x7F00_0000_0000
 HEAD_DIMS = sorted(DECODE_BUILDS)
-KERNELS = ((decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, decode_launch.DECODE_PARAMS),
-           (decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY,
+# (file, entry, paged build, its parameter table)
+KERNELS = ((decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, False,
+            decode_launch.decode_params(False)),
+           (decode_launch.DECODE_FILE, decode_launch.DECODE_ENTRY, True,
+            decode_launch.decode_params(True)),
+           (decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY, False,
             decode_launch.COMBINE_PARAMS),
-           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, decode_launch.APPEND_PARAMS))
+           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, False,
+            decode_launch.append_params(False)),
+           (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, True,
+            decode_launch.append_params(True)))
 
 
 # --------------------------------------------------------------------------- build table, header
@@ -88,25 +95,24 @@ def test_build_for_names_the_head_dim():
 
 # --------------------------------------------------------------------------- ABI, assembly
 
-def _entry_params(file: str, entry: str) -> list[tuple[str, str]]:
-    text = decode_launch.kernel_path(file).read_text()
-    m = re.search(rf"\.entry {entry}\((.*?)\n\)", text, re.S)
+def _entry_params(file: str, entry: str, paged: bool = False) -> list[tuple[str, str]]:
+    """(name, PTX type) of the .entry's parameters in one build (expanded: a build's own
+    parameters sit behind #ifdef)."""
+    text = decode_launch.kernel_source(file, 128, paged)
+    m = re.search(rf"\.entry {entry}\((.*?)\)\s*\.maxntid", text, re.S)
     assert m, entry
-    out = []
-    for line in m.group(1).splitlines():
-        p = re.search(r"\.param\s+(?:\.align \d+\s+)?(\.\w+)\s+(\w+)", line)
-        if p:
-            out.append((p.group(2), p.group(1)))
-    return out
+    return [(p.group(2), p.group(1)) for p in
+            re.finditer(r"\.param\s+(?:\.align \d+\s+)?(\.\w+)\s+(\w+)", m.group(1))]
 
 
 _CTYPE_OF = {".b8": None, ".u64": ("c_void_p", "c_ulong", "c_uint64"), ".u32": ("c_uint",),
              ".s32": ("c_int",), ".f32": ("c_float",)}
 
 
-@pytest.mark.parametrize("file,entry,table", KERNELS, ids=[k[1] for k in KERNELS])
-def test_parameter_tables_match_the_ptx(file, entry, table):
-    params = _entry_params(file, entry)
+@pytest.mark.parametrize("file,entry,paged,table", KERNELS,
+                         ids=[k[1] + ("_paged" if k[2] else "") for k in KERNELS])
+def test_parameter_tables_match_the_ptx(file, entry, paged, table):
+    params = _entry_params(file, entry, paged)
     assert [n for n, _ in params] == [n for n, _ in table]
     for (name, ptx_type), (_, ctype) in zip(params, table):
         if ptx_type == ".b8":
@@ -122,19 +128,20 @@ def test_per_call_slots_exist():
         assert set(slots) <= {n for n, _ in table}
 
 
-def _assembled(file: str, d: int):
+def _assembled(file: str, d: int, paged: bool = False):
     try:
         sass.find_tool("ptxas")
     except Exception as e:                            # noqa: BLE001
         pytest.skip(f"no ptxas: {e}")
-    text = decode_launch.kernel_source(file, d)
-    a = sass.assemble_ptx(text, "sm_90a", name=f"{file}.{d}")
+    text = decode_launch.kernel_source(file, d, paged)
+    a = sass.assemble_ptx(text, "sm_90a", name=f"{file}.{d}{'.paged' if paged else ''}")
     return a, sass.parse_ptxas_log(a.log), sass.disassemble(a.cubin)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_decode_kernel_assembles_without_spills(d):
-    a, log, text = _assembled(decode_launch.DECODE_FILE, d)
+def test_decode_kernel_assembles_without_spills(d, paged):
+    a, log, text = _assembled(decode_launch.DECODE_FILE, d, paged)
     f = log["functions"][decode_launch.DECODE_ENTRY]
     b = DECODE_BUILDS[d]
     assert f["spill_stores"] == 0 and f["spill_loads"] == 0 and f["stack_frame"] == 0, f
@@ -150,11 +157,12 @@ def test_decode_kernel_assembles_without_spills(d):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_combine_and_append_assemble(d):
-    for file, entry in ((decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY),
-                        (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY)):
-        _, log, text = _assembled(file, d)
+    for file, entry, paged in ((decode_launch.COMBINE_FILE, decode_launch.COMBINE_ENTRY, False),
+                               (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, False),
+                               (decode_launch.APPEND_FILE, decode_launch.APPEND_ENTRY, True)):
+        _, log, text = _assembled(file, d, paged)
         f = log["functions"][entry]
-        assert f["spill_stores"] == 0 and f["stack_frame"] == 0, (file, f)
+        assert f["spill_stores"] == 0 and f["stack_frame"] == 0, (file, paged, f)
     # every partial of a combine batch is loaded before the first is used (one latency a
     # batch, not one a split)
     _, _, text = _assembled(decode_launch.COMBINE_FILE, d)
@@ -472,10 +480,12 @@ class _FakeMap:
         return ctypes.addressof(self.bytes)
 
 
-def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_launcher_run_fills_every_per_call_slot_of_each_kernel(paged):
     """Launcher.run's values land in the slots they are named for (no GPU: packs and a
     recording launch), for one split (decode writes out and LSE) and for several (decode
-    writes the workspace, the combine the output)."""
+    writes the workspace, the combine the output); a paged Launcher's kernels get the block
+    table's address."""
     import threading
     launched = []
 
@@ -491,15 +501,16 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
         ln.build, ln.splits, ln.rows, ln.lock = DECODE_BUILDS[128], splits, 6, threading.Lock()
         ln.append_fn, ln.decode_fn = Fn("append"), Fn("decode")
         ln.combine_fn = Fn("combine") if splits > 1 else None
-        ln.decode = decode_launch.Pack(decode_launch.DECODE_PARAMS,
-                                       values(decode_launch.DECODE_PARAMS),
-                                       decode_launch.DECODE_PER_CALL)
+        extra = decode_launch.PAGED_PER_CALL if paged else ()
+        ln.decode = decode_launch.Pack(decode_launch.decode_params(paged),
+                                       values(decode_launch.decode_params(paged)),
+                                       decode_launch.DECODE_PER_CALL + extra)
         ln.combine = decode_launch.Pack(decode_launch.COMBINE_PARAMS,
                                         values(decode_launch.COMBINE_PARAMS),
                                         decode_launch.COMBINE_PER_CALL)
-        ln.append_pack = decode_launch.Pack(decode_launch.APPEND_PARAMS,
-                                            values(decode_launch.APPEND_PARAMS),
-                                            decode_launch.APPEND_PER_CALL)
+        ln.append_pack = decode_launch.Pack(decode_launch.append_params(paged),
+                                            values(decode_launch.append_params(paged)),
+                                            decode_launch.APPEND_PER_CALL + extra)
         ln.decode_config = ln.combine_config = ln.append_config = None
         launched.clear()
 
@@ -513,8 +524,10 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel():
         ln._launch = launch
         ln.run(q_ptr=0x1000, out_ptr=0x2000, lse_ptr=0x3000, ws_ptr=0x4000,
                seqlens_ptr=0x5000, seqlen_const=77, k_new_ptr=0x6000, v_new_ptr=0x7000,
-               bounds_ptr=0x8000)
+               bounds_ptr=0x8000, block_table_ptr=0x9000)
         got = dict(launched)
+        for kernel in ("append", "decode"):
+            assert got[kernel].get("block_table_ptr") == (0x9000 if paged else None), kernel
         assert [f for f, _ in launched] == ["append", "decode"] + (["combine"] if splits > 1
                                                                    else [])
         assert (got["append"]["k_new"], got["append"]["v_new"], got["append"]["seqlens_ptr"],

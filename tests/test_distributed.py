@@ -236,6 +236,91 @@ def test_torch_local_attention_matches_reference(layout, causal):
 
 
 @pytest.mark.parametrize("layout", ["bhld", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_local_backward_matches_reference(layout, causal):
+    """The reference local backward, fed the forward's own out and lse, equals the NumPy
+    float64 reference gradients (GQA 4:2, Lq != Lk, a scale)."""
+    from ptxattn.reference_backward import attention_backward_reference
+    torch = _torch()
+    q, k, v = (x.astype(np.float64) for x in reference.random_qkv(2, 4, 7, 11, 8, layout, 2))
+    k, v = (x[:, :, :2] if layout == "bshd" else x[:, :2] for x in (k, v))
+    dout = np.random.default_rng(5).standard_normal(q.shape)
+    t = [torch.from_numpy(x) for x in (q, k, v, dout)]
+    out, lse = cp.torch_local_attention(*t[:3], causal=causal, scale=0.3, layout=layout)
+    got = cp.torch_local_backward(*t[:3], out, lse, t[3], causal=causal, scale=0.3,
+                                  layout=layout)
+    want = attention_backward_reference(q, k, v, dout.astype(np.float32), scale=0.3,
+                                        layout=layout, causal=causal)
+    dout64 = torch.from_numpy(dout.astype(np.float32).astype(reference.BF16)
+                              .astype(np.float64))
+    got = cp.torch_local_backward(*t[:3], out, lse, dout64, causal=causal, scale=0.3,
+                                  layout=layout)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.float64 and np.allclose(g.numpy(), w, atol=1e-12), name
+
+
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_local_backwards_with_the_global_lse_sum_to_the_full_gradients(layout):
+    """The identity the ring backward rests on: split the keys into disjoint shards; each
+    shard's local backward with the GLOBAL out and lse gives that shard's dK, dV exactly and
+    a share of dQ, and the shares sum to the full dQ."""
+    from ptxattn.reference_backward import attention_backward_reference
+    torch = _torch()
+    q, k, v = (x.astype(np.float64) for x in reference.random_qkv(1, 2, 9, 23, 8, layout, 4))
+    dout = np.random.default_rng(6).standard_normal(q.shape).astype(np.float32) \
+        .astype(reference.BF16).astype(np.float64)
+    t = [torch.from_numpy(x) for x in (q, k, v, dout)]
+    out, lse = cp.torch_local_attention(*t[:3], causal=False, scale=0.4, layout=layout)
+    ax = 2 if layout == "bhld" else 1
+    dq = torch.zeros_like(t[0])
+    dks, dvs = [], []
+    for a, b in [(0, 4), (4, 5), (5, 23)]:
+        g = cp.torch_local_backward(t[0], t[1].narrow(ax, a, b - a), t[2].narrow(ax, a, b - a),
+                                    out, lse, t[3], causal=False, scale=0.4, layout=layout)
+        dq += g[0]
+        dks.append(g[1])
+        dvs.append(g[2])
+    want = attention_backward_reference(q, k, v, dout, scale=0.4, layout=layout)
+    for name, g, w in zip(("dq", "dk", "dv"), (dq, torch.cat(dks, ax), torch.cat(dvs, ax)), want):
+        assert np.allclose(g.numpy(), w, atol=1e-12), name
+
+
+def test_ring_backward_on_one_rank(tmp_path):
+    """A world of one: the ring's backward is the local backward; its gradients equal torch
+    autograd of the full attention in float64; the LSE's gradient is refused by name."""
+    torch = _torch()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
+                            world_size=1)
+    try:
+        q, k, v = (torch.from_numpy(x.astype(np.float64)).requires_grad_()
+                   for x in reference.random_qkv(1, 2, 10, 10, 8, "bshd", seed=8))
+        out, lse = cp.ring_attention(q, k, v, seq_len=10, causal=True, layout="bshd",
+                                     return_lse=True, local_attention=cp.torch_local_attention,
+                                     local_backward=cp.torch_local_backward)
+        dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator()
+                           .manual_seed(1))
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o, _ = cp.torch_local_attention(qq, kk, vv, causal=True, scale=8 ** -0.5, layout="bshd")
+        want = torch.autograd.grad(o, (qq, kk, vv), dout)
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert torch.allclose(g, w, atol=1e-12), name
+        out, lse = cp.ring_attention(q, k, v, seq_len=10, causal=True, layout="bshd",
+                                     return_lse=True, local_attention=cp.torch_local_attention,
+                                     local_backward=cp.torch_local_backward)
+        with pytest.raises(NotImplementedError, match="lse"):
+            (out.sum() + lse.sum()).backward()
+        with torch.no_grad():                      # no grad mode: the plain forward
+            assert not cp.ring_attention(q, k, v, seq_len=10, layout="bshd",
+                                         local_attention=cp.torch_local_attention).requires_grad
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
 def test_shard_unshard_round_trip(layout):
     torch = _torch()
     plan = cp.ShardPlan(37, 3, causal=True)
@@ -309,6 +394,18 @@ CASES = [
 ]
 
 
+# the ring's backward: gradients gathered over the ring against the NumPy reference gradients
+GRAD_CASES = [dict(c, grad=True, name="grad-" + c["name"]) for c in (
+    _case("dense-bhld", seq_len=37, seed=10),
+    _case("dense-bshd-gqa", layout="bshd", heads_kv=2, seq_len=41, seed=11),
+    _case("dense-lq-ne-lk", seq_len=19, seq_len_k=45, seed=12),
+    _case("causal-zigzag-bhld-gqa", causal=True, heads_kv=2, seq_len=50, seed=13),
+    _case("causal-zigzag-bshd-mqa", layout="bshd", causal=True, heads_kv=1, seq_len=43,
+          seed=14),
+    _case("causal-contiguous", causal=True, scheme="contiguous", seq_len=29, seed=15),
+    _case("causal-zigzag-bf16", causal=True, seq_len=64, dtype="bfloat16", heads=2, seed=16),
+)]
+
 RING_SIZES = [2, 3, 4]
 
 
@@ -325,7 +422,7 @@ def ring_dir(tmp_path_factory):
         # fork: the ranks inherit the torch this process imported (a spawned rank imports it
         # again, 10-45 s on a busy 2-core machine); no CUDA here, so fork is safe
         mp.start_processes(ring_worker, args=(world, str(out_dir / "rendezvous"), RING_SIZES,
-                                              CASES, str(out_dir)),
+                                              CASES + GRAD_CASES, str(out_dir)),
                            nprocs=world, join=True, start_method="fork")
     except Exception as exc:
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("rank*-error.txt")))
@@ -368,6 +465,34 @@ def test_ring_equals_full_attention(ring_dir, world, case):
         assert reference.passes(reference.error_metrics(full, ref))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c["name"] for c in GRAD_CASES])
+@pytest.mark.parametrize("world", RING_SIZES, ids=lambda w: f"ring{w}")
+def test_ring_backward_equals_full_gradients(ring_dir, world, case):
+    """dq, dk, dv of the ring (forward and backward on `world` gloo ranks, the torch reference
+    as the local kernels), gathered, against the float64 NumPy reference gradients of
+    single-process attention: float64 to rounding, bf16 within the backward's bar."""
+    from distributed_workers import case_dout, case_inputs
+
+    from ptxattn.reference_backward import attention_backward_reference
+    q, k, v = case_inputs(case)
+    dout = case_dout(case)
+    want = attention_backward_reference(q, k, v, dout, layout=case["layout"],
+                                        causal=case["causal"])
+    got = [np.load(ring_dir / f"ring{world}-{case['name']}-rank{r}.npz") for r in range(world)]
+    for r, g in enumerate(got):
+        assert g["grad_dtypes"].item() == str([
+            "torch.float64" if case["dtype"] == "float64" else "torch.bfloat16"] * 3)
+        for name, w in zip(("dq", "dk", "dv"), want):
+            assert np.array_equal(g[name], got[0][name]), f"rank {r} {name}: gather differs"
+            if case["dtype"] == "float64":
+                err = np.abs(g[name] - w).max()
+                assert err < 1e-11, f"rank {r} {name}: max |error| {err:.3g}"
+            else:
+                rel = np.linalg.norm(g[name] - w) / np.linalg.norm(w)
+                assert np.isfinite(g[name]).all() and rel < 1e-2, f"rank {r} {name}: {rel:.3g}"
+
+
 def test_gloo_cases_cover_the_brief():
     """The ring cases above span what issue 16 asks for on the CPU."""
     assert {c["layout"] for c in CASES} == {"bhld", "bshd"}
@@ -376,6 +501,15 @@ def test_gloo_cases_cover_the_brief():
     for world in RING_SIZES:
         assert any(c["seq_len"] % world for c in CASES)
     assert any(c["seq_len"] != c["seq_len_k"] for c in CASES)
+    # and the backward's (issue 26): the same spread, 2 and 3 ranks among the rings
+    assert {2, 3} <= set(RING_SIZES)
+    assert {c["layout"] for c in GRAD_CASES} == {"bhld", "bshd"}
+    assert {c["causal"] for c in GRAD_CASES} == {False, True}
+    assert {c["scheme"] for c in GRAD_CASES if c["causal"]} == {None, "contiguous"}
+    assert any(c["heads_kv"] == 1 for c in GRAD_CASES) and any(
+        1 < c["heads_kv"] < c["heads"] for c in GRAD_CASES)
+    assert any(c["seq_len"] != c["seq_len_k"] for c in GRAD_CASES)
+    assert {c["dtype"] for c in GRAD_CASES} == {"float64", "bfloat16"}
 
 
 # --------------------------------------------------------------------------- bench/cp_bench.py

@@ -1,5 +1,5 @@
 """Context-parallel attention on 2 GPUs (NCCL) against the NumPy reference and against
-single-GPU ptxattn on the full sequence. For the lent 2-GPU machine (kind nvidia-h200-x2):
+single-GPU ptxattn on the full sequence, forward and (GRAD_CASES) backward. For the lent 2-GPU machine (kind nvidia-h200-x2):
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest -q tests/test_distributed_gpu.py
 
@@ -47,6 +47,50 @@ CASES = [
 ]
 
 
+# the ring's backward (issue 26): gradients gathered over the ring, and one GPU's backward on
+# the whole sequence, both against the float64 reference gradients under the backward's bar
+GRAD_CASES = [dict(c, grad=True, name="grad-" + c["name"]) for c in (
+    _case("dense-bhld", seq_len=2048, heads=4, seed=10),
+    _case("dense-bshd-gqa-odd", layout="bshd", heads=8, heads_kv=2, seq_len=1501, seed=11),
+    _case("causal-zigzag-bhld-gqa", causal=True, heads=4, heads_kv=2, seq_len=2048, seed=12),
+    _case("causal-zigzag-bshd-odd", layout="bshd", causal=True, heads=4, seq_len=1999, seed=13),
+)]
+
+
+def _dout(case):
+    rng = np.random.default_rng(case["seed"] + 1000)
+    b, h, lq, d = (case[n] for n in ("batch", "heads", "seq_len", "head_dim"))
+    shape = (b, h, lq, d) if case["layout"] == "bhld" else (b, lq, h, d)
+    return rng.standard_normal(shape, dtype=np.float32).astype(reference.BF16)
+
+
+def _grad_case(torch, cp, ptxattn, rank, case, out_dir, dev):
+    """Forward and backward of the ring on this rank's shards; rank 0 also runs one GPU's
+    forward and backward on the whole sequence. Saves the gathered dq, dk, dv of both."""
+    q, k, v = _inputs(case)
+    dout = _dout(case)
+    layout = case["layout"]
+    plan = cp.ShardPlan(case["seq_len"], WORLD, causal=case["causal"], scheme=case["scheme"],
+                        seq_len_k=case["seq_len_k"])
+    shards = [cp.shard(dev(x), plan, rank, layout=layout, keys=keys).requires_grad_(True)
+              for x, keys in ((q, False), (k, True), (v, True))]
+    out = cp.ring_attention(*shards, seq_len=case["seq_len"], seq_len_k=case["seq_len_k"],
+                            causal=case["causal"], scheme=case["scheme"], layout=layout)
+    out.backward(cp.shard(dev(dout), plan, rank, layout=layout))
+    full = {n: cp.gather(t.grad, plan, layout=layout, keys=keys).float().cpu().numpy()
+            for n, t, keys in (("dq", shards[0], False), ("dk", shards[1], True),
+                               ("dv", shards[2], True))}
+    torch.cuda.synchronize()
+    if rank == 0:
+        kw = {"causal": True} if case["causal"] else {}
+        tq, tk, tv = dev(q), dev(k), dev(v)
+        o, lse = ptxattn.attention(tq, tk, tv, layout=layout, return_lse=True, **kw)
+        single = ptxattn.attention_backward(tq, tk, tv, o, lse, dev(dout), layout=layout, **kw)
+        single = [torch.from_dlpack(g).float().cpu().numpy() for g in single]
+        np.savez(os.path.join(out_dir, f"{case['name']}.npz"), **full,
+                 **{"single_" + n: g for n, g in zip(("dq", "dk", "dv"), single)})
+
+
 def _inputs(case):
     b, h, hkv, lq, lk, d = (case[n] for n in ("batch", "heads", "heads_kv", "seq_len",
                                              "seq_len_k", "head_dim"))
@@ -71,6 +115,11 @@ def _worker(rank: int, rendezvous: str, cases: list, out_dir: str) -> None:
         import ptxattn
         from ptxattn import distributed as cp
         for case in cases:
+            if case.get("grad"):
+                _grad_case(torch, cp, ptxattn, rank, case, out_dir,
+                           lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                           .cuda())
+                continue
             q, k, v = _inputs(case)
             layout = case["layout"]
             plan = cp.ShardPlan(case["seq_len"], WORLD, causal=case["causal"],
@@ -123,7 +172,7 @@ def ring_results(tmp_path_factory):
                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     import torch.multiprocessing as mp
     os.environ.update(SAFE_ENV)
-    cases = [c for c in CASES if not c["causal"] or _takes_causal()]
+    cases = [c for c in CASES + GRAD_CASES if not c["causal"] or _takes_causal()]
     out_dir = tmp_path_factory.mktemp("ring-gpu")
     try:
         mp.spawn(_worker, args=(str(out_dir / "rendezvous"), cases, str(out_dir)),
@@ -162,3 +211,24 @@ def test_context_parallel_matches_reference_and_single_gpu(ring_results, case):
     # LSE: natural log, float32, against the reference and against one launch's
     assert np.allclose(got["cp_lse"][:, :, rows], ref_lse, atol=2e-3, rtol=0)
     assert np.allclose(got["cp_lse"], got["single_lse"], atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c["name"] for c in GRAD_CASES])
+def test_ring_backward_matches_reference_and_single_gpu(ring_results, case):
+    """The ring backward's gathered dq, dk, dv, and one GPU's backward on the whole sequence,
+    each under the backward's bar against the float64 reference gradients (bwd_checks), and
+    close to each other (the ring adds its fp32 partial sums in another order)."""
+    from bwd_checks import check_grads, rel_l2
+    if case["causal"] and not _takes_causal():
+        pytest.skip("ptxattn.attention takes no causal= in this checkout")
+    got = np.load(ring_results / f"{case['name']}.npz")
+    q, k, v = _inputs(case)
+    dout = _dout(case)
+    mask = {"causal": True} if case["causal"] else {}
+    ring = [got[n].astype(reference.BF16) for n in ("dq", "dk", "dv")]
+    single = [got["single_" + n].astype(reference.BF16) for n in ("dq", "dk", "dv")]
+    check_grads(ring, q, k, v, dout, layout=case["layout"], **mask)
+    check_grads(single, q, k, v, dout, layout=case["layout"], **mask)
+    for name, a, b in zip(("dq", "dk", "dv"), ring, single):
+        err = rel_l2(a, b.astype(np.float32).astype(np.float64))
+        assert err < 1e-2, f"{case['name']} {name}: ring against one GPU, rel L2 {err:.3g}"

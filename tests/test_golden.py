@@ -49,7 +49,8 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
     fp8 = [f"PTXATTN_FP8=1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
            for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")]
     assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
-                     "PTXATTN_MASKED=1", "HEAD_DIM=64", "HEAD_DIM=256", *fp8]
+                     "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256",
+                     *fp8]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 
@@ -115,3 +116,16 @@ def test_a_knob_value_may_cross_the_knob_with_other_defines():
     named = dict(golden.variants(stages.PRODUCTION))
     assert named["PTXATTN_FP8=1 HEAD_DIM=64 PTXATTN_MASKED=1"] == {
         "PTXATTN_FP8": "1", "HEAD_DIM": "64", "PTXATTN_MASKED": "1"}
+
+
+# ---- the decode family: kernels outside the stage registry ------------------------------------
+
+def test_the_decode_kernels_match_their_golden_fingerprints():
+    """Every build of decode.ptx, combine.ptx and decode_append.ptx (per head dim, contiguous
+    and paged caches) expands to the stream recorded in the golden file: folding their macros
+    onto the production parts, or adding a build, leaves the other builds as they were."""
+    expected = golden.load_kernels()
+    actual = golden.compute_kernels()
+    assert sorted(expected) == sorted(actual)
+    diff = golden.differences(expected, actual)
+    assert not diff, "a decode kernel's expanded stream changed:\n  " + "\n  ".join(diff)

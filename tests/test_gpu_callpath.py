@@ -13,7 +13,7 @@ import pytest
 from gpu_checks import assert_passes, check_rows, import_or_skip, skip_or_fail
 
 import ptxattn
-from ptxattn import driver, tensors
+from ptxattn import driver, fastpath, tensors
 from ptxattn.reference import BF16
 
 pytestmark = pytest.mark.gpu

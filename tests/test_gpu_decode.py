@@ -21,16 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from decode_checks import DeviceInt32, bf16, check, shape_of
 from gpu_checks import import_or_skip
 
 import ptxattn
 from ptxattn import decode, driver, tensors
 from ptxattn.decode_reference import appended_caches, clamped_lengths, kvcache_reference
-from ptxattn.reference import BF16, error_metrics, passes
+from ptxattn.reference import BF16
 
 pytestmark = pytest.mark.gpu
 
-LSE_TOL = 2e-3
 ROOT = Path(__file__).resolve().parent.parent
 CANARY_TIMEOUT_S = 180
 # One small call of each kernel (append, decode at one and at three splits, combine) for every
@@ -68,74 +68,6 @@ def canary():
                     f"hangs (a barrier wait that never completes?); it got through:\n{done}",
                     pytrace=False)
     yield proc
-
-
-class DeviceInt32:
-    """An int32 device vector offered through __cuda_array_interface__ (the library's own
-    DeviceArray holds bf16 and float32 only)."""
-
-    def __init__(self, values):
-        values = np.ascontiguousarray(values, dtype=np.int32)
-        self.buffer = driver.DeviceBuffer(max(values.nbytes, 4))
-        driver.memcpy_htod(self.buffer.ptr, values)
-        self.values = values
-        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": "<i4",
-                                         "data": (self.buffer.ptr, False), "strides": None,
-                                         "version": 3}
-
-    def set(self, values):
-        values = np.ascontiguousarray(values, dtype=np.int32)
-        driver.memcpy_htod(self.buffer.ptr, values)
-        self.values = values
-
-
-def bf16(rng, shape):
-    return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
-
-
-def shape_of(layout, b, h, l, d):
-    return (b, l, h, d) if layout == "bshd" else (b, h, l, d)
-
-
-def describe_rows(got, ref, layout, limit=6) -> str:
-    """The worst rows as (batch, query, head): error, reference scale, NaN."""
-    g = np.asarray(got, np.float64)
-    if layout == "bhld":
-        g, ref = g.transpose(0, 2, 1, 3), ref.transpose(0, 2, 1, 3)
-    err = np.abs(g - ref).max(axis=-1)                     # (B, Lq, H)
-    err = np.where(np.isnan(err), np.inf, err)
-    order = np.argsort(err, axis=None)[::-1][:limit]
-    parts = []
-    for flat in order:
-        b, lq, h = np.unravel_index(flat, err.shape)
-        parts.append(f"(b={b}, lq={lq}, h={h}): max|err| {err[b, lq, h]:.3g}, "
-                     f"max|ref| {np.abs(ref[b, lq, h]).max():.3g}")
-    bad_heads = sorted(set(np.nonzero(err > 1e-2 * max(np.abs(ref).max(), 1e-30))[2].tolist()))
-    return "; ".join(parts) + f"; heads with errors: {bad_heads[:16]}"
-
-
-def check(out, lse, ref, ref_lse, layout, what):
-    got = out.astype(np.float32)
-    nan = int(np.count_nonzero(~np.isfinite(got)))
-    assert nan == 0, f"{what}: {nan} NaN/Inf in the output (unwritten rows?) " \
-        + describe_rows(got, ref, layout)
-    m = error_metrics(got, ref)
-    if np.abs(ref).max() > 0:
-        assert passes(m), f"{what}: {m}; " + describe_rows(got, ref, layout)
-    else:
-        assert m["max_abs"] == 0, f"{what}: rows that see no key must be 0: {m}"
-    if lse is not None:
-        assert not np.isnan(lse).any(), f"{what}: {int(np.isnan(lse).sum())} LSE left NaN"
-        empty = np.isneginf(ref_lse)
-        wrong_empty = np.argwhere(np.isneginf(lse) != empty)
-        assert wrong_empty.size == 0, f"{what}: LSE -inf exactly where no key is seen; first " \
-            f"wrong (b, h, lq): {wrong_empty[:5].tolist()}"
-        if (~empty).any():
-            err = np.abs(lse[~empty] - ref_lse[~empty])
-            worst = np.argwhere(np.abs(lse - ref_lse) == err.max())[0].tolist()
-            assert err.max() <= LSE_TOL, f"{what}: LSE max abs error {err.max():.3g} at " \
-                f"(b, h, lq) {worst}"
-    return m
 
 
 def run(*, B=2, H=8, Hkv=2, Lq=1, Lmax=1000, D=128, lengths=None, layout="bshd",

@@ -63,7 +63,8 @@ PTX_OF_CTYPE = {driver.BY_VALUE: ".align 64 .b8[128]", driver.PTR: ".u64", drive
 def test_each_parameter_has_the_ptx_type_of_its_ctype():
     """A ctype and its .param agree in size and kind: the driver copies sizeof(ctype) bytes
     (128 for a by-value tensor map) into the slot the kernel reads as that type."""
-    every = LINEAGE_PARAMS + launch.PRODUCTION_PARAMS + (TILE_COUNTER, TRACE_BUF)
+    every = (LINEAGE_PARAMS + launch.PRODUCTION_PARAMS + launch.VARLEN_PARAMS
+             + (TILE_COUNTER, TRACE_BUF))
     for p in every:
         assert p.ptx == PTX_OF_CTYPE[p.ctype], p
         size = 128 if p.ctype is driver.BY_VALUE else ctypes.sizeof(p.ctype)
@@ -116,7 +117,9 @@ def production_builds():
     ptx.source reads, the masked build, head dims 64 and 256, the traced build): its defines
     select tiles and code, never the parameter list (the expansions are shared with
     tests/test_golden.py's, which run first in one session)."""
-    return [(name, stages.PRODUCTION, defines or None)
+    varlen = stages.PRODUCTION.specialize(128, True, True)   # its ABI adds VARLEN_PARAMS
+    return [(name, varlen if "PTXATTN_VARLEN" in defines else stages.PRODUCTION,
+             defines or None)
             for name, defines in golden.variants(stages.PRODUCTION)]
 
 
@@ -129,13 +132,15 @@ def test_the_production_kernel_declares_the_table(name, build, defines):
 
 def test_the_production_builds_cover_masks_head_dims_and_the_trace():
     names = [name for name, _, _ in production_builds()]
-    assert {"default", "PTXATTN_TRACE=1", "PTXATTN_MASKED=1", "HEAD_DIM=64",
+    assert {"default", "PTXATTN_TRACE=1", "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64",
             "HEAD_DIM=256"} <= set(names), names
     # every build attention() runs differs from these by its defines only (Stage.specialize)
     for d, masked in stages.PRODUCTION_VARIANTS:
         build = stages.PRODUCTION.specialize(d, masked)
         assert build.file == stages.PRODUCTION.file and params_of(build) == params_of(
             stages.PRODUCTION)
+        varlen = stages.PRODUCTION.specialize(d, masked, varlen=True)
+        assert params_of(varlen) == params_of(stages.PRODUCTION) + launch.VARLEN_PARAMS
 
 
 @pytest.mark.parametrize("stage", stages.all_stages(), ids=lambda s: s.label)

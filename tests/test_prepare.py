@@ -19,7 +19,7 @@ from ptxattn import api as attn
 from ptxattn import driver, launch, stages, tma
 from ptxattn.tensors import BF16, DeviceArray
 
-cu = pytest.importorskip("cuda.bindings.driver")
+from cuda.bindings import driver as cu   # a hard dependency: missing, it fails (never skips)
 OK = cu.CUresult.CUDA_SUCCESS
 MiB = 1 << 20
 PARAM_TYPES = (None,) * 4 + (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
@@ -374,3 +374,29 @@ def test_a_failed_numpy_call_frees_its_device_copies_at_once(gpu, monkeypatch):
     allocated = len(gpu["cuMemAlloc"]) + len(gpu["cuMemAllocAsync"])
     freed = len(gpu["cuMemFree"]) + len(gpu["cuMemFreeAsync"])
     assert allocated == 5 and freed == allocated         # q, k, v, out, lse
+
+
+@pytest.mark.parametrize("layout", ["bhld", "bshd"])
+def test_the_lse_is_batch_heads_queries_on_every_path(gpu, layout):
+    """The log-sum-exp comes out (B, H, Lq) float32, contiguous, in both layouts, from
+    attention() (device and NumPy inputs, warm and cold), prepare(), and an empty query: the
+    kernel writes row (b, h, i) at (b * H + h) * Lq + i, whatever the layout of q."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 7, 33, 128
+    q_shape = (B, H, Lq, D) if layout == "bhld" else (B, Lq, H, D)
+    kv_shape = (B, Hkv, Lk, D) if layout == "bhld" else (B, Lk, Hkv, D)
+    want = (B, H, Lq)
+    qd, kd, vd = dev(q_shape, 0), dev(kv_shape, 1), dev(kv_shape, 2)
+    for _ in range(2):                                  # the full path, then a steady call
+        out, lse = attn.attention(qd, kd, vd, layout=layout, return_lse=True)
+        assert out.shape == q_shape
+        assert (lse.shape, lse.strides, lse.dtype) == (want, (H * Lq, Lq, 1), np.float32)
+        assert lse.nbytes == B * H * Lq * 4
+    prepared = attn.prepare(qd, kd, vd, layout=layout, return_lse=True)
+    assert prepared.lse.shape == want and prepared.lse.strides == (H * Lq, Lq, 1)
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s).astype(np.float32) for s in (q_shape, kv_shape, kv_shape)]
+    out, lse = attn.attention(*host, layout=layout, return_lse=True)
+    assert isinstance(lse, np.ndarray) and lse.shape == want and lse.dtype == np.float32
+    empty_q = (B, H, 0, D) if layout == "bhld" else (B, 0, H, D)
+    _, lse = attn.attention(dev(empty_q, 3), kd, vd, layout=layout, return_lse=True)
+    assert lse.shape == (B, H, 0)

@@ -174,20 +174,35 @@ CHANGES = {
 }
 
 
+# the changes that make the call invalid, and the error each must raise (on a warm cache as on
+# a cold one); every other change must launch
+REFUSED = {
+    "q_shape": (ValueError, r"out: expected shape \(1, 2, 64, 128\)"),
+    "q_device": (ValueError, "q, k, v: expected arrays on one device"),
+    "out_readonly": (ValueError, "out: the device array is exported read-only"),
+    "q_dtype": (TypeError, "q: expected dtype bfloat16, got float32"),
+}
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_every_key_field_changed_alone_is_a_miss(tagged, change):
     base = dict(BASE, q=dev(SHAPE, 0), k=dev(SHAPE, 1), v=dev(SHAPE, 2), out=dev(SHAPE, 3))
 
     def call(**args):
         args = dict(args)
-        try:
-            attn.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-        except (ValueError, TypeError):
-            pass                               # a changed field may be invalid: still a miss
+        attn.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
     call(**base)
     call(**base)
     assert len(tagged["builds"]) == 1          # warm
-    call(**dict(base, **CHANGES[change]))
+    launches = len(tagged["cuLaunchKernelEx"])
+    if change in REFUSED:
+        kind, match = REFUSED[change]
+        with pytest.raises(kind, match=match):
+            call(**dict(base, **CHANGES[change]))
+        assert len(tagged["cuLaunchKernelEx"]) == launches, f"{change}: refused, yet launched"
+    else:
+        call(**dict(base, **CHANGES[change]))
+        assert len(tagged["cuLaunchKernelEx"]) == launches + 1
     assert len(tagged["builds"]) == 2, f"{change}: a changed key field must be a miss"
     call(**base)
     assert len(tagged["builds"]) == 2          # the base call is still remembered
@@ -261,7 +276,24 @@ BAD = {
     "gqa": lambda q, k, v, o: attn.attention(q, dev((1, 3, 128, 128), 1),
                                              dev((1, 3, 128, 128), 2), out=o),
     "numpy_mix": lambda q, k, v, o: attn.attention(q, np.zeros(SHAPE, np.float32), v, out=o),
+    # our own float32 DeviceArrays (what an LSE is) in each bf16 position
+    **{f"float32_{name}": (lambda name: lambda q, k, v, o: attn.attention(**dict(
+        dict(q=q, k=k, v=v, out=o), **{name: dev(SHAPE, 5, dtype=np.float32)})))(name)
+       for name in ("q", "k", "v", "out")},
 }
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "out"])
+def test_a_float32_device_array_is_refused_naming_it(tagged, name):
+    """A float32 DeviceArray is a TypeError naming the argument and the dtype, cold and warm,
+    and nothing is launched (it used to be launched as if it held bf16)."""
+    q, k, v, o = (dev(SHAPE, i) for i in range(4))
+    args = dict(q=q, k=k, v=v, out=o)
+    for _ in range(2):
+        with pytest.raises(TypeError, match=rf"^{name}: expected dtype bfloat16, got float32"):
+            attn.attention(**dict(args, **{name: dev(SHAPE, 5, dtype=np.float32)}))
+        attn.attention(**args)                  # the good call, remembered the second time
+    assert len(tagged["cuLaunchKernelEx"]) == 2
 
 
 @pytest.mark.parametrize("bad", list(BAD))

@@ -4,7 +4,7 @@ torch.compile(fullgraph=True) tracing, and the diffusers/transformers backends o
 The kernel launch is replaced by a CPU stand-in (`routed`: records each call and computes it
 with torch's SDPA in float32), and the CUDA device check by one that accepts CPU tensors, so
 "would ptxattn take this call" is tested on CPU tensors. Skipped where torch (or, for their
-tests, diffusers/transformers) is not installed: CI installs neither; the torch extra does.
+tests, diffusers/transformers) is not installed; .ci/run installs torch (CPU) and both.
 """
 
 from __future__ import annotations
@@ -103,12 +103,21 @@ def test_causal_waits_for_the_kernel(routed, monkeypatch):
     assert pt.fallback_reason(q, k, v, is_causal=True) is None
 
 
-def test_requires_grad_only_with_grad_mode(routed):
-    q, k, v = qkv()
-    q.requires_grad_(True)
-    assert pt.fallback_reason(q, k, v) == "requires_grad"
-    with torch.no_grad():
-        assert pt.fallback_reason(q, k, v) is None
+def test_tensors_that_require_grad_are_taken(routed):
+    """The op has an autograd formula now: grad no longer falls back, with grad mode on or
+    off, on any of q, k, v (and no reason for it remains)."""
+    for which in range(3):
+        args = list(qkv())
+        args[which].requires_grad_(True)
+        assert pt.fallback_reason(*args) is None
+        assert pt.fallback_reason(*args, is_causal=True) is None
+        with torch.no_grad():
+            assert pt.fallback_reason(*args) is None
+    assert "requires_grad" not in pt.REASONS
+    g = [t.requires_grad_(True) for t in qkv(layout="bshd", h=4, hk=2)]
+    assert pt.fallback_reason(*g, enable_gqa=True, layout="bshd") is None
+    # what still falls back with grad is what falls back without it
+    assert pt.fallback_reason(*g, dropout_p=0.1, enable_gqa=True, layout="bshd") == "dropout"
 
 
 def test_cpu_tensors_fall_back_without_the_fixture():
@@ -192,7 +201,7 @@ def test_compile_fullgraph_traces_the_op(routed):
     backend swaps that node for the CPU reference to run the graph."""
     graphs = []
 
-    def stand_in(q, k, v, scale, layout, is_causal, return_lse):
+    def stand_in(q, k, v, scale, layout, is_causal, return_lse, *mask_and_backward):
         return reference(q, k, v, is_causal, scale, layout), q.new_empty((0,), dtype=torch.float32)
 
     ops = (torch.ops.ptxattn.attention, torch.ops.ptxattn.attention.default)
@@ -297,6 +306,22 @@ def test_transformers_padding_mask_falls_back_to_sdpa(routed, monkeypatch):
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("register, package", [("register_diffusers", "diffusers"),
+                                               ("register_transformers", "transformers")])
+def test_register_without_the_model_library_says_what_to_install(monkeypatch, register,
+                                                                 package):
+    """Not a bare ModuleNotFoundError from inside the backend: an ImportError that names the
+    call, the library, its minimum version and the install command."""
+    monkeypatch.setitem(sys.modules, package, None)          # `import package` fails
+    with pytest.raises(ImportError) as err:
+        getattr(pt, register)()
+    message = str(err.value)
+    for words in (f"{register}() needs {package} (>= ", f"pip install '{package}>=",
+                  "pip install -e '.[models]'"):
+        assert words in message, message
+    assert type(err.value).__name__ == "MissingModelLibraryError", repr(err.value)
+
+
 # --------------------------------------------------------------------------- capstone configs
 
 @pytest.mark.parametrize("which", ["wan", "ltx", "llama"])
@@ -335,7 +360,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_watches(monkeypatch):
 
     from ptxattn.torch import _op
     direct = []
-    monkeypatch.setattr(_op, "_run", lambda q, k, v, s, layout, c: direct.append(s) or q)
+    monkeypatch.setattr(_op, "_run", lambda q, k, v, s, layout, c, *a, **kw: direct.append(s) or q)
     q, k, v = qkv()
     assert _op._eager(q, k, v)
     pt.attention(q, k, v, scale=0.5)
@@ -446,10 +471,12 @@ def test_the_wrapper_asks_fallback_reason_once_per_metadata(pretend_cuda, monkey
     n = len(launches)
     pt.scaled_dot_product_attention(q, k, v, enable_gqa=True)     # remembered again
     assert len(asked) == 6 and len(launches) == n + 1
-    g = q.clone().requires_grad_()                   # grad: never the steady call
-    with pytest.warns(RuntimeWarning, match="require grad"):
-        pt.scaled_dot_product_attention(g, k, v, enable_gqa=True)
-    assert len(asked) == 7
+    g = q.clone().requires_grad_()                   # grad: never the steady call, but ours
+    n = len(launches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # no fallback warning
+        out = pt.scaled_dot_product_attention(g, k, v, enable_gqa=True)
+    assert len(asked) == 7 and len(launches) == n + 1 and out.requires_grad
 
     from torch.utils._python_dispatch import TorchDispatchMode
 

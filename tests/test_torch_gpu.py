@@ -130,19 +130,21 @@ def test_fallbacks_warn_once_and_equal_torch(torch, pt):
                          lambda: F.scaled_dot_product_attention(*args, **kw))
 
 
-def test_dropout_and_grad_fall_back(torch, pt):
+def test_dropout_falls_back_and_grad_runs_on_ptxattn(torch, pt):
     q, k, v = (make(torch, (1, 2, 64, 128), seed=s) for s in (1, 2, 3))
     with pytest.warns(RuntimeWarning, match="reason 'dropout'"):
         out = pt.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     assert out.shape == q.shape and torch.isfinite(out).all()
     qg = q.clone().requires_grad_(True)
-    with pytest.warns(RuntimeWarning, match="reason 'requires_grad'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # no fallback for grad any more
         out = pt.scaled_dot_product_attention(qg, k, v)
     out.float().sum().backward()
     ref = q.clone().requires_grad_(True)
-    torch.nn.functional.scaled_dot_product_attention(ref, k, v).float().sum().backward()
-    torch.testing.assert_close(qg.grad, ref.grad)   # backward kernels may use atomics
-    assert pt.fallback_counts() == {"dropout": 1, "requires_grad": 1}
+    math_sdpa(torch, ref, k, v).sum().backward()
+    err = rel_l2(qg.grad, ref.grad)
+    assert torch.isfinite(qg.grad).all() and err < 1e-2, f"dq against float32 SDPA: {err:.3g}"
+    assert pt.fallback_counts() == {"dropout": 1}
 
 
 def test_gqa_without_enable_gqa_raises_what_sdpa_raises(torch, pt):

@@ -497,6 +497,19 @@ def test_mask_arguments_are_checked():
         call(host(), host(), host(), causal=True, stage=14)
 
 
+@pytest.mark.parametrize("right", [1, 2, 64])
+def test_causal_refuses_every_right_edge_past_the_diagonal(right):
+    with raises(ValueError, "window", "causal=True", "right edge", f"got {right}"):
+        call(host(), host(), host(), causal=True, window=(8, right))
+
+
+@pytest.mark.parametrize("right", [0, -1])
+def test_causal_takes_a_right_edge_of_0_or_unbounded(right):
+    # an empty query validates in full and returns without the driver
+    out = call(host((B, H, 0, D)), host(), host(), causal=True, window=(8, right))
+    assert out.shape == (B, H, 0, D)
+
+
 def test_masks_pick_the_masked_build():
     plan = validate(host((B, H, 100, D)), host((B, H, 300, D)), host((B, H, 300, D)),
                     stage=None, scale=None, layout="bhld", out=None, stream=None,

@@ -28,19 +28,28 @@ KERNEL_SUFFIXES = (".ptx", ".ptxh")
 # finder (a meta path hook that would serve any module the wheel lacks from the checkout) and
 # any sys.path entry inside the checkout are removed first; at exit it names every module that
 # was loaded from the checkout after all (there must be none).
+# The interpreter's own site-packages stay: CI's venv lives inside the checkout (.ci/run makes
+# .venv there), and the wheel's dependencies (click, numpy, ...) are installed in it.
 GUARD = """
-import atexit, runpy, sys
+import atexit, runpy, site, sys
 from pathlib import Path
 root = Path(sys.argv[1]).resolve()
+sites = [Path(p).resolve() for p in site.getsitepackages() + [site.getusersitepackages()]]
+
+
+def in_checkout(path):
+    path = Path(path or ".").resolve()
+    return path.is_relative_to(root) and not any(path.is_relative_to(s) for s in sites)
+
+
 sys.meta_path[:] = [f for f in sys.meta_path
                     if not (getattr(f, "__module__", None) or "").startswith("__editable__")]
-sys.path[:] = [p for p in sys.path if not Path(p or ".").resolve().is_relative_to(root)]
+sys.path[:] = [p for p in sys.path if not in_checkout(p)]
 
 
 def leaked():
     bad = sorted(name for name, m in list(sys.modules.items())
-                 if getattr(m, "__file__", None)
-                 and Path(m.__file__).resolve().is_relative_to(root))
+                 if getattr(m, "__file__", None) and in_checkout(m.__file__))
     if bad:
         sys.stderr.write(f"LEAKED FROM THE CHECKOUT: {bad}\\n")
 
@@ -128,6 +137,7 @@ def test_the_wheel_holds_every_kernel(installed):
                       if n.startswith("ptxattn/_ptx/"))
     assert packaged == kernel_files()
     assert sum(n.endswith(".ptx") for n in names) >= 35 and "ptxattn/tools/cli.py" in names
+    assert "ptxattn/tools/emulator/machine.py" in names and "ptxattn/tools/emulate.py" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "ptx/"))]
 
 

@@ -9,6 +9,9 @@
     golden        the golden fingerprints of every stage and build (tests/golden/)
     ptxgen, ptxgen_sm100
                   the generators of the committed macro headers in ptx/*/include/
+    emulator, emulate
+                  a CPU emulator of the sm_90a PTX the kernels use (correctness, races, out of
+                  bounds, deadlocks on tiny shapes), and its command line
 
 They import the runtime (ptxattn.api, stages, driver, ...); the runtime never imports them
 (tests/test_architecture.py), so `import ptxattn` loads none of this.

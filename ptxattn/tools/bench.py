@@ -7,7 +7,8 @@ seeded random order, the stage and cuDNN alternating launch by launch (or in sho
 that neither is always first or last and clock drift hits both alike. The ratio per shape is the
 median over rounds of (peer time / our time), with a 95% bootstrap interval over rounds;
 absolute TFLOP/s and each kernel's spread over rounds sit beside it. A kernel that fails its
-check is not timed. combine_results() turns two or more runs into ranges.
+check is not timed; with check=False (--no-check) nothing is checked and every row says
+"unchecked". combine_results() turns two or more runs of the same cases into ranges.
 
 PyTorch is a peer here, never a dependency: it is imported inside run_benchmark() only, and
 without it the inputs come from NumPy and the results have no peer column.
@@ -458,14 +459,35 @@ def _pick(x, layout: str, b: int, h: int, rows):
     return x[b, h, rows, :] if layout == "bhld" else x[b, rows, h, :]
 
 
-def check_subset(shape: tuple[int, int, int, int], max_rows: int = 4096, seed: int = 0) -> dict:
-    """What is checked on a shape: first/last batch, first/last head, and up to max_rows query
-    rows at seeded random positions that cover every row position of a tile
-    (reference.sample_rows), never a fixed stride that would always land on the same lanes."""
-    from .. import reference
+# The check's cost is the float64 reference on the rows compared: rows x Lk x D per (batch,
+# head). Every (batch, head) is checked (a kernel wrong on the middle heads must fail), each on
+# fewer rows when there are many: CHECK_ROW_BUDGET rows in all (what the former check of the
+# four corner heads at 4096 rows each cost), never fewer than MIN_ROWS_PER_PAIR per (batch,
+# head): every row position of each tile size at least once (reference.sample_rows needs 194).
+CHECK_ROW_BUDGET = 16384
+MIN_ROWS_PER_PAIR = 256
+
+
+def check_subset(shape: tuple[int, int, int, int], max_rows: int = 4096, seed: int = 0,
+                 budget: int = CHECK_ROW_BUDGET) -> dict:
+    """What is checked on a shape: every batch and every head, each (batch, head) on its own
+    seeded random draw of rows_per_pair query rows (subset_rows) that covers every row
+    position of a tile (reference.sample_rows), never a fixed stride that would always land
+    on the same lanes. rows_per_pair: budget / (B x H), at least MIN_ROWS_PER_PAIR, at most
+    max_rows (and all rows of a short sequence)."""
     batch, heads, seq, _ = shape
-    return {"batches": sorted({0, batch - 1}), "heads": sorted({0, heads - 1}),
-            "rows": reference.sample_rows(seq, max_rows, seed=seed), "seed": seed}
+    pairs = max(1, batch * heads)
+    per_pair = max(1, min(max_rows, max(MIN_ROWS_PER_PAIR, budget // pairs)))
+    return {"batches": list(range(batch)), "heads": list(range(heads)), "seq_q": seq,
+            "rows_per_pair": min(per_pair, seq), "seed": seed}
+
+
+def subset_rows(subset: dict, b: int, h: int):
+    """The query rows check_subset compares for (batch b, head h): a draw of its own, seeded
+    by (seed, b, h), so that the heads together see many more row positions than one draw."""
+    from .. import reference
+    return reference.sample_rows(subset["seq_q"], subset["rows_per_pair"],
+                                 seed=[subset["seed"], b, h])
 
 
 def nonfinite_count(x) -> int:
@@ -500,9 +522,11 @@ class ReferenceSubset:
         self.subset = check_subset((batch, heads, seq_q, dim), max_rows, seed)
         self.seq_q = seq_q
         group = heads // heads_kv
+        self.rows = {(b, h): subset_rows(self.subset, b, h) for b in self.subset["batches"]
+                     for h in self.subset["heads"]}
         refs, lses = [], []
-        rows, every = self.subset["rows"], slice(None)
-        for b, h in self.pairs:
+        every = slice(None)
+        for (b, h), rows in self.rows.items():
             hk = h // group
             # the whole query row range goes in (the mask needs absolute positions); rows=
             # restricts the work to the checked rows
@@ -521,14 +545,14 @@ class ReferenceSubset:
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
-        return [(b, h) for b in self.subset["batches"] for h in self.subset["heads"]]
+        return list(self.rows)
 
     def describe(self) -> str:
-        rows = self.subset["rows"]
-        picked = ("all" if len(rows) == self.seq_q
-                  else f"{len(rows)} of {self.seq_q} at random (seed {self.subset['seed']})")
-        return (f"batch {','.join(map(str, self.subset['batches']))} "
-                f"head {','.join(map(str, self.subset['heads']))} rows {picked}")
+        n, sub = self.subset["rows_per_pair"], self.subset
+        picked = ("all rows" if n == self.seq_q
+                  else f"{n} of {self.seq_q} rows each, at random (seed {sub['seed']}, "
+                       "a draw per (batch, head))")
+        return f"every (batch, head) of {len(sub['batches'])}x{len(sub['heads'])}, {picked}"
 
     def compare(self, out) -> dict:
         """rel_l2, max_abs, nan_count on the subset; nan_total (NaN or Inf) over all of `out`;
@@ -536,8 +560,8 @@ class ReferenceSubset:
         import numpy as np
         from .. import reference
 
-        got = np.concatenate([_host_f32(_pick(out, self.layout, b, h, self.subset["rows"]))
-                              .reshape(-1) for b, h in self.pairs])
+        got = np.concatenate([_host_f32(_pick(out, self.layout, b, h, rows)).reshape(-1)
+                              for (b, h), rows in self.rows.items()])
         metrics = dict(reference.error_metrics(got, self.ref))
         # NaN/Inf over the whole output: catches tiles a kernel never wrote (outputs are
         # poisoned with NaN) and overflow (Inf)
@@ -556,7 +580,7 @@ class ReferenceSubset:
         has -inf in the reference and must have -inf too), and pass (<= LSE_TOL, no NaN)."""
         import numpy as np
         lse = np.asarray(lse, dtype=np.float64)
-        got = np.concatenate([lse[b, h, self.subset["rows"]] for b, h in self.pairs])
+        got = np.concatenate([lse[b, h, rows] for (b, h), rows in self.rows.items()])
         both_empty = np.isneginf(got) & np.isneginf(self.ref_lse)
         diff = np.where(both_empty, 0.0, np.abs(got - self.ref_lse))
         err = float(np.max(diff)) if diff.size else 0.0
@@ -901,6 +925,16 @@ def _round_order(rng, labels: list[str], with_peer: bool) -> list[tuple[str, boo
     return [(label, bool(with_peer and rng.integers(2))) for label in order]
 
 
+CHECK_PROTOCOL = ("every (batch, head) on sampled rows (check_subset): rel L2 <= 4e-3, max|err| "
+                  f"<= 1e-2 max|ref|, no NaN/Inf; LSE max|err| <= {LSE_TOL:g}; with a peer "
+                  "also rel L2 <= 1.25 x peer's + 5e-4; failed: not timed")
+UNCHECKED_PROTOCOL = ("off (--no-check): no output was compared with the reference; every row "
+                      "is timed as it is and says status 'unchecked'")
+# What a row of a run is when nothing checked it (ours and the peer).
+UNCHECKED = "unchecked"
+TIMED = ("ok", UNCHECKED)
+
+
 def run_benchmark(stages=None, shapes=DEFAULT_SHAPES, layout: str = "bhld", reps: int = 20, *,
                   rounds: int = DEFAULT_ROUNDS, warmup: int = 3, block: int = 1,
                   peer: bool = True, check: bool = True, seed: int = 0,
@@ -979,9 +1013,7 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
                               "same pair, same round; pct_of_peer_ci: 95% bootstrap over rounds",
                      "ours_ratios": "100 x median over rounds of (b's ms / a's ms): a's speed "
                                     "in % of b's, same rounds; ci: 95% bootstrap over rounds",
-                     "check": "rel L2 <= 4e-3, max|err| <= 1e-2 max|ref|, no NaN/Inf; LSE "
-                              f"max|err| <= {LSE_TOL:g}; with a peer also rel L2 <= 1.25 x "
-                              "peer's + 5e-4; failed: not timed"},
+                     "check": CHECK_PROTOCOL if check else UNCHECKED_PROTOCOL},
         "shapes": {}, "cases": {}, "results": [], "peer": [], "clocks": {},
     }
     if sampler is not None:
@@ -1029,7 +1061,7 @@ def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, pe
         for label, stage, lse in kernels:
             row = {"stage": label, "number": stage.number,
                    "name": "" if stage.production else stage.name,
-                   "shape": case.name, "lse": lse, "status": "ok"}
+                   "shape": case.name, "lse": lse, "status": "ok" if check else UNCHECKED}
             result["results"].append(row)
             why = kernel_takes(stage, case, lse)
             if why:
@@ -1054,6 +1086,8 @@ def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, pe
         peer_row, peer_fn, peer_stream = None, None, None
         if with_peer:
             peer_row, peer_fn = _peer_setup(torch, case, q, k, v, ref_of, check=check, seed=seed)
+            if not check and peer_row["status"] == "ok":
+                peer_row["status"] = UNCHECKED
             result["peer"].append(peer_row)
             peer_stream = torch.cuda.current_stream().cuda_stream
             if peer_fn is None:
@@ -1098,7 +1132,7 @@ def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, pe
         result.setdefault("orders", {})[case.name] = timed["orders"]
 
         for label, (row, _, _) in entries.items():
-            if row["status"] != "ok" or not raw[label]:
+            if row["status"] not in TIMED or not raw[label]:
                 continue
             _summarize(row, raw[label], case)
             if peer_fn is not None and len(peer_raw[label]) == len(raw[label]):
@@ -1111,7 +1145,7 @@ def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, pe
                     + (f"  {row['pct_of_peer']:.1f}% of {PEER}" if "pct_of_peer" in row else "")
                     + "".join(f"  {x['pct']:.1f}% of {x['vs']}"
                               for x in row.get("ours_ratios", [])))
-        if peer_row is not None and peer_row["status"] == "ok" and peer_all:
+        if peer_row is not None and peer_row["status"] in TIMED and peer_all:
             _summarize(peer_row, peer_all, case)
             say(f"  {PEER}: {peer_row['ms']:.3f} ms  {peer_row['tflops']:.1f} TFLOP/s")
         if sampler is not None:                         # sustained windows, same inputs
@@ -1400,6 +1434,10 @@ def format_table(result: dict) -> str:
                        f", commit {src['commit'][:12]}{' (dirty)' if src.get('dirty') else ''}"
                        if src.get("commit") else
                        (f", tree {src['tree_sha256'][:12]}" if src.get("tree_sha256") else "")))
+    if any(_status(r) == UNCHECKED for r in [*ours, *result.get("peer", [])]):
+        lines.insert(1, f"check: {proto.get('check', UNCHECKED_PROTOCOL)}"
+                        if str(proto.get("check", "")).startswith("off") else
+                        "check: rows marked unchecked were timed without a check")
     for r in ours:
         if r.get("status") in ("skipped", "n/a", "error", "FAILED"):
             lines.append(f"{r['stage']} {r['shape']} {r['status']}: {r.get('reason', '')}")
@@ -1437,34 +1475,91 @@ def _columns(head, rows, left: int) -> list[str]:
 
 
 def _status(row: dict) -> str:
-    if row.get("status") in ("skipped", "n/a", "error", "FAILED"):
+    """ok / FAILED / unchecked / n/a / skipped / error. A row "ok" without a check result is
+    unchecked (what --no-check wrote before it said so)."""
+    if row.get("status") in ("skipped", "n/a", "error", "FAILED", UNCHECKED):
         return row["status"]
     if "pass" not in row:
-        return ""
+        return UNCHECKED if row.get("status") == "ok" else ""
     return "ok" if row["pass"] else "FAILED"
 
 
 # --------------------------------------------------------------------------- several runs
 
-def combine_results(results, names=None) -> dict:
-    """Ranges over two or more separate runs (separate machine starts), per stage and shape.
+CASE_FIELDS = ("batch", "heads", "heads_kv", "seq_q", "seq_k", "head_dim", "layout", "mask",
+               "dtype")
 
-    Returns {"runs": [...], "rows": [...]}: each row has stage, number, name, shape, and over
-    the runs where it was measured pct (the list of % of cuDNN), pct_range (min, max),
-    tflops_range, and status: "ok" when every run measured it, "FAILED" when any run's check
-    failed it, else the first other status seen (skipped / error / missing). Headline figures
-    are these ranges, never the best run.
+
+def case_identity(result: dict, name: str) -> dict:
+    """The full case a result's shape name stands for: batch, heads, heads_kv, seq_q, seq_k,
+    head_dim, layout, mask ("dense", "causal" or "window L,R") and dtype. From `cases` (schema
+    3), else from `shapes` and the protocol's layout (older runs: dense MHA in bf16)."""
+    case = (result.get("cases") or {}).get(name)
+    if case is not None:
+        window = case.get("window")
+        mask = (f"window {window[0]},{window[1]}" if window else
+                "causal" if case.get("causal") else "dense")
+        return {"batch": case["batch"], "heads": case["heads"],
+                "heads_kv": case.get("heads_kv") or case["heads"], "seq_q": case["seq_q"],
+                "seq_k": case["seq_k"], "head_dim": case["head_dim"], "layout": case["layout"],
+                "mask": mask, "dtype": case.get("dtype", "bfloat16")}
+    dims = result.get("shapes", {}).get(name)
+    layout = result.get("protocol", {}).get("layout")
+    if dims is None or len(dims) not in (4, 5) or layout not in ("bhld", "bshd"):
+        raise ValueError(f"from-json: cannot tell which case {name!r} is (no `cases` entry, "
+                         f"shape {dims}, layout {layout!r})")
+    b, h, lq, *rest = dims
+    lk, d = rest if len(rest) == 2 else (lq, rest[0])
+    return {"batch": b, "heads": h, "heads_kv": h, "seq_q": lq, "seq_k": lk, "head_dim": d,
+            "layout": layout, "mask": "dense", "dtype": "bfloat16"}
+
+
+def describe_identity(case: dict) -> str:
+    """B, H[:Hkv], Lq[xLk], D, layout, mask, dtype on one line."""
+    heads = f"{case['heads']}" + (f":{case['heads_kv']}" if case["heads_kv"] != case["heads"]
+                                  else "")
+    seq = f"{case['seq_q']}" + (f"x{case['seq_k']}" if case["seq_k"] != case["seq_q"] else "")
+    return (f"B={case['batch']} H={heads} L={seq} D={case['head_dim']} {case['layout']} "
+            f"{case['mask']} {case['dtype']}")
+
+
+def combine_results(results, names=None) -> dict:
+    """Ranges over two or more separate runs (separate machine starts), per stage and case.
+
+    Rows are matched by the full case (CASE_FIELDS: B, H, Hkv, Lq, Lk, D, layout, mask,
+    dtype), never by its name alone: a case name that stands for different cases in two runs
+    is a ValueError naming both. Returns {"runs": [...], "shapes": [...], "cases": {name:
+    case}, "rows": [...]}: each row has stage, number, name, shape, case, and over the runs
+    where it was measured pct (the list of % of cuDNN), pct_range (min, max), tflops_range,
+    and status: "FAILED" when any run's check failed it, "ok" when every run measured and
+    checked it, "unchecked" when every run measured it and some did not check it (--no-check),
+    else the first other status seen (skipped / error / missing). Headline figures are these
+    ranges, never the best run.
     """
     names = list(names) if names is not None else [f"run {i + 1}" for i in range(len(results))]
+    sources = list(results)
     results = [load_results(r) for r in results]
     if len(results) < 2:
         raise ValueError(f"from-json: combining needs at least 2 results files, got {len(results)}")
     shapes: list[str] = []
+    cases: dict[str, dict] = {}               # case name -> its identity (the first run's)
+    seen_in: dict[str, str] = {}
     keys: dict[tuple[str, str], dict] = {}
-    for result in results:
+    for run, source, result in zip(names, sources, results):
+        where = f"{run} ({source})" if isinstance(source, (str, Path)) else run
         for shape in result["shapes"]:
-            if shape not in shapes:
+            identity = case_identity(result, shape)
+            if shape not in cases:
                 shapes.append(shape)
+                cases[shape], seen_in[shape] = identity, where
+            elif identity != cases[shape]:
+                differ = ", ".join(f"{f} {cases[shape][f]} vs {identity[f]}" for f in CASE_FIELDS
+                                   if cases[shape][f] != identity[f])
+                raise ValueError(
+                    f"from-json: case {shape!r} is {describe_identity(cases[shape])} in "
+                    f"{seen_in[shape]} but {describe_identity(identity)} in {where} ({differ}): "
+                    "runs of different cases are not combined; select the same cases "
+                    "(--shapes) or combine runs of one case set")
         for r in result["results"]:
             keys.setdefault((r["stage"], r["shape"]), {"stage": r["stage"],
                             "number": r.get("number", 0), "name": r.get("name", "")})
@@ -1476,7 +1571,8 @@ def combine_results(results, names=None) -> dict:
                  for res in results]
         statuses = [("missing" if r is None else _status(r) or r.get("status", "ok"))
                     for r in per_run]
-        measured = [r for r in per_run if r is not None and r.get("status") == "ok" and r.get("ms")]
+        measured = [r for r in per_run if r is not None and r.get("status") in TIMED
+                    and r.get("ms")]
         pct = [r["pct_of_peer"] for r in measured if r.get("pct_of_peer") is not None]
         tf = [r["tflops"] for r in measured]
         peer_tf = [p["tflops"] for p in peers if p and p.get("tflops")]
@@ -1484,8 +1580,10 @@ def combine_results(results, names=None) -> dict:
             status = "FAILED"
         elif all(s == "ok" for s in statuses):
             status = "ok"
+        elif all(s in TIMED for s in statuses):
+            status = UNCHECKED
         else:
-            status = next(s for s in statuses if s != "ok")
+            status = next(s for s in statuses if s not in TIMED)
         ours: dict[str, list[float]] = {}
         for r in measured:
             for x in r.get("ours_ratios", []):
@@ -1493,7 +1591,8 @@ def combine_results(results, names=None) -> dict:
         from . import sustained as _sus
         sustained = _sus.combined_ranges(measured, peers) if any(
             "sustained" in r for r in measured) else {}
-        rows.append({**base, **sustained, "shape": shape, "status": status, "runs": statuses,
+        rows.append({**base, **sustained, "shape": shape, "case": cases[shape],
+                     "status": status, "runs": statuses,
                      "ours_ranges": {vs: [min(v), max(v)] for vs, v in ours.items()},
                      "pct": pct, "pct_range": [min(pct), max(pct)] if pct else None,
                      "tflops": tf, "tflops_range": [min(tf), max(tf)] if tf else None,
@@ -1504,9 +1603,10 @@ def combine_results(results, names=None) -> dict:
              "commit": (res.get("source") or {}).get("declared_commit")
              or (res.get("source") or {}).get("commit"),
              "tree_sha256": (res.get("source") or {}).get("tree_sha256"),
-             "gpu": res.get("env", {}).get("gpu"), "cudnn": res.get("env", {}).get("cudnn")}
+             "gpu": res.get("env", {}).get("gpu"), "cudnn": res.get("env", {}).get("cudnn"),
+             "check": res.get("protocol", {}).get("check")}
             for n, res in zip(names, results)]
-    return {"runs": runs, "shapes": shapes, "rows": rows}
+    return {"runs": runs, "shapes": shapes, "cases": cases, "rows": rows}
 
 
 def format_range(lo_hi, unit: str = "", spec: str = ".1f") -> str:
@@ -1527,11 +1627,13 @@ def format_combined(combined: dict) -> str:
         head = head[:5] + _sus.COMBINED_HEAD + head[5:]
     rows = []
     for r in combined["rows"]:
-        measured = r["status"] == "ok"
+        measured = r["status"] in TIMED
         ours = "; ".join(f"{format_range(v, '%')} of {vs}"
                          for vs, v in r.get("ours_ranges", {}).items())
+        pct = format_range(r["pct_range"], "%")
         rows.append((f"{r['stage']} {r['name']}".strip(), r["shape"],
-                     format_range(r["pct_range"], "%") if measured else r["status"],
+                     (pct if r["status"] == "ok" else f"{pct} {UNCHECKED}") if measured
+                     else r["status"],
                      format_range(r["tflops_range"]) if measured else "-",
                      format_range(r["peer_tflops_range"]),
                      ",".join(r["runs"]), (ours or "-") if measured else "-"))
@@ -1544,7 +1646,12 @@ def format_combined(combined: dict) -> str:
         lines.insert(i, f"{run['name']}: {run.get('date', '?')}, {run.get('gpu', '?')}"
                         + (f", cuDNN {run['cudnn']}" if run.get("cudnn") else "")
                         + (f", commit {run['commit'][:12]}" if run.get("commit") else "")
-                        + (f", tree {run['tree_sha256'][:12]}" if run.get("tree_sha256") else ""))
+                        + (f", tree {run['tree_sha256'][:12]}" if run.get("tree_sha256") else "")
+                        + (f", check {run['check']}" if str(run.get("check") or "")
+                           .startswith("off") else ""))
+    if combined.get("cases"):
+        lines.append("cases (B, H[:Hkv], L[xLk], D, layout, mask, dtype):")
+        lines.extend(f"  {name}: {describe_identity(c)}" for name, c in combined["cases"].items())
     return "\n".join(lines)
 
 
@@ -1556,7 +1663,8 @@ def plot_progression(result_json, path) -> Path:
         raise MissingExtraError(
             "plotting needs matplotlib: pip install 'ptxattn[plot]'") from None
     result = load_results(result_json)
-    rows = [r for r in result.get("results", []) if r.get("status") == "ok" and r.get("ms")]
+    rows = [r for r in result.get("results", []) if r.get("status") in TIMED and r.get("ms")]
+    unchecked = any(_status(r) == UNCHECKED for r in rows)
     if not rows:
         raise ValueError("results: no measured stage to plot")
     use_peer = any(r.get("pct_of_peer") for r in rows)
@@ -1582,8 +1690,8 @@ def plot_progression(result_json, path) -> Path:
     ax.set_xlabel("stage")
     ax.set_ylabel(ylabel)
     env = result.get("env", {})
-    ax.set_title(f"ptxattn lineage on {env.get('gpu', '?')} ({str(result.get('date', ''))[:10]})",
-                 fontsize=10)
+    ax.set_title(f"ptxattn lineage on {env.get('gpu', '?')} ({str(result.get('date', ''))[:10]})"
+                 + (", unchecked (--no-check)" if unchecked else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(title="shape", fontsize=8)
     fig.tight_layout()

@@ -25,8 +25,14 @@ NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, bench --from-json FILE and "
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    """The error's first line; when that line only announces what follows ("preprocessing
+    failed:"), with the first line that follows, so that the reason is never left out."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def _stdout_closed() -> bool:
@@ -489,7 +495,9 @@ def _split(text: str | None) -> list[str] | None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="Time cuDNN (PyTorch SDPA) alongside, when PyTorch is there.")
-@click.option("--check/--no-check", default=True, show_default=True)
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="Check every (batch, head) on sampled rows before timing; --no-check "
+                   "times without it and marks every row 'unchecked'.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write <date>-<gpu>[-<set>].json and bench[-<set>].txt here.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,

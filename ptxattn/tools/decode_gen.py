@@ -8,9 +8,7 @@ What it holds, per head dim (`#if HEAD_DIM == d`):
 - the build row: BLOCK_N, KV_STAGES, CTAS_PER_SM, the shared-memory carve-up, the V descriptor
   bits, register counts, and which of ptxgen's per-score macros (gen_n*.ptxh, gen_d*.ptxh) the
   kernel's S/P/O code uses;
-- STORE_O_BF16 / STORE_O_F32: O's accumulator fragments to global memory, per thread two rows
-  (fragments.ptxh's layout: value i at column 8 (i / 4) + 2 (lane % 4) + i % 2, the lo row for
-  i % 4 < 2, else the hi row 8 below);
+- STORE_O_BF16 / STORE_O_F32: aliases of gen_d*.ptxh's O stores (ptxattn/tools/ptxgen.py);
 - Q_LOAD: the consumer threads' ld.global of Q chunks, then their swizzled st.shared
   (decode_q.ptxh has the per-chunk macros);
 - COMBINE_BATCH: the combine kernel's loads and FMAs of combine_batch splits' partial O.
@@ -49,6 +47,7 @@ def _row_defines(b: DecodeBuild) -> list[str]:
         ("KV_TILE_BYTES", b.kv_tile_bytes, "one K or V tile"),
         ("KV_SLOT_DESC", b.kv_tile_bytes >> 4, "a slot's descriptor offset"),
         ("D_BLOCK_BYTES", n * 128, "a K/V tile's next 64 columns of D"),
+        ("MAX_PAGES_PER_TILE", b.max_pages_per_tile, "paged: a tile's pages at page size 16"),
         ("SMEM_Q", b.smem_q, ""),
         ("SMEM_K", b.smem_k, "slot s at SMEM_K + s * KV_TILE_BYTES"),
         ("SMEM_V", b.smem_v, "slot s at SMEM_V + s * KV_TILE_BYTES"),
@@ -98,26 +97,6 @@ def _row_defines(b: DecodeBuild) -> list[str]:
     return out
 
 
-def _store_macros(d: int) -> list[str]:
-    """O (the thread's two rows) to global memory: bf16 pairs, or fp32 pairs."""
-    groups = d // 8                          # 8-column chunks of a row
-    bf16, f32 = [], []
-    for j in range(groups):
-        bf16 += [f"cvt.rn.bf16x2.f32 %pk0, %o{4 * j + 1}, %o{4 * j};",
-                 f"@OK_LO st.global.b32 [LO+{16 * j}], %pk0;",
-                 f"cvt.rn.bf16x2.f32 %pk1, %o{4 * j + 3}, %o{4 * j + 2};",
-                 f"@OK_HI st.global.b32 [HI+{16 * j}], %pk1;"]
-        f32 += [f"@OK_LO st.global.v2.f32 [LO+{32 * j}], {{%o{4 * j}, %o{4 * j + 1}}};",
-                f"@OK_HI st.global.v2.f32 [HI+{32 * j}], {{%o{4 * j + 2}, %o{4 * j + 3}}};"]
-    out = _macro(f"STORE_O_BF16_D{d}", "LO, HI, OK_LO, OK_HI", bf16,
-                 f"O as bf16 -> [LO] (lo row) and [HI] (hi row), b64 addresses of this thread's "
-                 f"first column;\n{groups} chunks of 8 columns, 16 bytes apart; OK_LO/OK_HI: "
-                 "the row is stored")
-    out += _macro(f"STORE_O_F32_D{d}", "LO, HI, OK_LO, OK_HI", f32,
-                  f"O as fp32 (a split's partial) -> [LO], [HI]; {groups} chunks 32 bytes apart")
-    return out
-
-
 def _q_load_macro(b: DecodeBuild) -> list[str]:
     passes = ROWS * (b.head_dim // 8) // 128
     regs = [[f"%qv{4 * k + j}" for j in range(4)] for k in range(passes)]
@@ -135,18 +114,21 @@ def _combine_macros(b: DecodeBuild) -> list[str]:
         regs = [f"%cv{cols * j + c}" for c in range(cols)]
         loads += [f"add.u32 %tmp, %batch_lane, {j};",
                   f"shfl.sync.idx.b32 %cw{j}, %w_sel, %tmp, 31, -1;"]
+        # a split of weight 0 is not read: past the call's splits it lies past the workspace
+        loads.append(f"setp.ne.f32 %p_w, %cw{j}, 0f00000000;")
         for half in range(0, cols, 4):
             group = regs[half:half + 4]
             width = "v2" if len(group) == 2 else "v4"
-            loads.append(f"ld.global.{width}.f32 {{{', '.join(group)}}}, [%ws_addr+{half * 4}];")
+            loads.append(f"@%p_w ld.global.{width}.f32 {{{', '.join(group)}}}, "
+                         f"[%ws_addr+{half * 4}];")
         loads.append("add.u64 %ws_addr, %ws_addr, %split_bytes;")
         fmas.append(f"setp.ne.f32 %p_w, %cw{j}, 0f00000000;")
         fmas += [f"selp.f32 {r}, {r}, 0f00000000, %p_w;" for r in regs]
         fmas += [f"fma.rn.f32 %acc{c}, %cw{j}, {r}, %acc{c};" for c, r in enumerate(regs)]
     out = _macro(f"COMBINE_LOADS_D{d}", None, loads,
                  f"{batch} splits' weights (shuffled from the lanes holding them) and partial O "
-                 f"({cols} floats a lane),\nevery load before any use; %ws_addr steps one split "
-                 "on each")
+                 f"({cols} floats a lane),\nevery load before any use, none of weight 0; "
+                 "%ws_addr steps one split on each")
     out += _macro(f"COMBINE_FMAS_D{d}", None, fmas,
                   "acc += weight * partial O, split by split; a split of weight 0 (LSE -inf: "
                   "it saw no key)\ncontributes 0 whatever its O holds")
@@ -170,11 +152,10 @@ def header() -> str:
     out += ["#else", '#error "gen_decode.ptxh: HEAD_DIM must be '
             + ", ".join(map(str, sorted(DECODE_BUILDS))) + '"', "#endif", ""]
     for d, b in sorted(DECODE_BUILDS.items()):
-        out += _store_macros(d)
         out += _q_load_macro(b)
         out += _combine_macros(b)
     return _guarded(HEADER, "Decode kernels (ptx/sm90/production/decode.ptx, combine.ptx): build "
-                    "rows, O stores, Q loads, combine batches.", out).replace(
+                    "rows, Q loads, combine batches.", out).replace(
         "`python -m ptxattn.tools.ptxgen` (ptxattn/tools/ptxgen.py)",
         "`python -m ptxattn.tools.decode_gen` (ptxattn/tools/decode_gen.py)", 1)
 

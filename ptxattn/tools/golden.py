@@ -39,6 +39,7 @@ KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/tools/trace.py)
     ("SW_EXP2_PER_8", tuple(str(k) for k in range(9)), r"\bSW_EXP2_PER_8\b"),  # stages 9 on
     ("PTXATTN_MASKED", ("1",), r"^#ifdef PTXATTN_MASKED"),     # the production kernel's masks
+    ("PTXATTN_VARLEN", ("1",), r"^#ifdef PTXATTN_VARLEN"),     # its packed-sequence build
     ("HEAD_DIM", ("64", "256"), r"^#if HEAD_DIM\b"),   # production builds (128: the default)
     # the production kernel's FP8 builds (builds.FP8_BUILDS): every head dim, masked or not
     ("PTXATTN_FP8", tuple(f"1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
@@ -125,17 +126,49 @@ def compute(stage_list=None, workers: int | None = None) -> dict[str, dict[str, 
     return result
 
 
+# Kernels outside the stage registry, with an ABI and a launcher of their own: the decode
+# family (ptxattn/decode_launch.py), one build per head dim and cache kind. Their streams are
+# fingerprinted the same way, so that folding their macros onto the production parts (or a new
+# build beside the old ones) is proven to leave the existing builds as they were.
+def kernel_builds() -> list[tuple[str, str, str, dict]]:
+    """(kernel file, build name, expanded-source key, defines) of every such build."""
+    from .. import decode_launch as dl
+    out = []
+    for file, paged_too in ((dl.DECODE_FILE, True), (dl.COMBINE_FILE, False),
+                            (dl.APPEND_FILE, True)):
+        for d in (64, 128, 256):
+            for paged in ((False, True) if paged_too else (False,)):
+                name = f"HEAD_DIM={d}" + (f" {dl.PAGED_DEFINE}=1" if paged else "")
+                out.append((file, name, d, paged))
+    return out
+
+
+def compute_kernels() -> dict[str, dict[str, dict]]:
+    """{kernel file: {build: {statements, sha256}}} for kernel_builds()."""
+    from .. import decode_launch as dl
+    result: dict[str, dict[str, dict]] = {}
+    for file, name, d, paged in kernel_builds():
+        result.setdefault(file, {})[name] = fingerprint(dl.kernel_source(file, d, paged))
+    return result
+
+
 def load(path: Path = FINGERPRINTS) -> dict:
     return json.loads(path.read_text())["stages"]
 
 
-def write(data: dict, path: Path = FINGERPRINTS) -> None:
+def load_kernels(path: Path = FINGERPRINTS) -> dict:
+    return json.loads(path.read_text()).get("kernels", {})
+
+
+def write(data: dict, path: Path = FINGERPRINTS, kernels: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"about": "sha256 of each stage's normalized PTX statement stream per build variant; "
+    doc = {"about": "sha256 of each stage's normalized PTX statement stream per build variant "
+                    "(and of the decode kernels' builds, under 'kernels'); "
                     "see ptxattn/tools/golden.py. Rewrite only with "
                     "`python -m ptxattn.tools.golden --update` in a commit that says why the "
                     "stage changed.",
-           "stages": data}
+           "stages": data,
+           "kernels": kernels if kernels is not None else load_kernels(path)}
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
@@ -171,11 +204,13 @@ def main(argv=None) -> int:
         print("\n".join(statements(ptx.source(args.dump, defines))))
         return 0
     actual = compute()
+    kernels = compute_kernels()
     if args.update:
-        write(actual)
-        print(f"wrote {FINGERPRINTS} ({sum(map(len, actual.values()))} variants)")
+        write(actual, kernels=kernels)
+        print(f"wrote {FINGERPRINTS} ({sum(map(len, actual.values()))} variants, "
+              f"{sum(map(len, kernels.values()))} kernel builds)")
         return 0
-    diff = differences(load(), actual)
+    diff = differences(load(), actual) + differences(load_kernels(), kernels)
     print("\n".join(diff) if diff else "all fingerprints match")
     return 1 if diff else 0
 

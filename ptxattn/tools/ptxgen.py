@@ -201,7 +201,32 @@ def output_header(d: int) -> str:
                   f"O (bf16) -> shared, 128-byte swizzled: {groups} stmatrix x4, 16-byte chunk c of "
                   "row r at (c ^ r % 8) * 16;\n%st_row_h: this lane's row in D half h; "
                   "%st_swz: (lane / 16) ^ (row % 8)")
+    out += store_macros(d)
     return _guarded(f"gen_d{d}.ptxh", f"Output fragments for head dim {d}.", out)
+
+
+def store_macros(d: int) -> list[str]:
+    """O (the thread's two rows) to global memory, plain stores from the accumulators: bf16
+    pairs (the decode kernel, the varlen forward's last box of a sequence), or fp32 pairs (a
+    split's partial). fragments.ptxh's layout: value i at column 8 (i / 4) + 2 (lane % 4) +
+    i % 2, the lo row for i % 4 < 2, else the hi row 8 below."""
+    groups = d // 8                          # 8-column chunks of a row
+    bf16, f32 = [], []
+    for j in range(groups):
+        bf16 += [f"cvt.rn.bf16x2.f32 %pk0, %o{4 * j + 1}, %o{4 * j};",
+                 f"@OK_LO st.global.b32 [LO+{16 * j}], %pk0;",
+                 f"cvt.rn.bf16x2.f32 %pk1, %o{4 * j + 3}, %o{4 * j + 2};",
+                 f"@OK_HI st.global.b32 [HI+{16 * j}], %pk1;"]
+        f32 += [f"@OK_LO st.global.v2.f32 [LO+{32 * j}], {{%o{4 * j}, %o{4 * j + 1}}};",
+                f"@OK_HI st.global.v2.f32 [HI+{32 * j}], {{%o{4 * j + 2}, %o{4 * j + 3}}};"]
+    out = _macro(f"STORE_O_BF16_D{d}", "LO, HI, OK_LO, OK_HI", bf16,
+                 f"O as bf16 -> [LO] (lo row) and [HI] (hi row), b64 addresses of this thread's "
+                 f"first column;\n{groups} chunks of 8 columns, 16 bytes apart; OK_LO/OK_HI: "
+                 "the row is stored")
+    out += _macro(f"STORE_O_F32_D{d}", "LO, HI, OK_LO, OK_HI", f32,
+                  f"O as fp32 (a split's partial) -> [LO], [HI]; {groups} chunks 32 bytes apart")
+    return out
+
 
 
 def exp2_header() -> str:

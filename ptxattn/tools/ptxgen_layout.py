@@ -18,10 +18,9 @@ import textwrap
 from pathlib import Path
 
 from .. import builds
-from ..stages import ptx_root
 from .ptxgen import run_generator
 
-PRODUCTION = ptx_root() / "sm90" / "production"
+PRODUCTION = Path(__file__).resolve().parents[2] / "ptx" / "sm90" / "production"
 NAME = "layout.ptxh"
 
 
@@ -55,6 +54,7 @@ def _aliases(b: builds.Build) -> list[str]:
         f"#define ZERO_O ZERO_O_{d}",
         f"#define SCALE_O(LO, HI) SCALE_O_{d}(LO, HI)",
         f"#define STMATRIX_O STMATRIX_O_{d}",
+        f"#define STORE_O_BF16(LO, HI, OK_LO, OK_HI) STORE_O_BF16_{d}(LO, HI, OK_LO, OK_HI)",
         f"#define ROW_MAX_LO(M) ROW_MAX_LO_{n}(M)",
         f"#define ROW_MAX_HI(M) ROW_MAX_HI_{n}(M)",
         f"#define ROW_SUM_ADD_LO(S) ROW_SUM_ADD_LO_{n}(S)",

@@ -360,7 +360,7 @@ _TRACE_POINT = re.compile(r"^\s*TRACE\(", re.M)
 
 def has_trace_points(stage) -> bool:
     """True when the stage's sources (its .ptx file and what it includes) have TRACE(...) lines."""
-    from . import ptx
+    from .. import ptx
     stage = _stages.get_stage(stage)
     path = _stages.ptx_root() / stage.file
     return path.is_file() and bool(_TRACE_POINT.search(ptx.source_text(stage)))

@@ -1,11 +1,20 @@
-"""The custom op `ptxattn::attention`: the production kernel as a PyTorch operator.
+"""The custom ops `ptxattn::attention` and `ptxattn::attention_backward`: the production
+forward and backward kernels as PyTorch operators, joined by an autograd formula.
 
-Registered with torch.library.custom_op, with a fake (meta) implementation, so that
-torch.compile(fullgraph=True) traces it as one opaque node and inductor calls the real one.
+Registered with torch.library.custom_op, each with a fake (meta) implementation, so that
+torch.compile(fullgraph=True) traces forward and backward as opaque nodes and inductor calls
+the real ones; `register_autograd` makes loss.backward() run the backward kernels. The
+forward saves q, k, v, out and its LSE (computed whenever grad is needed); the backward op
+takes them with dout and returns (dq, dk, dv), dK/dV summed over GQA groups by the kernel.
 
-Safe under CUDA-graph capture: the output comes from torch's caching allocator (torch.empty)
-and is passed as `out=`; the launch goes on torch's current stream, passed explicitly; the
-library does no host sync on this path. (return_lse=True is the exception: see `_lse_call`.)
+Safe under CUDA-graph capture, forward and backward: every output, the LSE and every
+workspace of the backward come from torch's caching allocator (torch.empty; passed to the
+library as out=, lse_out= and its allocator hook), the launches go on torch's current
+stream, and the library does no host sync on these paths. So a whole training step can be
+captured (after one warm-up step: the first call of a build JIT-compiles it).
+
+The two kernels are seams (forward_kernel, backward_kernel): the CPU tests swap in torch
+references on CPU tensors to check the wiring, the fakes and torch.compile without a GPU.
 """
 
 from __future__ import annotations
@@ -13,22 +22,27 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from ptxattn import tensors, tma
 from ptxattn.api import attention as _attention
+from ptxattn.backward import attention_backward as _attention_backward
 from ptxattn.fastpath import steady_call
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
 LAYOUTS = ("bhld", "bshd")
 
 
-@functools.lru_cache(maxsize=1)
+_TAKES_CAUSAL = any(masked for (_, masked) in PRODUCTION_VARIANTS)
+
+
 def library_takes_causal() -> bool:
     """Whether the production kernel has a masked build (stages.PRODUCTION_VARIANTS), so that
-    is_causal calls can run on ptxattn. Answered once: the registry does not change while a
-    process runs, and this sits on every causal call's path (it used inspect.signature there)."""
-    return any(masked for (_, masked) in PRODUCTION_VARIANTS)
+    is_causal calls can run on ptxattn. Answered once, at import: the registry does not change
+    while a process runs, and this sits on every causal call's path (a plain global read, which
+    torch.compile traces without the lru_cache warning it gives)."""
+    return _TAKES_CAUSAL
 
 
 def out_shape(q: torch.Tensor, v: torch.Tensor, layout: str) -> tuple[int, ...]:
@@ -66,39 +80,78 @@ def _compact(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if ready else t.contiguous()
 
 
-def _lse_call(q, k, v, out, scale, layout, stream, causal_kw):
-    """(out, lse) with the library's own float32 lse buffer, wrapped zero-copy for torch.
+def _cuda_forward(q, k, v, scale: float, layout: str, is_causal: bool, window, diagonal: str,
+                  return_lse: bool):
+    """(out, lse) of one call on the production kernel: lse float32 (B, H, Lq) with
+    return_lse, else an empty tensor. Both come from torch's allocator (torch.empty), the LSE
+    passed as the library's lse_out=, so the call allocates nothing of its own and can be
+    captured in a CUDA graph; the launch goes on torch's current stream."""
+    if not return_lse:
+        return (_run(q, k, v, scale, layout, is_causal, window=window, diagonal=diagonal),
+                q.new_empty((0,), dtype=torch.float32))
+    q, k, v = _inputs(q, k, v, layout, is_causal, window)
+    out = q.new_empty(out_shape(q, v, layout))
+    b, x, y, _ = q.shape
+    heads, seq = (x, y) if layout == "bhld" else (y, x)
+    lse = torch.empty((b, heads, seq), dtype=torch.float32, device=q.device)
+    _attention(q, k, v, scale=scale, layout=layout, out=out, return_lse=True, lse_out=lse,
+               causal=is_causal, window=window, diagonal=diagonal)
+    return out, lse
 
-    The library has no lse out= yet, so the buffer is its own cuMemAlloc: that is not
-    allowed while a stream is being captured, hence the error below rather than a broken
-    capture. torch.from_dlpack consumes it on the same stream, so no wait is added."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("ptxattn::attention: return_lse=True cannot run under CUDA-graph "
-                           "capture yet (the library allocates the lse buffer itself); capture "
-                           "with return_lse=False")
-    _, lse = _attention(q, k, v, scale=scale, layout=layout, out=out, stream=stream,
-                        return_lse=True, **causal_kw)
-    lse = torch.from_dlpack(lse)
-    if lse.dtype != torch.float32:
-        raise TypeError(f"ptxattn::attention: the library's lse came as {lse.dtype}, "
-                        "expected float32")
-    return lse
+
+def _cuda_backward(q, k, v, out, lse, dout, scale: float, layout: str, is_causal: bool, window,
+                   diagonal: str, deterministic: bool):
+    """(dq, dk, dv) from the backward kernels (ptxattn.backward), every output and workspace
+    from torch's allocator (torch.empty through the library's allocator hook: a CUDA-graph
+    capture takes them from its private pool), launched on torch's current stream."""
+    q, k, v = _inputs(q, k, v, layout, is_causal, window)
+    out, dout = _compact(out.detach(), layout), _compact(dout.detach(), layout)
+    lse = lse.detach()
+    device = q.device
+
+    def allocator(shape, dtype):
+        return torch.empty(shape, dtype=torch.float32 if dtype == _F32 else torch.bfloat16,
+                           device=device)
+    dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, scale=scale, layout=layout,
+                                     causal=is_causal, window=window, diagonal=diagonal,
+                                     deterministic=deterministic, allocator=allocator)
+    return dq, dk, dv
+
+
+# The kernels behind the two ops: the seams a CPU test replaces (with torch reference
+# implementations on CPU tensors, tests/torch_refs.py) to check the autograd wiring, the
+# fakes and torch.compile without a GPU. The shipped ones run only while these are in place.
+forward_kernel = _cuda_forward
+backward_kernel = _cuda_backward
+
+
+def _window_of(window_left: int, window_right: int):
+    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    layout: str, is_causal: bool,
-                    return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scale q k^T) v on CUDA bf16 tensors; (out, lse), lse empty unless asked for."""
-    if return_lse:
-        q, k, v = _inputs(q, k, v, layout, is_causal)
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        stream = torch.cuda.current_stream(q.device)
-        causal_kw = {"causal": True} if is_causal else {}
-        return out, _lse_call(q, k, v, out, scale, layout, stream, causal_kw)
-    return _run(q, k, v, scale, layout, is_causal), q.new_empty((0,), dtype=torch.float32)
+                    layout: str, is_causal: bool, return_lse: bool, window_left: int = -1,
+                    window_right: int = -1, diagonal: str = "bottom_right",
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale q k^T + mask) v on CUDA bf16 tensors; (out, lse), lse empty unless asked
+    for. deterministic is the backward's (the autograd formula reads it)."""
+    return forward_kernel(q, k, v, scale, layout, is_causal, _window_of(window_left, window_right),
+                          diagonal, return_lse)
 
 
-def _inputs(q, k, v, layout: str, is_causal: bool):
+def _attention_backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                             scale: float, layout: str, is_causal: bool, window_left: int,
+                             window_right: int, diagonal: str,
+                             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """(dq, dk, dv) of ptxattn::attention for an upstream gradient dout, from the forward's
+    out and lse; dk, dv summed over each GQA group (k's and v's shapes)."""
+    return backward_kernel(q, k, v, out, lse, dout, scale, layout, is_causal,
+                           _window_of(window_left, window_right), diagonal, deterministic)
+
+
+def _inputs(q, k, v, layout: str, is_causal: bool, window=None):
     """The op's checks, and q, k, v as the library takes them."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -106,10 +159,10 @@ def _inputs(q, k, v, layout: str, is_causal: bool):
                 raise ValueError(f"{name}: ptxattn::attention runs on CUDA tensors, got one on "
                                  f"{t.device} (ptxattn.torch.scaled_dot_product_attention "
                                  "falls back to torch's SDPA for those)")
-    if is_causal and not library_takes_causal():
-        raise ValueError("is_causal: this ptxattn has no causal kernel yet")
-    # The library refuses tensors that require grad (as DLPack does); the op is forward-only
-    # (no autograd formula is registered, so a backward through it raises in torch).
+    if (is_causal or window is not None) and not library_takes_causal():
+        raise ValueError("is_causal: this ptxattn has no masked kernel yet")
+    # Inside the autograd formula the op sees the tensors it was called with, which may
+    # require grad; the library refuses those (as DLPack does): it reads their data only.
     if q.requires_grad or k.requires_grad or v.requires_grad:
         q, k, v = q.detach(), k.detach(), v.detach()
     # A view TMA cannot address (odd strides, an unaligned slice) is copied once, compactly.
@@ -118,7 +171,8 @@ def _inputs(q, k, v, layout: str, is_causal: bool):
     return q, k, v
 
 
-def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> torch.Tensor:
+def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None, window=None,
+         diagonal: str = "bottom_right") -> torch.Tensor:
     """The output of one call (no LSE), written by the library into torch's memory.
 
     The library's steady path is asked first, with the tensors as given: a hit means that
@@ -143,19 +197,23 @@ def _run(q, k, v, scale: float, layout: str, is_causal: bool, qkv_meta=None) -> 
         out = q.new_empty((*shape[:-1], d))
     # stream=None: torch's current stream, read by the library (one raw handle, no Stream
     # object: with out= given it allocates nothing that would have to hold one)
-    if steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, None,
-                   "bottom_right", qkv_meta)[0] is not None:
+    if steady_call(q, k, v, out, None, scale, layout, None, False, is_causal, window,
+                   diagonal, qkv_meta)[0] is not None:
         return out
-    q, k, v = _inputs(q, k, v, layout, is_causal)
-    _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal)
+    q, k, v = _inputs(q, k, v, layout, is_causal, window)
+    _attention(q, k, v, scale=scale, layout=layout, out=out, causal=is_causal, window=window,
+               diagonal=diagonal)
     return out
 
 
 attention_op = torch.library.custom_op("ptxattn::attention", _attention_impl, mutates_args=())
+backward_op = torch.library.custom_op("ptxattn::attention_backward", _attention_backward_impl,
+                                      mutates_args=())
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, scale, layout, is_causal, return_lse):
+def _attention_fake(q, k, v, scale, layout, is_causal, return_lse, window_left=-1,
+                    window_right=-1, diagonal="bottom_right", deterministic=False):
     out = q.new_empty(out_shape(q, v, layout))
     if not return_lse:
         return out, q.new_empty((0,), dtype=torch.float32)
@@ -164,10 +222,104 @@ def _attention_fake(q, k, v, scale, layout, is_causal, return_lse):
     return out, q.new_empty((b, heads, seq), dtype=torch.float32)
 
 
+@backward_op.register_fake
+def _attention_backward_fake(q, k, v, out, lse, dout, scale, layout, is_causal, window_left,
+                             window_right, diagonal, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# --------------------------------------------------------------------------- autograd
+
+def _setup_context(ctx, inputs, output):
+    """Saves q, k, v, out and the LSE (the forward computes it whenever grad is needed:
+    attention() asks for it); a call made without it (return_lse=False through the op
+    directly) recomputes it in the backward."""
+    q, k, v, scale, layout, is_causal, return_lse, left, right, diagonal, deterministic = inputs
+    out, lse = output
+    # unused outputs give None, not zeros: the backward then knows no gradient reaches the LSE
+    ctx.set_materialize_grads(False)
+    ctx.mask = (scale, layout, is_causal, left, right, diagonal, deterministic)
+    ctx.has_lse = return_lse
+    if return_lse:
+        ctx.save_for_backward(q, k, v, out, lse)
+    else:
+        ctx.save_for_backward(q, k, v, out)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, *saved_lse = ctx.saved_tensors
+    scale, layout, is_causal, left, right, diagonal, deterministic = ctx.mask
+    nones = (None,) * 8
+    if not ctx.has_lse:
+        grad_lse = None           # the op returned an empty LSE: nothing depends on it
+    if grad_out is None and grad_lse is None:
+        return (None, None, None) + nones
+    if saved_lse:
+        lse = saved_lse[0]
+    else:
+        out, lse = _OP(q, k, v, scale, layout, is_causal, True, left, right, diagonal,
+                       deterministic)
+    dout = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype)
+    dq, dk, dv = _BACKWARD_OP(q, k, v, out, lse, dout, scale, layout, is_causal, left, right,
+                              diagonal, deterministic)
+    if grad_lse is not None:
+        dq, dk = _lse_gradient(q, k, v, out, lse, grad_lse, dq, dk, ctx.mask)
+    return (dq, dk, dv) + nones
+
+
+def _lse_gradient(q, k, v, out, lse, grad_lse, dq, dk, mask):
+    """dq, dk with the LSE's own gradient added: d lse_i / d s_ij = P_ij (s = scale q.k), so
+    dQ_i += scale g_i (P K)_i and dK_j += scale sum_i P_ij g_i q_i. (P K) is the forward
+    with k for v, and P^T (g q) the backward's dV for dout = g q: two more kernel calls, each
+    with the forward's mask and LSE; paid only when a gradient reaches the LSE (a merge of
+    partial attentions, as context parallel does, sends one)."""
+    scale, layout, is_causal, left, right, diagonal, deterministic = mask
+    g = grad_lse.float()
+    g = g[..., None] if layout == "bhld" else g.transpose(1, 2)[..., None]
+    pk, _ = _OP(q, k, k, scale, layout, is_causal, False, left, right, diagonal, deterministic)
+    _, _, pgq = _BACKWARD_OP(q, k, v, out, lse, (g * q.float()).to(q.dtype), scale, layout,
+                             is_causal, left, right, diagonal, deterministic)
+    dq = (dq.float() + scale * g * pk.float()).to(dq.dtype)
+    dk = (dk.float() + scale * pgq.float()).to(dk.dtype)
+    return dq, dk
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _mask_arguments(is_causal, window, diagonal):
+    """(is_causal, left, right, diagonal) as the op takes them; the library checks the rest
+    (a causal window's right edge, the diagonal's name) with its own errors."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise TypeError(f"window: expected a pair (left, right) of ints >= -1, got "
+                            f"{window!r}") from None
+        for name, x in (("left", left), ("right", right)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < -1:
+                raise ValueError(f"window: {name} must be an int >= -1 (-1: unbounded), got "
+                                 f"{x!r}")
+    if diagonal not in ("bottom_right", "top_left"):
+        raise ValueError(f"diagonal: expected 'bottom_right' or 'top_left', got {diagonal!r}")
+    return bool(is_causal), int(left), int(right), diagonal
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               layout: str = "bhld", is_causal: bool = False, return_lse: bool = False,
+              window=None, diagonal: str = "bottom_right", deterministic: bool = False,
               precision: str = "bf16"):
     """The op with defaults: scale 1/sqrt(D); returns out, or (out, lse) with return_lse.
+
+    Masks as ptxattn.attention's: is_causal (bottom-right by default: query i of Lq sees keys
+    up to i + Lk - Lq; diagonal="top_left" is torch's is_causal), window=(left, right).
+    Differentiable: with grad mode on and a tensor that requires grad, the forward also
+    computes the LSE and saves it, and loss.backward() runs the backward kernels
+    (ptxattn::attention_backward; dK and dV summed over each GQA group; deterministic=True
+    adds dQ in a fixed order, bit-for-bit equal across runs). A gradient that reaches the
+    returned LSE is included.
 
     No fallback here: the call must be one the kernel takes (bf16 CUDA tensors, a head dim
     in stages.PRODUCTION.head_dims, k/v heads dividing q's); the library raises a clear
@@ -179,6 +331,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
             raise ValueError(f"precision: expected 'bf16' or 'fp8', got {precision!r}")
         if return_lse:
             raise ValueError("return_lse: the FP8 op returns no LSE; use precision='bf16'")
+        if window is not None or diagonal != "bottom_right":
+            raise ValueError(f"window/diagonal: the FP8 op takes is_causal only (bottom-right), "
+                             f"got window={window!r}, diagonal={diagonal!r}; use "
+                             "ptxattn.attention(precision='fp8', window=...) or "
+                             "precision='bf16'")
         from .fp8 import attention as attention_fp8
         return attention_fp8(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
     if layout not in LAYOUTS:
@@ -187,23 +344,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         raise ValueError(f"q: expected a rank-4 tensor, got shape {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if not return_lse and _unwatched():
+    plain_mask = window is None and diagonal == "bottom_right"
+    if plain_mask and not return_lse and _unwatched() and forward_kernel is _FORWARD:
         # plain CUDA bf16 tensors without grad (tensors.torch_meta: exact torch.Tensor, so
         # _eager's conditions hold), read once for the library's steady path too
         meta = tensors.torch_meta
         qm, km, vm = meta(q), meta(k), meta(v)
         if qm is not None and km is not None and vm is not None:
             return _run(q, k, v, float(scale), layout, bool(is_causal), (qm, km, vm))
+    causal, left, right, diagonal = _mask_arguments(is_causal, window, diagonal)
+    deterministic = bool(deterministic)
     if _eager(q, k, v):
-        if not return_lse:
-            return _run(q, k, v, float(scale), layout, bool(is_causal))
-        out, lse = _attention_impl(q, k, v, float(scale), layout, bool(is_causal), True)
+        if not return_lse and forward_kernel is _FORWARD:
+            return _run(q, k, v, float(scale), layout, causal, window=_window_of(left, right),
+                        diagonal=diagonal)
+        out, lse = _attention_impl(q, k, v, float(scale), layout, causal, bool(return_lse),
+                                   left, right, diagonal, deterministic)
     else:
-        out, lse = _OP(q, k, v, float(scale), layout, bool(is_causal), bool(return_lse))
+        # with grad needed the forward computes the LSE too (the backward reads it)
+        want_lse = bool(return_lse) or (_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad))
+        out, lse = _OP(q, k, v, float(scale), layout, causal, want_lse, left, right, diagonal,
+                       deterministic)
     return (out, lse) if return_lse else out
 
 
 _OP = torch.ops.ptxattn.attention.default
+_BACKWARD_OP = torch.ops.ptxattn.attention_backward.default
+_FORWARD = _cuda_forward
+_F32 = np.dtype(np.float32)
 _CONTIGUOUS = torch.contiguous_format
 _C = torch._C
 _Tensor = torch.Tensor
@@ -221,8 +390,8 @@ def _eager(q, k, v) -> bool:
     """True when calling the op's body directly is the same as calling the op: plain eager
     execution of plain tensors. The dispatcher's own per-call cost (its Python layers for a
     custom op: autograd wrapper, redispatch, alias checks) is most of a small call's host
-    time, and in plain eager mode it adds nothing: the op has no autograd formula (its body
-    detaches), no autocast or batching rule. Anything that observes or rewrites ops takes
+    time, and in plain eager mode without grad it adds nothing: no autograd (nothing
+    requires grad), no autocast or batching rule. Anything that observes or rewrites ops takes
     the dispatcher, so it sees one ptxattn::attention node as before: torch.compile/export
     (is_compiling), jit tracing, __torch_function__ modes, functorch transforms (vmap,
     grad), __torch_dispatch__ modes (FakeTensorMode, make_fx, DebugMode), tensor subclasses
@@ -232,7 +401,7 @@ def _eager(q, k, v) -> bool:
             or type(v) is not _Tensor:
         return False
     if (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
-        return False        # the op's autograd wrapper marks such outputs: keep its behaviour
+        return False        # the op's autograd formula records the call for the backward
     return _unwatched()
 
 

@@ -24,6 +24,7 @@ from ptxattn import decode as _decode
 from ptxattn.decode_builds import DECODE_BUILDS, MAX_QUERIES
 
 from . import _op
+from . import sdpa as _sdpa
 
 
 def _impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -76,35 +77,48 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                dropout: float, scaling: float | None, causal: bool,
-                groups: int) -> torch.Tensor | None:
+                dropout: float, scaling: float | None, causal: bool, groups: int,
+                cache_seqlens: torch.Tensor | None = None) -> torch.Tensor | None:
     """transformers' attention call on the decode kernel, or None when it is not one it takes:
-    (B, H, q, D) query with q <= 16, (B, Hkv, L, D) keys and values, no mask, no dropout, bf16
-    CUDA tensors without grad, a head dim the decode kernel has. The answer is what
-    transformers' "sdpa" function computes for the same call (its is_causal is top-left):
-    q = 1 sees every key; q > 1 causal sees keys [0, i] for query i, i.e. the first q keys
-    (a bottom-right causal over a "cache" of q keys, passed as cache_seqlens=q); q > 1 not
-    causal sees every key. `causal` is the caller's (q > 1, no mask, the module's is_causal).
-    Returns (B, q, H, D) contiguous, what transformers wants back."""
-    if attention_mask is not None or dropout or query.dim() != 4 or key.dim() != 4:
+    (B, H, q, D) query with q <= 16, (B, Hkv, L, D) keys and values, no dropout, bf16 tensors
+    without grad on ptxattn's device, a head dim the decode kernel has, and no mask unless
+    the caller vouches for it with `cache_seqlens`. The answer is what transformers' "sdpa"
+    function computes for the same call (its is_causal is top-left):
+    - no mask: q = 1 sees every key; q > 1 causal sees keys [0, i] for query i, i.e. the first
+      q keys (a bottom-right causal over a "cache" of q keys, passed as cache_seqlens=q);
+      q > 1 not causal sees every key. `causal` is the caller's (q > 1, no mask, the module's
+      is_causal);
+    - cache_seqlens (int32 (B,) on the device; a static cache's plain mask, see
+      transformers_backend.decode_verdict): query i of q sees keys [0, L_b - q + i], the
+      bottom-right causal over each sequence's L_b keys, which is what that mask keeps.
+    Returns (B, q, H, D) contiguous, what transformers wants back. Metadata only: the
+    alignment is read from the storage offset (torch's allocations are 512-byte aligned), so
+    torch.compile traces this without a graph break."""
+    if (attention_mask is not None and cache_seqlens is None) or dropout \
+            or query.dim() != 4 or key.dim() != 4:
         return None
     b, h, q_len, d = query.shape
     kv_len = key.shape[2]
     if not (1 <= q_len <= MAX_QUERIES and kv_len >= q_len and d in DECODE_BUILDS):
         return None
     if (query.dtype != torch.bfloat16 or key.dtype != torch.bfloat16
-            or value.dtype != torch.bfloat16 or not query.is_cuda
+            or value.dtype != torch.bfloat16
             or query.requires_grad or key.requires_grad or value.requires_grad
             or key.shape != value.shape or key.shape[1] * max(groups, 1) != h
             or value.shape[-1] != d or key.shape[0] != b):
+        return None
+    if _sdpa._device_reason(query, key, value) is not None:
         return None
     # transformers' (B, H, S, D) are transposes of (B, S, H, D) projections and caches: read
     # them as BSHD in place; the output comes out (B, q, H, D) contiguous
     q, kc, vc = (t.transpose(1, 2) for t in (query, key, value))
     for t in (q, kc, vc):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(
+        if t.stride(-1) != 1 or t.storage_offset() % 8 or any(
                 s % 8 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
             return None
+    if cache_seqlens is not None:
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache_seqlens,
+                                       causal=q_len > 1, softmax_scale=scaling)
     causal = bool(causal and q_len > 1)
     lengths = q_len if causal and kv_len > q_len else None
     return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal,

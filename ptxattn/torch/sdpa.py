@@ -1,8 +1,9 @@
 """scaled_dot_product_attention with PyTorch's semantics: ptxattn where the kernel takes the
 call, torch's own SDPA everywhere else.
 
-The decision reads tensor metadata only (dtype, device, shape, requires_grad): no host sync,
-no data access. Each fallback reason warns once per process and is counted
+The decision reads tensor metadata only (dtype, device, shape): no host sync, no data
+access. Tensors that require grad take ptxattn too: its op has an autograd formula (the
+backward kernels), so a training step runs forward and backward on ptxattn. Each fallback reason warns once per process and is counted
 (fallback_counts()), so a model that silently lost the fast path shows it. Outside the
 kernel's scope the call is torch's own, so ptxattn never raises an error that SDPA would not.
 """
@@ -31,7 +32,6 @@ REASONS = {
     "device": "CUDA tensors on a device other than ptxattn's (PTXATTN_DEVICE)",
     "compute_capability": "a GPU other than compute capability 9.0 (the kernels are sm_90a)",
     "dtype": "dtypes other than bfloat16 for q, k and v",
-    "requires_grad": "tensors that require grad with grad mode on (ptxattn is forward only)",
     "attn_mask": "an attn_mask",
     "dropout": "dropout_p > 0",
     "head_dim": "a head dim the kernel lacks (or v's head dim differs from q's)",
@@ -43,6 +43,13 @@ REASONS = {
     "causal": "is_causal (the kernel has no causal mask yet)",
     # transformers only: arguments of its attention functions that SDPA has no word for
     "model_features": "position_bias, softcap or output_attentions (transformers)",
+    # transformers' decode masks (static cache, or a few queries with a mask): the decode
+    # kernel takes them when they are the plain causal mask of the cache's length
+    "mask_padding": "a decode-step mask whose padding hides keys below the query's position "
+                    "(left padding, transformers); the decode kernel takes lengths, not holes",
+    "mask_unverified": "a decode-step mask built while compiling or capturing a CUDA graph, "
+                       "whose padding cannot be read there (transformers' generate() builds "
+                       "static-cache masks outside its compiled forward)",
 }
 
 _lock = threading.Lock()
@@ -133,8 +140,6 @@ def fallback_reason(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
         return why
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return "dtype"
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        return "requires_grad"
     if attn_mask is not None:
         return "attn_mask"
     if dropout_p > 0.0:
@@ -200,7 +205,7 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
 
 # The steady call of the wrapper: fallback_reason's verdict is a function of the metadata it
-# reads (ranks, dtypes, devices, requires_grad, shapes) and of the arguments; for plain CUDA
+# reads (ranks, dtypes, devices, shapes) and of the arguments; for plain CUDA
 # bf16 tensors without grad (what tensors.torch_meta reads, in one pass per tensor) the
 # shapes and devices it needs are in that reading. So a call whose reading and arguments
 # equal those of a call ptxattn took before is taken again without asking fallback_reason,
@@ -240,7 +245,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention, through ptxattn where it can.
 
     (batch, heads, seq, head_dim) tensors. ptxattn runs bf16 CUDA calls with a head dim in
-    stages.PRODUCTION.head_dims, no mask, no dropout, no grad, GQA with enable_gqa=True;
+    stages.PRODUCTION.head_dims, no mask, no dropout, GQA with enable_gqa=True, with or
+    without grad (its backward kernels);
     is_causal (top-left, as torch) once the kernel has it and only with Lq == Lk. Everything
     else is torch's SDPA, warned once per reason and counted: see fallback_counts()."""
     return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""Serving benchmark (issue 25): the paged cache, variable-length prefill, and run()'s host time.
+
+    python bench/serving_bench.py --out bench/results                 # GPU: every part, ~6 min
+    python bench/serving_bench.py --out /tmp/s --parts paged --pages 16,64
+    python bench/serving_bench.py --out /tmp/s --parts host --fake     # no GPU: host time only
+
+Parts (DESIGN.md's protocol: every case checked before it is timed, then rounds of
+interleaved launches with CUDA events, the host never waiting; ratios are medians over rounds
+with a 95% bootstrap interval; plain calls and CUDA-graph replays):
+  paged   the paged decode against the contiguous-cache decode of the same shapes (same run,
+          same data: every paged case's pages are a shuffled copy of the contiguous cache, and
+          its output must equal the contiguous call's): (64, 32:8, 1, 8192) and
+          (8, 32:8, 1, 32768) at page sizes 16, 64, 256. K+V TB/s, paged / contiguous.
+          Targets: >= 0.95 at page 16, >= 0.98 at >= 64.
+  varlen  flash_attn_varlen_func on 8 sequences of 512 to 16k (64k tokens, causal, 32:8 heads,
+          D 128) against the production kernel on an equal-length causal batch of the same
+          FLOPs (B' sequences of 8192), TFLOP/s over the unmasked pairs; and against the
+          padded call a user would otherwise make: SDPA (default backend) on the batch padded
+          to 16k with a padding-and-causal boolean mask. Target: >= 0.95 of the equal-length
+          TFLOP/s; the padded speedup is reported.
+  host    host µs per call with the queue full: a DecodePlan's run() (paged, 64 sequences),
+          a PrefillPlan's run() (host offsets: one launch), flash_attn_with_kvcache and
+          flash_attn_varlen_func on the same arguments. Target: run() <= 10 µs per layer.
+          --fake: a pretend driver (bench/callpath.py's; CPU torch tensors or DLPack producers
+          stand in), the Python side only, on this machine's CPU.
+Results: <out>/<date>-<gpu>-serving.json (or serving-host-fake.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ptxattn  # noqa: E402
+from ptxattn import driver, tensors  # noqa: E402
+from ptxattn.tools.bench import environment, gpu_clocks, source_id, write_results  # noqa: E402
+
+
+def _sibling(name: str):
+    """A benchmark module beside this one (decode_bench, callpath), imported by path."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+D = 128
+PAGED_CASES = {"b64_8k": (64, 32, 8, 8192), "b8_32k": (8, 32, 8, 32768)}
+PAGE_SIZES = (16, 64, 256)
+PAGED_TARGET = {16: 0.95, 64: 0.98, 256: 0.98}
+VARLEN_LENGTHS = (16384, 14336, 10240, 8192, 7168, 5120, 3584, 512)     # 64k tokens
+VARLEN_HEADS = (32, 8)
+EQUAL_LEN = 8192
+VARLEN_TARGET = 0.95
+HOST_TARGET_US = 10.0
+
+
+def causal_pairs(lq: int, lk: int) -> int:
+    """Unmasked (query, key) pairs of a bottom-right causal sequence."""
+    return sum(max(0, min(lk, lk - lq + i + 1)) for i in range(lq))
+
+
+# --------------------------------------------------------------------------- paged decode
+
+def shuffled_pages(torch, kc, vc, page: int, seed: int):
+    """The caches (B, L, Hkv, D) as pages (num_pages, page, Hkv, D) in a shuffled order, with
+    the block table that reads them back; a few spare pages no sequence uses."""
+    b, length, hkv, d = kc.shape
+    per = length // page
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    order = torch.randperm(b * per + 7, generator=gen)
+    kp = torch.empty((b * per + 7, page, hkv, d), dtype=kc.dtype, device=kc.device)
+    vp = torch.empty_like(kp)
+    table = order[:b * per].reshape(b, per).to(torch.int32)
+    kp[table.reshape(-1).long().cuda()] = kc.reshape(b * per, page, hkv, d)
+    vp[table.reshape(-1).long().cuda()] = vc.reshape(b * per, page, hkv, d)
+    return kp, vp, table.cuda()
+
+
+def run_paged(torch, db, name, page, rounds, reps, seed):
+    b, h, hkv, length = PAGED_CASES[name]
+    q, kc, vc, lens = db.make_case(torch, b, h, hkv, 1, length, seed)
+    kp, vp, table = shuffled_pages(torch, kc, vc, page, seed)
+    nbytes = db.kv_bytes(b, hkv, length)
+    rec = {"name": f"{name}_page{page}", "shape": {"B": b, "H": h, "Hkv": hkv, "L": length,
+                                                   "D": D, "page": page},
+           "kv_bytes": nbytes, "target": f">= {PAGED_TARGET[page]} x contiguous"}
+
+    def contiguous():
+        return ptxattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+    def paged():
+        return ptxattn.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+
+    a, p = contiguous(), paged()
+    torch.cuda.synchronize()
+    diff = float((a.float() - p.float()).abs().max())
+    rec["check"] = db.check(torch, q, kc, vc, length, False, p, None, False, seed)
+    rec["check"]["paged_vs_contiguous_max_abs"] = diff
+    if not rec["check"]["pass"] or diff > 0:
+        rec["status"] = f"FAILED (not timed): paged differs from contiguous by {diff:.3g}"
+        return rec
+    rng = np.random.default_rng(seed)
+    fns = {"contiguous": contiguous, "paged": paged}
+    plain = db.timed_rounds(fns, rounds, reps, rng)
+    rec["plain"] = _ratio_rows(db, plain, nbytes, seed)
+    graphs, keep = {}, []
+    for label, fn in fns.items():
+        replay, g = db.graph_of(torch, fn)
+        graphs[label] = replay
+        keep.append(g)
+    rec["graph"] = _ratio_rows(db, db.timed_rounds(graphs, rounds, reps, rng), nbytes, seed)
+    rec["status"] = "ok"
+    return rec
+
+
+def _ratio_rows(db, rounds_ms, nbytes, seed):
+    """TB/s of each, and paged / contiguous (time ratio contiguous / paged) with its CI."""
+    row = {label: {"ms": db.median(ms), "tbs": nbytes / (db.median(ms) * 1e-3) / 1e12,
+                   "ms_rounds": ms} for label, ms in rounds_ms.items()}
+    ratios = [c / p for c, p in zip(rounds_ms["contiguous"], rounds_ms["paged"])]
+    lo, hi = db.bootstrap_ci(ratios, seed=seed)
+    row["paged_over_contiguous"] = {"median": db.median(ratios), "ci": [lo, hi]}
+    return row
+
+
+# --------------------------------------------------------------------------- varlen prefill
+
+def run_varlen(torch, db, rounds, reps, seed):
+    h, hkv = VARLEN_HEADS
+    lens = np.array(VARLEN_LENGTHS)
+    total = int(lens.sum())
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(total, h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    pairs = sum(causal_pairs(int(n), int(n)) for n in lens)
+    flops = 4 * h * D * pairs
+    b_eq = max(1, round(pairs / causal_pairs(EQUAL_LEN, EQUAL_LEN)))
+    eq_flops = 4 * b_eq * h * D * causal_pairs(EQUAL_LEN, EQUAL_LEN)
+    qe = torch.randn(b_eq, EQUAL_LEN, h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    ke = torch.randn(b_eq, EQUAL_LEN, hkv, D, generator=gen, device="cuda",
+                     dtype=torch.bfloat16)
+    ve = torch.randn(b_eq, EQUAL_LEN, hkv, D, generator=gen, device="cuda",
+                     dtype=torch.bfloat16)
+    rec = {"name": "varlen_8x_mixed_64k", "lengths": lens.tolist(), "heads": [h, hkv], "D": D,
+           "flops": flops, "equal_length_batch": [b_eq, EQUAL_LEN], "equal_flops": eq_flops,
+           "target": f">= {VARLEN_TARGET} x the equal-length production TFLOP/s"}
+
+    def ours():
+        return ptxattn.flash_attn_varlen_func(q, k, v, cu, cu, int(lens.max()), int(lens.max()),
+                                              causal=True)
+
+    def equal():
+        return ptxattn.attention(qe, ke, ve, layout="bshd", causal=True)
+
+    out = ours()
+    torch.cuda.synchronize()
+    rec["check"] = _check_varlen(torch, q, k, v, lens, out, seed)
+    if not rec["check"]["pass"]:
+        rec["status"] = "FAILED (not timed)"
+        return rec
+    fns = {"varlen": ours, "equal": equal}
+    padded, note = _padded_sdpa(torch, q, k, v, lens)
+    rec["padded_sdpa"] = note
+    if padded is not None:
+        fns["padded_sdpa"] = padded
+    rng = np.random.default_rng(seed)
+    plain = db.timed_rounds(fns, rounds, reps, rng)
+    tf = {"varlen": flops, "equal": eq_flops, "padded_sdpa": flops}
+    rec["plain"] = {label: {"ms": db.median(ms), "tflops": tf[label] / (db.median(ms) * 1e-3)
+                            / 1e12, "ms_rounds": ms} for label, ms in plain.items()}
+    ratios = [(flops / v_ms) / (eq_flops / e_ms)
+              for v_ms, e_ms in zip(plain["varlen"], plain["equal"])]
+    lo, hi = db.bootstrap_ci(ratios, seed=seed)
+    rec["varlen_over_equal_tflops"] = {"median": db.median(ratios), "ci": [lo, hi]}
+    if "padded_sdpa" in plain:
+        sp = [p / v_ms for p, v_ms in zip(plain["padded_sdpa"], plain["varlen"])]
+        lo, hi = db.bootstrap_ci(sp, seed=seed)
+        rec["speedup_over_padded_sdpa"] = {"median": db.median(sp), "ci": [lo, hi]}
+    rec["status"] = "ok"
+    return rec
+
+
+def _check_varlen(torch, q, k, v, lens, out, seed):
+    """The reference on sampled rows of the shortest and the longest sequence (every head)."""
+    from ptxattn.reference import attention_reference, error_metrics, passes
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    rng = np.random.default_rng(seed)
+    results = {}
+    for b in (int(np.argmin(lens)), int(np.argmax(lens))):
+        q0, q1 = int(cu[b]), int(cu[b + 1])
+        rows = np.sort(rng.choice(q1 - q0, min(64, q1 - q0), replace=False))
+        bhld = (lambda t: t.float().cpu().numpy().transpose(1, 0, 2)[None])
+        ref = attention_reference(bhld(q[q0:q1]), bhld(k[q0:q1]), bhld(v[q0:q1]), causal=True,
+                                  rows=rows)
+        got = bhld(out[q0:q1])[:, :, rows]
+        results[f"sequence {b} ({q1 - q0})"] = error_metrics(got, ref)
+    return {"metrics": results, "pass": all(passes(m) for m in results.values())}
+
+
+def _padded_sdpa(torch, q, k, v, lens):
+    """SDPA (default backend) on the batch padded to the longest sequence, with a boolean
+    padding-and-causal mask: what a user without varlen calls."""
+    import torch.nn.functional as F
+    b, lmax = len(lens), int(lens.max())
+    h, hkv = q.shape[1], k.shape[1]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    qp = torch.zeros(b, h, lmax, D, device="cuda", dtype=torch.bfloat16)
+    kp = torch.zeros(b, hkv, lmax, D, device="cuda", dtype=torch.bfloat16)
+    vp = torch.zeros_like(kp)
+    for i, n in enumerate(lens):
+        qp[i, :, :n] = q[cu[i]:cu[i + 1]].transpose(0, 1)
+        kp[i, :, :n] = k[cu[i]:cu[i + 1]].transpose(0, 1)
+        vp[i, :, :n] = v[cu[i]:cu[i + 1]].transpose(0, 1)
+    ln = torch.tensor(lens, device="cuda")
+    idx = torch.arange(lmax, device="cuda")
+    mask = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < ln[:, None, None])
+    mask = mask[:, None]                                  # (B, 1, L, L)
+
+    def padded():
+        return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+    try:
+        padded()
+        torch.cuda.synchronize()
+    except Exception as exc:                              # noqa: BLE001
+        return None, f"refused: {type(exc).__name__}: {str(exc)[:200]}"
+    return padded, f"SDPA default backend, padded to ({b}, {h}, {lmax}, {D}), boolean mask"
+
+
+# --------------------------------------------------------------------------- host time
+
+def host_paths(fake: bool, torch):
+    """{label: fn} of the calls whose host time is measured: plans' run() and the plain calls
+    on the same arguments. Paged decode of 64 sequences (32:8 heads, 8192 keys, page 16); a
+    prefill of 8 sequences of 128 (host offsets)."""
+    b, h, hkv, length, page = 64, 32, 8, 8192, 16
+    per = length // page
+    rng = np.random.default_rng(0)
+    table_host = rng.permutation(b * per).reshape(b, per).astype(np.int32)
+    lens_host = np.full(b, length - 1, np.int32)
+    if torch is not None and not fake:
+        q = torch.randn(b, 1, h, D, device="cuda", dtype=torch.bfloat16)
+        kn = torch.randn(b, 1, hkv, D, device="cuda", dtype=torch.bfloat16)
+        vn = torch.randn_like(kn)
+        kp = torch.randn(b * per, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+        table = torch.from_numpy(table_host).cuda()
+        lens = torch.from_numpy(lens_host).cuda()
+        pq = torch.randn(1024, h, D, device="cuda", dtype=torch.bfloat16)
+        pk = torch.randn(1024, hkv, D, device="cuda", dtype=torch.bfloat16)
+        pv = torch.randn_like(pk)
+        cu_dev = torch.arange(0, 1025, 128, dtype=torch.int32, device="cuda")
+    else:
+        # ptxattn's own DeviceArrays (what a non-torch caller holds; a DLPack producer's
+        # capsule, built per call on its side, would dominate a pretend driver's figures)
+        wrap = (lambda a: a)
+        q, kn, vn = (wrap(tensors.empty(s)) for s in ((b, 1, h, D), (b, 1, hkv, D),
+                                                       (b, 1, hkv, D)))
+        kp, vp = (wrap(tensors.empty((b * per, page, hkv, D))) for _ in range(2))
+        pq, pk, pv = (wrap(tensors.empty(s)) for s in ((1024, h, D), (1024, hkv, D),
+                                                       (1024, hkv, D)))
+        table, lens = _DeviceInt32(table_host), _DeviceInt32(lens_host)
+        cu_dev = _DeviceInt32(np.arange(0, 1025, 128, dtype=np.int32))
+    cu_host = np.arange(0, 1025, 128, dtype=np.int32)
+    step = ptxattn.plan_decode(batch=b, heads=h, heads_kv=hkv, head_dim=D, cache_seqlens=lens,
+                               block_table=table, page_size=page, num_pages=b * per, seq_new=1,
+                               causal=True, host_lengths=lens_host)
+    prefill = ptxattn.plan_varlen(cu_host, cu_host, heads=h, heads_kv=hkv, head_dim=D,
+                                  causal=True)
+    return {
+        "decode_plan_run": lambda: step.run(q, kp, vp, k=kn, v=vn),
+        "flash_attn_with_kvcache_paged": lambda: ptxattn.flash_attn_with_kvcache(
+            q, kp, vp, k=kn, v=vn, cache_seqlens=lens, block_table=table, causal=True),
+        "prefill_plan_run": lambda: prefill.run(pq, pk, pv),
+        "flash_attn_varlen_func": lambda: ptxattn.flash_attn_varlen_func(
+            pq, pk, pv, cu_dev, cu_dev, 128, 128, causal=True),
+    }
+
+
+class _DeviceInt32:
+    """An int32 device array through __cuda_array_interface__ (for the --fake paths)."""
+
+    def __init__(self, values):
+        values = np.ascontiguousarray(values, np.int32)
+        self.buffer = driver.DeviceBuffer(max(values.nbytes, 4))
+        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": "<i4",
+                                         "data": (self.buffer.ptr, False), "strides": None,
+                                         "version": 3}
+
+
+def run_host(fake: bool, torch, calls: int, repeats: int) -> dict:
+    cb = _sibling("callpath")
+    out = {}
+    ctx = cb.fake_driver() if fake else contextlib.nullcontext()
+    with ctx:
+        paths = host_paths(fake, torch)
+        block = cb._blocker(fake, torch) if not fake else (lambda: None)
+        for label, fn in paths.items():
+            out[label] = cb.host_us(fn, calls, repeats, block, fake)
+            h = out[label]
+            print(f"host  {label:32s} {h['median_us']:8.1f} µs/call (cpu "
+                  f"{h['cpu_median_us']:.1f})", flush=True)
+    out["target_us"] = HOST_TARGET_US
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="paged,varlen,host")
+    ap.add_argument("--pages", default=",".join(map(str, PAGE_SIZES)))
+    ap.add_argument("--cases", default=",".join(PAGED_CASES))
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--fake", action="store_true", help="host part only, a pretend driver")
+    args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    result = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "set": "serving",
+              "source": source_id(ROOT), "fake_driver": args.fake,
+              "protocol": {"rounds": args.rounds, "reps": args.reps}}
+    if args.fake:
+        result["host"] = run_host(True, None, args.calls, args.repeats)
+        path = Path(args.out) / "serving-host-fake.json"
+        write_results(result, path)
+        print(f"wrote {path}")
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("serving_bench: needs torch with CUDA (or --fake for the host part)",
+              file=sys.stderr)
+        return 2
+    db = _sibling("decode_bench")
+    info = driver.device_info()
+    result.update(env=environment(info, torch), clocks_before=gpu_clocks(), cases=[])
+    ok = True
+    if "paged" in parts:
+        for name in [c for c in args.cases.split(",") if c]:
+            for page in [int(p) for p in args.pages.split(",") if p]:
+                try:
+                    rec = run_paged(torch, db, name, page, args.rounds, args.reps, args.seed)
+                except Exception as exc:                   # noqa: BLE001
+                    rec = {"name": f"{name}_page{page}", "status": f"error: {exc!r}"}
+                result["cases"].append(rec)
+                ok &= rec.get("status") == "ok"
+                r = rec.get("plain", {}).get("paged_over_contiguous", {})
+                g = rec.get("graph", {}).get("paged_over_contiguous", {})
+                print(f"{rec['name']:<18} {rec.get('status')}: paged/contiguous plain "
+                      f"{r.get('median', float('nan')):.3f} {r.get('ci')}, graph "
+                      f"{g.get('median', float('nan')):.3f}", flush=True)
+                torch.cuda.empty_cache()
+    if "varlen" in parts:
+        try:
+            rec = run_varlen(torch, db, args.rounds, args.reps, args.seed)
+        except Exception as exc:                           # noqa: BLE001
+            rec = {"name": "varlen", "status": f"error: {exc!r}"}
+        result["cases"].append(rec)
+        ok &= rec.get("status") == "ok"
+        print(f"varlen: {rec.get('status')}: varlen/equal TFLOP/s "
+              f"{rec.get('varlen_over_equal_tflops')}, speedup over padded SDPA "
+              f"{rec.get('speedup_over_padded_sdpa')}", flush=True)
+        torch.cuda.empty_cache()
+    if "host" in parts:
+        result["host"] = run_host(False, torch, args.calls, args.repeats)
+    result["clocks_after"] = gpu_clocks()
+    gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()
+    slug = "-".join(part for part in gpu.replace("_", " ").split() if part) or "gpu"
+    path = Path(args.out) / f"{result['date'][:10]}-{slug}-serving.json"
+    write_results(result, path)
+    print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""A plan/run split for serving engines (in the spirit of FlashInfer's wrappers).
+
+An engine runs every layer of a model step with the same batch layout: the same sequences,
+offsets, lengths and block table; only the layer's activations and caches differ. A plan does
+the host work once per layout, and each layer's run() is one launch sequence with a few
+microseconds of host time and no validation beyond what changes between layers:
+
+    prefill = ptxattn.plan_varlen(cu_q_host, cu_k_host, heads=32, heads_kv=8, head_dim=128,
+                                  causal=True)
+    for layer in layers:
+        out = prefill.run(q, k, v)                       # one launch: the forward kernel
+
+    step = ptxattn.plan_decode(batch=64, heads=32, heads_kv=8, head_dim=128,
+                               cache_seqlens=lengths, block_table=table, page_size=16,
+                               num_pages=pages, host_lengths=lengths_host)
+    for layer in layers:
+        out = step.run(q, k_cache[layer], v_cache[layer], k=k_new, v=v_new)
+
+What a plan decides, once:
+- prefill (PrefillPlan): with host copies of the offsets, the tile table (varlen_plan.
+  tile_table: the blocks of every sequence, longest first) is built on the host and uploaded
+  into a buffer the plan owns; run() is then the forward kernel alone. With device offsets
+  only, run() launches the tile kernel first (two launches, still no host sync). The launch
+  geometry and the workspace size either way.
+- decode (DecodePlan): the split count, from the host lengths when given (the longest
+  sequence's tiles, not the cache's capacity), else from the capacity; the lengths and block
+  table the kernels read (device arrays, read on the device at every run; host copies are
+  uploaded once into buffers the plan owns). A Launcher per layer's caches (their tensor maps
+  and packed parameters), built at a layer's first run.
+A plan holds only read-only device state (its table, its copies of lengths and block table);
+per-call memory (outputs, LSE, split-KV workspace) comes fresh from the caller's allocator
+every run, so runs can be in flight together and a run can be captured in a CUDA graph. Re-plan
+when the layout changes: a plan built from host copies does not follow a device array the
+engine rewrites afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import decode, driver, tensors, varlen
+from .decode_builds import build_for
+from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
+                          choose_splits, m_tiles_of)
+from .device_args import foreign, host_int32
+from .varlen_plan import table_bytes, tile_table, window_params
+
+
+def _upload(values: np.ndarray) -> driver.DeviceBuffer:
+    """A plan-owned device copy of host int32 data (read-only for the kernels)."""
+    buf = driver.DeviceBuffer(max(values.nbytes, 4))
+    driver.memcpy_htod(buf.ptr, np.ascontiguousarray(values))
+    return buf
+
+
+class _Int32View:
+    """A plan-owned int32 device array offered through __cuda_array_interface__."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = np.ascontiguousarray(values, np.int32)
+        self.buffer = _upload(self.values)
+        self.__cuda_array_interface__ = {"shape": self.values.shape, "typestr": "<i4",
+                                         "data": (self.buffer.ptr, False), "strides": None,
+                                         "version": 3}
+
+
+# --------------------------------------------------------------------------- prefill
+
+class PrefillPlan:
+    """flash_attn_varlen_func's host work for one batch layout; run(q, k, v) per layer."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, *, heads: int, heads_kv: int,
+                 head_dim: int, total_q: int | None = None, total_k: int | None = None,
+                 max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                 causal: bool = False, window_size=(-1, -1), softmax_scale=None,
+                 return_lse: bool = False, seqused_k=None):
+        self.heads, self.heads_kv, self.head_dim = int(heads), int(heads_kv), int(head_dim)
+        self.causal, self.window_size = causal, tuple(window_size)
+        self.softmax_scale, self.return_lse = softmax_scale, return_lse
+        hq, hk = host_int32("cu_seqlens_q", cu_seqlens_q), host_int32("cu_seqlens_k",
+                                                                      cu_seqlens_k)
+        hu = host_int32("seqused_k", seqused_k) if seqused_k is not None else None
+        self.host = hq is not None and hk is not None and (seqused_k is None or hu is not None)
+        if total_q is None or total_k is None:
+            if hq is None or hk is None:
+                raise ValueError("total_q, total_k: needed with device offsets (the tensors' "
+                                 "rows at run)")
+            total_q = int(hq[-1]) if total_q is None else total_q
+            total_k = int(hk[-1]) if total_k is None else total_k
+        self.total_q, self.total_k = int(total_q), int(total_k)
+        lens_q = np.diff(hq.astype(np.int64)) if hq is not None else None
+        lens_k = (hu.astype(np.int64) if hu is not None else
+                  np.diff(hk.astype(np.int64)) if hk is not None else None)
+        self.max_seqlen_q = int(max_seqlen_q if max_seqlen_q is not None else
+                                (lens_q.max(initial=0) if lens_q is not None else self.total_q))
+        self.max_seqlen_k = int(max_seqlen_k if max_seqlen_k is not None else
+                                (lens_k.max(initial=0) if lens_k is not None else self.total_k))
+        # the offsets the kernels read: the caller's device arrays, or plan-owned copies
+        self._owned = []
+        self.cu_q = cu_seqlens_q if hq is None else self._own(hq)
+        self.cu_k = cu_seqlens_k if hk is None else self._own(hk)
+        self.seqused_k = seqused_k if (seqused_k is None or hu is None) else self._own(hu)
+        self._host = (hq, hk, hu)
+        self._table = None                      # plan-owned table (host offsets)
+        self._call = None                       # the first run's validated call
+        self._launcher = None
+
+    def _own(self, values):
+        view = _Int32View(values)
+        self._owned.append(view)
+        return view
+
+    def _first_run(self, q, k, v, out):
+        """Validate the layout against the first layer's arrays (padded buffers allowed), build
+        the Launcher and, from host offsets, the table."""
+        call = varlen.validate(q, k, v, self._host[0] if self.host else self.cu_q,
+                               self._host[1] if self.host else self.cu_k, self.max_seqlen_q,
+                               self.max_seqlen_k, self.causal, self.window_size,
+                               self.softmax_scale, self.return_lse,
+                               self._host[2] if self.host else self.seqused_k, out=out,
+                               padded_ok=True)
+        if (call.heads, call.heads_kv, call.head_dim) != (self.heads, self.heads_kv,
+                                                          self.head_dim):
+            raise ValueError(f"q: expected heads {self.heads}, K/V heads {self.heads_kv} and "
+                             f"head dim {self.head_dim} (the plan's), got {call.heads}, "
+                             f"{call.heads_kv}, {call.head_dim}")
+        self._launcher = varlen.Launcher(call, driver.context().sm_count)
+        if self.host:
+            stage = self._launcher.stage
+            table = tile_table(self._host[0], self._host[1], self._host[2], call.total_q,
+                               call.total_k, stage.block_m, stage.block_n,
+                               window_params(call.window), call.max_entries)
+            self._table = _upload(table_bytes(table, call.max_entries))
+            self.entries = len(table)
+        else:
+            # device offsets: the tile kernel reads them at every run
+            self._offset_ptrs = (call.cu_q.ptr, call.cu_k.ptr,
+                                 call.seqused_k.ptr if call.seqused_k is not None else 0)
+        self._call = call
+
+    def run(self, q, k, v, out=None):
+        """One layer: out (q's shape; fresh from the caller's allocator unless given), or
+        (out, lse) when the plan returns the LSE. One launch with host offsets, two without."""
+        call = self._call
+        if call is None:
+            self._first_run(q, k, v, out)
+            call = self._call
+        views = _varlen_views(call, q, k, v, out)
+        qv, kv, vv, ov_given = views
+        if ov_given is None:
+            out = varlen._empty(call.out_shape, "bfloat16", call)
+            ov = varlen._out_view(out)
+        else:
+            ov = ov_given
+        lse = varlen._empty(call.lse_shape, "float32", call) if call.want_lse else None
+        lse_ptr = varlen._ptr(lse) if lse is not None else 0
+        ln = self._launcher
+        if self._table is not None:
+            ln.run_forward(qv, kv, vv, ov, lse_ptr, self._table.ptr)
+        else:
+            ws = varlen._workspace(call.workspace_bytes, call)
+            ln.run(qv, kv, vv, ov, lse_ptr, varlen._ptr(ws), *self._offset_ptrs, 0)
+            del ws                           # stream-ordered (or torch's caching allocator)
+        return (out, lse) if call.want_lse else out
+
+
+def _varlen_views(call, q, k, v, out):
+    """The run's arrays as views, checked against the plan's geometry (shapes and strides:
+    what the Launcher's figures and maps were built for)."""
+    stream = call.stream
+    views = []
+    for name, obj, like in (("q", q, call.q), ("k", k, call.k), ("v", v, call.v),
+                            ("out", out, call.out)):
+        if obj is None:
+            views.append(None)
+            continue
+        arr = tensors.as_device_array(obj, name=name, stream=stream)
+        ref_shape = like.shape if like is not None else call.q.shape
+        ref_strides = like.strides if like is not None else None
+        if tuple(arr.shape) != tuple(ref_shape) or (ref_strides is not None and
+                                                    tuple(arr.strides) != tuple(ref_strides)):
+            raise ValueError(f"{name}: shape {tuple(arr.shape)} strides {tuple(arr.strides)}, "
+                             f"but the plan was run with {tuple(ref_shape)} {ref_strides}: "
+                             "plan again for another geometry")
+        if arr.ptr % 16:
+            raise ValueError(f"{name}: base address 0x{arr.ptr:x} is not 16-byte aligned")
+        views.append(arr)
+    return views
+
+
+# --------------------------------------------------------------------------- decode
+
+class DecodePlan:
+    """flash_attn_with_kvcache's host work for one batch layout (a decode step of every layer,
+    the same lengths and block table); run(q, k_cache, v_cache, k=, v=) per layer."""
+
+    def __init__(self, *, batch: int, heads: int, heads_kv: int, head_dim: int,
+                 seq_q: int = 1, cache_seqlens=None, block_table=None,
+                 page_size: int | None = None, num_pages: int | None = None,
+                 cache_len: int | None = None, seq_new: int = 0, causal: bool = False,
+                 window_size=(-1, -1), softmax_scale=None, return_lse: bool = False,
+                 num_splits: int = 0, host_lengths=None, sm_count: int | None = None):
+        self.batch, self.heads, self.heads_kv = int(batch), int(heads), int(heads_kv)
+        self.head_dim, self.seq_q, self.seq_new = int(head_dim), int(seq_q), int(seq_new)
+        self.causal, self.window_size = causal, tuple(window_size)
+        self.softmax_scale, self.return_lse = softmax_scale, return_lse
+        build = build_for(self.head_dim)
+        self._owned = []
+        host_table = host_int32("block_table", block_table) if block_table is not None else None
+        if block_table is not None:
+            if page_size is None or num_pages is None:
+                raise ValueError("page_size, num_pages: needed with a block table")
+            max_pages = (host_table.shape[1] if host_table is not None
+                         else _int32_shape("block_table", block_table)[1])
+            capacity = max_pages * int(page_size)
+        else:
+            if cache_len is None:
+                raise ValueError("cache_len: needed without a block table (the cache's Lmax)")
+            capacity = int(cache_len)
+        self.capacity = capacity
+        lengths_host = host_int32("host_lengths", host_lengths) if host_lengths is not None \
+            else None
+        dev_lengths = cache_seqlens
+        h = host_int32("cache_seqlens", cache_seqlens) if cache_seqlens is not None else None
+        if h is not None:                    # host lengths given as cache_seqlens: ours to copy
+            lengths_host = h if lengths_host is None else lengths_host
+            dev_lengths = self._own(h)
+        if lengths_host is not None:
+            check_host_lengths(lengths_host.astype(np.int64), self.batch, capacity, self.seq_new)
+        if host_table is not None:
+            paging = Paging("host", page_size=int(page_size), num_pages=int(num_pages),
+                            max_pages=host_table.shape[1])
+            reach = (None if lengths_host is None
+                     else lengths_host.astype(np.int64) + self.seq_new)
+            check_host_block_table(host_table, reach, paging)
+            block_table = self._own(host_table)
+        self.cache_seqlens, self.block_table = dev_lengths, block_table
+        # the split count: from the longest sequence when the lengths are known here
+        longest = capacity if lengths_host is None else min(
+            capacity, int(lengths_host.max(initial=0)) + self.seq_new)
+        if num_splits:
+            self.splits = max(1, min(int(num_splits), MAX_SPLITS,
+                                     -(-max(longest, 1) // build.block_n)))
+        else:
+            sms = sm_count if sm_count is not None else driver.context().sm_count
+            self.splits = choose_splits(self.batch, self.heads_kv,
+                                        m_tiles_of(self.heads // self.heads_kv, self.seq_q),
+                                        max(longest, 1), build.block_n, sms, build.ctas_per_sm)
+        self._layers: dict = {}
+
+    def _own(self, values):
+        view = _Int32View(values)
+        self._owned.append(view)
+        return view
+
+    def _layer(self, q, k_cache, v_cache, k, v):
+        """A layer's validated call and Launcher, built at its first run (keyed by its caches)."""
+        key = (_address(k_cache), _address(v_cache))
+        hit = self._layers.get(key)
+        if hit is None:
+            call = decode.validate(q, k_cache, v_cache, k, v, self.cache_seqlens, self.causal,
+                                   self.window_size, self.softmax_scale, self.return_lse,
+                                   self.splits, block_table=self.block_table)
+            if (call.batch, call.heads, call.heads_kv, call.head_dim, call.seq_q) != (
+                    self.batch, self.heads, self.heads_kv, self.head_dim, self.seq_q):
+                raise ValueError(f"q: expected (B, Lq, H, D) = ({self.batch}, {self.seq_q}, "
+                                 f"{self.heads}, {self.head_dim}) with {self.heads_kv} K/V "
+                                 f"heads (the plan's), got ({call.batch}, {call.seq_q}, "
+                                 f"{call.heads}, {call.head_dim}) with {call.heads_kv}")
+            call.splits = self.splits
+            decode._stream_handshake(call)
+            launcher = decode.Launcher(call, call.stream)
+            seqlens_ptr, seqlen_const = decode._lengths_args(call, keep := [])
+            table_ptr = decode._block_table_arg(call, keep)
+            hit = (call, launcher, seqlens_ptr, seqlen_const, table_ptr, keep,
+                   tuple(call.q.strides), tuple(call.q.shape))
+            self._layers[key] = hit
+        return hit
+
+    def run(self, q, k_cache, v_cache, out=None, k=None, v=None):
+        """One layer's decode step: the append (with k, v), the attention, the combine; out
+        (q's shape; fresh from the caller's allocator unless given), or (out, lse)."""
+        call, launcher, seqlens_ptr, seqlen_const, table_ptr, _, strides, shape = self._layer(
+            q, k_cache, v_cache, k, v)
+        q_ptr, q_shape, q_strides = _meta(q, call.stream)
+        if q_shape != shape or q_strides != strides or q_ptr % 16:
+            raise ValueError(f"q: shape {q_shape} strides {q_strides} at 0x{q_ptr:x}; the plan's "
+                             f"layers take {shape} {strides}, 16-byte aligned")
+        k_ptr = v_ptr = 0
+        if call.seq_new:
+            if k is None or v is None:
+                raise ValueError("k, v: the plan appends new keys (seq_new > 0)")
+            k_ptr, v_ptr = _meta(k, call.stream)[0], _meta(v, call.stream)[0]
+            if (k_ptr | v_ptr) % 16:
+                raise ValueError("k, v: base addresses must be 16-byte aligned")
+        torch = sys.modules.get("torch") if call.torch else None
+        if out is None:
+            if torch is not None:
+                out = torch.empty(call.out_shape, dtype=torch.bfloat16, device=q.device)
+                out_ptr = out.data_ptr()
+            else:
+                out = tensors.empty(call.out_shape, stream=call.stream)
+                out_ptr = out.ptr
+        else:
+            out_ptr = _meta(out, call.stream)[0]
+        lse = None
+        lse_ptr = 0
+        if call.want_lse:
+            lse = (torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+                   if torch is not None else
+                   tensors.empty(call.lse_shape, stream=call.stream, dtype=np.float32))
+            lse_ptr = lse.data_ptr() if torch is not None else lse.ptr
+        n = call.workspace_floats
+        ws = None
+        ws_ptr = 0
+        if n:
+            ws = (torch.empty((n,), dtype=torch.float32, device=q.device) if torch is not None
+                  else tensors.empty((n,), stream=call.stream, dtype=np.float32))
+            ws_ptr = ws.data_ptr() if torch is not None else ws.ptr
+        launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const, k_ptr, v_ptr,
+                     0, table_ptr)
+        del ws                               # stream-ordered (or torch's caching allocator)
+        return (out, lse) if call.want_lse else out
+
+
+def _int32_shape(name: str, obj) -> tuple:
+    """The shape of an int32 device array (torch, __cuda_array_interface__, DLPack)."""
+    shape = getattr(obj, "shape", None)
+    if shape is None:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        shape = cai["shape"] if cai is not None else foreign(name, obj, "int32", 0).shape
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected shape (B, max_pages), got {tuple(shape)}")
+    return tuple(int(n) for n in shape)
+
+
+def _address(obj) -> int:
+    if hasattr(obj, "data_ptr"):
+        return obj.data_ptr()
+    if isinstance(obj, tensors.DeviceArray):
+        return obj.ptr
+    return tensors.as_device_array(obj).ptr
+
+
+def _meta(obj, stream: int) -> tuple[int, tuple, tuple]:
+    """(address, shape, strides) of a bf16 device array, cheaply for torch tensors."""
+    m = tensors.torch_meta(obj)
+    if m is not None:
+        return m[0], tuple(m[1]), tuple(m[2])
+    arr = tensors.as_device_array(obj, stream=stream)
+    return arr.ptr, tuple(arr.shape), tuple(arr.strides)
+
+
+def plan_varlen(cu_seqlens_q, cu_seqlens_k, **kw) -> PrefillPlan:
+    """A PrefillPlan (see the module's docstring): host offsets make run() one launch."""
+    return PrefillPlan(cu_seqlens_q, cu_seqlens_k, **kw)
+
+
+def plan_decode(**kw) -> DecodePlan:
+    """A DecodePlan (see the module's docstring)."""
+    return DecodePlan(**kw)
+

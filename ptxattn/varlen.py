@@ -1,0 +1,495 @@
+"""flash_attn_varlen_func: attention over variable-length sequences packed end to end.
+
+    out = ptxattn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal=True)
+
+Named and shaped as FlashAttention's: q (total_q, H, D), k and v (total_k, Hkv, D) bf16 CUDA
+arrays; sequence b is q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 against k/v rows
+cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (or seqused_k[b] of them); causal and windows per
+sequence, bottom-right when the lengths differ (a chunk of queries against a longer cache);
+GQA/MQA; D 64, 128, 256; empty sequences allowed (no query: nothing; no key: output 0, LSE
+-inf). return_lse=True also returns the float32 (H, total_q) log-sum-exp.
+
+The call is two launches on the caller's stream, both reading the offsets on the device (no
+host sync: a CUDA graph can capture it and replay it with new offsets): varlen_tiles.ptx cuts
+the sequences into BLOCK_M-row blocks and sorts them longest first into a tile table, then the
+production forward kernel's PTXATTN_VARLEN build walks that table with persistent CTAs
+(scheduler.ptxh). Per-call memory (output, LSE, the table) comes from the caller's allocator:
+torch.empty under torch, tensors.empty / stream-ordered buffers otherwise. varlen_plan.py holds
+the offsets' contract and the NumPy model of the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+
+import numpy as np
+
+from . import builds, driver, launch, tensors, tma
+from .choice import specialized
+from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_scale, overlaps
+from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
+from .errors import CudaError
+from .plan import _window
+from .stages import PRODUCTION, SWIZZLE_128B, ptx_root
+from .tensors import DeviceArray
+from .varlen_plan import (BOUNDS_NAMES, BOUNDS_WORDS, MAX_ROWS, TILES_SMEM, TILES_THREADS,
+                          Offsets, VarlenCall, check_host_offsets, check_host_used,
+                          check_max_seqlen, grid_of, window_params)
+
+F32 = np.dtype(np.float32)
+TILES_FILE, TILES_ENTRY = "varlen_tiles.ptx", "ptxattn_varlen_tiles"
+TMA_CHUNK = 64
+
+PTR, U32, S32 = driver.PTR, driver.U32, driver.S32
+# varlen_tiles.ptx's parameters, in its .entry's order (tests check them against the PTX)
+TILES_PARAMS = (
+    ("cu_q_ptr", PTR), ("cu_k_ptr", PTR), ("seqused_k_ptr", PTR), ("table_ptr", PTR),
+    ("scratch_ptr", PTR), ("bounds_ptr", PTR), ("batch", U32), ("total_q", U32),
+    ("total_k", U32), ("max_entries", U32), ("block_m", U32), ("block_n_shift", U32),
+    ("window_left", S32), ("window_right", S32),
+)
+
+
+# --------------------------------------------------------------------------- validation
+
+def _offsets(name: str, obj, stream: int) -> Offsets:
+    """An int32 offsets argument as Offsets (1-D, contiguous; host data copied)."""
+    if obj is None or isinstance(obj, (bool, int, float)):
+        raise TypeError(f"{name}: expected an int32 array, got {type(obj).__name__}")
+    host = host_int32(name, obj)
+    if host is not None:
+        if host.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D int32 array, got shape {host.shape}")
+        return Offsets("host", length=host.size, host=host)
+    vec = foreign(name, obj, "int32", stream)
+    if len(vec.shape) != 1:
+        raise ValueError(f"{name}: expected a 1-D int32 array, got shape {vec.shape}")
+    if vec.shape[0] > 1 and vec.strides[0] != 1:
+        raise ValueError(f"{name}: expected a contiguous array, got stride {vec.strides[0]}")
+    if vec.ptr % 4:
+        raise ValueError(f"{name}: base address 0x{vec.ptr:x} is not 4-byte aligned")
+    return Offsets("device", length=int(vec.shape[0]), ptr=vec.ptr, owner=vec)
+
+
+def _rank3(name: str, arr) -> tuple[int, int, int]:
+    if len(arr.shape) != 3:
+        raise ValueError(f"{name}: expected a rank-3 array (total rows, heads, head_dim), got "
+                         f"shape {tuple(arr.shape)}")
+    return tuple(int(n) for n in arr.shape)
+
+
+def _strides4(arr) -> tuple[int, int, int, int]:
+    """(batch, seq, head, dim) element strides of a (total, heads, D) view read as BSHD of
+    batch 1."""
+    s_row, s_head, s_dim = (int(x) for x in arr.strides)
+    return (s_row * max(arr.shape[0], 1), s_row, s_head, s_dim)
+
+
+def _geometry(name: str, arr, heads: int, rows_total: int, d: int, box_rows: int) -> None:
+    tma.check_base(arr.ptr, name)
+    tma.map_geometry("bshd", 1, heads, max(rows_total, 1), d, box_rows, TMA_CHUNK,
+                     _strides4(arr), name)
+
+
+def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+             window_size=(-1, -1), softmax_scale=None, return_lse=False, seqused_k=None,
+             block_table=None, *, out=None, stream=None, padded_ok=False) -> VarlenCall:
+    """Every check of a call before any launch: a VarlenCall, or a ValueError / TypeError
+    naming the argument (nothing is written on error). padded_ok: host offsets may end before
+    the tensors' rows (plan() for static, padded buffers)."""
+    if block_table is not None:
+        raise ValueError("block_table: a paged K/V cache in flash_attn_varlen_func is not built "
+                         "yet (flash_attn_with_kvcache takes one); pass k and v as packed "
+                         "(total_k, Hkv, D) arrays")
+    handle, stream_object = call_stream(q, (q, k, v, out), stream)
+    views = {n: bf16_view(n, o, handle) for n, o in (("q", q), ("k", k), ("v", v))}
+    total_q, heads, d = _rank3("q", views["q"])
+    total_k, heads_kv, dk = _rank3("k", views["k"])
+    if tuple(views["v"].shape) != tuple(views["k"].shape):
+        raise ValueError(f"v: expected the same shape as k, {tuple(views['k'].shape)}, got "
+                         f"{tuple(views['v'].shape)}")
+    if dk != d:
+        raise ValueError(f"k: head dim {dk} does not match q's head dim {d}")
+    build = builds.get(d) if d in builds.HEAD_DIMS else None
+    if build is None:
+        raise ValueError(f"q: head dim {d}; flash_attn_varlen_func is built for "
+                         f"{', '.join(map(str, builds.HEAD_DIMS))}")
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"k: {heads_kv} K/V heads do not divide q's {heads} heads (GQA/MQA "
+                         "needs Hkv dividing H)")
+    for name, n in (("q", total_q), ("k", total_k)):
+        if n > MAX_ROWS:
+            raise ValueError(f"{name}: {n} rows exceed {MAX_ROWS}")
+    devices = {n: a.device for n, a in views.items() if a.device is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError("q, k, v: expected arrays on one device, got "
+                         + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, handle)
+    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, handle)
+    batch = cu_q.length - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q: expected B + 1 offsets, got none")
+    if cu_k.length != cu_q.length:
+        raise ValueError(f"cu_seqlens_k: expected {cu_q.length} offsets (cu_seqlens_q's, B + 1), "
+                         f"got {cu_k.length}")
+    if cu_q.kind == "host":
+        check_host_offsets("cu_seqlens_q", cu_q.host, total_q, "q", padded_ok)
+    if cu_k.kind == "host":
+        check_host_offsets("cu_seqlens_k", cu_k.host, total_k, "k", padded_ok)
+    used = None
+    if seqused_k is not None:
+        used = _offsets("seqused_k", seqused_k, handle)
+        if used.length != batch:
+            raise ValueError(f"seqused_k: expected shape ({batch},), one count per sequence, "
+                             f"got ({used.length},)")
+        if used.kind == "host":
+            check_host_used(used.host, batch, cu_k.host if cu_k.kind == "host" else None)
+    lengths_q = np.diff(cu_q.host.astype(np.int64)) if cu_q.kind == "host" else None
+    if used is not None:
+        lengths_k = used.host.astype(np.int64) if used.kind == "host" else None
+    else:
+        lengths_k = np.diff(cu_k.host.astype(np.int64)) if cu_k.kind == "host" else None
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
+    left, right = _window(causal, window_size, "bottom_right")
+    scale = check_scale(softmax_scale, d)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
+
+    if total_q:
+        _geometry("q", views["q"], heads, total_q, d, builds.Q_BOX_ROWS)
+    if total_k:
+        for name in ("k", "v"):
+            _geometry(name, views[name], heads_kv, total_k, d, build.block_n)
+    out_view = None
+    if out is not None:
+        out_view = bf16_view("out", out, handle)
+        if tuple(out_view.shape) != tuple(views["q"].shape):
+            raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
+                             f"{tuple(out_view.shape)}")
+        if out_view.readonly:
+            raise ValueError("out: the device array is exported read-only")
+        for name, arr in views.items():
+            if overlaps(out_view, arr):
+                raise ValueError(f"out: overlaps {name}; the output must not alias an input")
+        if total_q:
+            _geometry("out", out_view, heads, total_q, d, builds.Q_BOX_ROWS)
+    return VarlenCall(q=views["q"], k=views["k"], v=views["v"], out=out_view, out_given=out,
+                      total_q=total_q, heads=heads, head_dim=d, total_k=total_k,
+                      heads_kv=heads_kv, batch=batch, cu_q=cu_q, cu_k=cu_k, seqused_k=used,
+                      max_seqlen_q=max_q, max_seqlen_k=max_k, window=(left, right),
+                      scale=scale, want_lse=return_lse, stream=handle,
+                      stream_object=stream_object, torch=is_torch(q), build=build,
+                      objects={"q": q, "k": k, "v": v})
+
+
+# --------------------------------------------------------------------------- the kernels
+
+@functools.lru_cache(maxsize=1)
+def tiles_source() -> str:
+    from . import ptx
+    return ptx.expand_file(ptx_root() / "sm90" / "production" / TILES_FILE,
+                           [ptx_root() / "sm90" / "include"], {}).text
+
+
+_TILES_FN: dict[int, driver.Function] = {}
+_TILES_LOCK = threading.Lock()
+
+
+def tiles_function() -> driver.Function:
+    """varlen_tiles.ptx, JIT-compiled once per device, its shared memory opted in."""
+    ctx = driver.context()
+    fn = _TILES_FN.get(ctx.ordinal)
+    if fn is None:
+        with _TILES_LOCK:
+            fn = _TILES_FN.get(ctx.ordinal)
+            if fn is None:
+                module = driver.load_module(tiles_source(), TILES_FILE)
+                fn = module.function(TILES_ENTRY)
+                fn.set_max_dynamic_smem(TILES_SMEM)
+                _TILES_FN[ctx.ordinal] = fn
+    return fn
+
+
+def forward_build(head_dim: int):
+    """The production kernel's varlen build for a head dim (the masked build's figures)."""
+    return specialized(PRODUCTION, head_dim, True, True)
+
+
+class Launcher:
+    """What a call's geometry fixes: both kernels, the tensor maps of q, k, v and the output
+    (the output's per call unless out= is the same array), the packed parameters. run()
+    re-fills the per-call addresses and enqueues the tile kernel, then the forward kernel."""
+
+    def __init__(self, call: VarlenCall, sm_count: int):
+        self.call = call
+        self.stage = forward_build(call.head_dim)
+        self.forward_fn = launch.kernel(self.stage)
+        self.tiles_fn = tiles_function()
+        self.params = launch.params_of(self.stage)
+        left, right = call.window_params
+        d = call.head_dim
+        cap = launch.persistent_ctas()
+        self.grid = grid_of(call.max_entries, call.heads, sm_count if cap is None
+                            else min(sm_count, cap))
+        self.values = dict(
+            seq_q=call.total_q, seq_k=call.total_k, heads=call.heads, batch=1,
+            softmax_scale=call.scale, heads_per_kv=call.heads // call.heads_kv,
+            diag_offset=0, window_left=left, window_right=right, total_q=call.total_q)
+        self.tiles_values = dict(
+            batch=call.batch, total_q=call.total_q, total_k=call.total_k,
+            max_entries=call.max_entries, block_m=self.stage.block_m,
+            block_n_shift=self.stage.block_n.bit_length() - 1, window_left=left,
+            window_right=right)
+        self._launch = driver.cu().cuLaunchKernelEx
+        self.tiles_config = driver._launch_config((1, 1, 1), (TILES_THREADS, 1, 1), TILES_SMEM,
+                                                  (1, 1, 1), call.stream)[0]
+        self.forward_config = driver._launch_config(
+            (self.grid, 1, 1), (self.stage.threads, 1, 1), self.stage.smem_bytes, (1, 1, 1),
+            call.stream)[0]
+        self.lock = threading.Lock()
+        # the forward kernel's parameters as a template: what a call fills, by slot
+        names = [p.name for p in self.params]
+        self._template = [self.values.get(n, 0) for n in names]
+        self._types = tuple(p.ctype for p in self.params)
+        self._slots = tuple(names.index(n) for n in (
+            "tmap_q", "tmap_k", "tmap_v", "tmap_o", "o_ptr", "o_row_stride", "o_head_stride",
+            "o_batch_stride", "lse_ptr", "tiles_ptr"))
+        self._maps: dict = {}
+
+    def _map(self, arr, heads: int, rows: int, box_rows: int, name: str):
+        """The tensor map of one of q, k, v, out at its address (remembered per address and
+        strides: a layer's activations come back at the same addresses step after step). The
+        key holds everything the map encodes: a map of another row count would bound the box
+        walk at the wrong row."""
+        key = (name, arr.ptr, tuple(arr.strides), heads, max(rows, 1), box_rows)
+        tmap = self._maps.get(key)
+        if tmap is None:
+            tmap = tma.encode_qkvo_map(arr.ptr, "bshd", 1, heads, max(rows, 1),
+                                       self.call.head_dim, box_rows, SWIZZLE_128B, TMA_CHUNK,
+                                       _strides4(arr), name=name)
+            if len(self._maps) >= 256:
+                self._maps.pop(next(iter(self._maps)), None)
+            self._maps[key] = tmap
+        return tmap
+
+    def run_tiles(self, workspace_ptr: int, cu_q_ptr: int, cu_k_ptr: int, seqused_ptr: int,
+                  bounds_ptr: int) -> None:
+        """Enqueue varlen_tiles.ptx: the table at workspace_ptr (its scratch after it)."""
+        call = self.call
+        tiles = dict(self.tiles_values, cu_q_ptr=cu_q_ptr, cu_k_ptr=cu_k_ptr,
+                     seqused_k_ptr=seqused_ptr, table_ptr=workspace_ptr,
+                     scratch_ptr=workspace_ptr + 16 + 16 * call.max_entries,
+                     bounds_ptr=bounds_ptr)
+        args = (tuple(tiles[n] for n, _ in TILES_PARAMS), tuple(t for _, t in TILES_PARAMS))
+        _check(self._launch(self.tiles_config, self.tiles_fn.handle, args, 0), TILES_ENTRY)
+
+    def run_forward(self, q, k, v, out, lse_ptr: int, table_ptr: int) -> None:
+        """Enqueue the forward kernel's varlen build over the table at table_ptr. q, k, v and
+        out: views of this geometry (their tensor maps are encoded once per address)."""
+        call = self.call
+        if not call.total_k:
+            # no key in the whole batch: every sequence has seq_k 0 and no row sees a key; k
+            # and v may have no memory at all, so their maps get one row of q's (read as
+            # zeros: the one K/V tile of such a sequence lies before row 0)
+            k = v = q
+        o_row, o_head = out.strides[0], out.strides[1]
+        values = self._template[:]
+        for slot, value in zip(self._slots, (
+                self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
+                self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
+                self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
+                self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"),
+                out.ptr, o_row, o_head, o_row * max(call.total_q, 1), lse_ptr, table_ptr)):
+            values[slot] = value
+        _check(self._launch(self.forward_config, self.forward_fn.handle,
+                            (tuple(values), self._types), 0), "ptxattn_fwd (varlen)")
+
+    def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
+            cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
+        """The call's two launches, in stream order: the table, then the attention."""
+        with self.lock:
+            self.run_tiles(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
+            self.run_forward(q, k, v, out, lse_ptr, workspace_ptr)
+
+
+def _check(result, what: str) -> None:
+    err = int(result[0])
+    if err:
+        raise CudaError(err, f"cuLaunchKernelEx ({what})")
+
+
+# --------------------------------------------------------------------------- one call
+
+def _empty(shape, dtype, call: VarlenCall):
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=call.objects["q"].device)
+    return tensors.empty(shape, stream=call.stream, stream_owner=call.stream_object,
+                         dtype=np.dtype(dtype) if dtype == "float32" else tensors.BF16)
+
+
+def _ptr(x) -> int:
+    return x.data_ptr() if hasattr(x, "data_ptr") else x.ptr
+
+
+def _workspace(nbytes: int, call: VarlenCall):
+    """The tile table's memory, fresh from the caller's allocator every call."""
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty((-(-nbytes // 4),), dtype=torch.int32,
+                           device=call.objects["q"].device)
+    return driver.DeviceBuffer(nbytes, stream=call.stream, stream_owner=call.stream_object)
+
+
+def _device_offsets(off: Offsets | None, call: VarlenCall, keep: list) -> int:
+    if off is None:
+        return 0
+    if off.kind == "device":
+        return off.ptr
+    buf = driver.DeviceBuffer(max(off.host.nbytes, 4), stream=call.stream,
+                              stream_owner=call.stream_object)
+    driver.memcpy_htod(buf.ptr, off.host, stream=call.stream)
+    keep.append(buf)
+    return buf.ptr
+
+
+def _out_view(arr) -> DeviceArray:
+    if isinstance(arr, DeviceArray):
+        return arr
+    return DeviceArray(arr.data_ptr(), tuple(arr.shape), tuple(arr.stride()),
+                       device=arr.get_device(), owner=arr)
+
+
+def _raise_if_out_of_bounds(buf, call: VarlenCall) -> None:
+    report = np.zeros(BOUNDS_WORDS, np.int32)
+    driver.memcpy_dtoh(report, buf.ptr, stream=call.stream)        # waits for the stream
+    kind = int(report[0])
+    if kind:
+        name, index, value = BOUNDS_NAMES[kind], int(report[1]), int(report[2])
+        rule = {1: f"offsets from 0, non-decreasing, ending at q's {call.total_q} rows",
+                2: f"offsets from 0, non-decreasing, ending at k's {call.total_k} rows",
+                3: "counts within each sequence's keys"}[kind]
+        raise ValueError(f"{name}: on the device, index {index} holds {value}, which breaks "
+                         f"its contract ({rule}; {CHECK_BOUNDS_ENV}=1; without it the "
+                         "kernels clamp every offset into the tensors)")
+
+
+def _is_capturing(stream: int) -> bool:
+    d = driver.cu()
+    try:
+        err, status = d.cuStreamIsCapturing(d.CUstream(stream))
+    except Exception:                      # noqa: BLE001 - a driver without the call
+        return False
+    if int(err):
+        return False
+    return int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
+def _handshake(call: VarlenCall) -> None:
+    """Our DeviceArrays' pending writes on other streams are waited for (as attention())."""
+    if call.torch:
+        return
+    for arr in (call.q, call.k, call.v, call.out):
+        if arr is None:
+            continue
+        pending = arr.producer_stream if arr.producer_stream is not None else arr.stream
+        if pending is not None and pending != call.stream:
+            driver.stream_wait(call.stream, pending)
+        arr.used_on(call.stream)
+
+
+_LAUNCHERS: dict[tuple, Launcher] = {}
+_LAUNCHERS_LOCK = threading.Lock()
+
+
+def _launcher(call: VarlenCall) -> Launcher:
+    ctx = driver.context()
+    key = (ctx.ordinal, call.stream, call.total_q, call.total_k, call.heads, call.heads_kv,
+           call.head_dim, call.batch, call.window, call.scale,
+           os.environ.get(launch.PERSISTENT_CTAS_ENV))
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        hit = Launcher(call, ctx.sm_count)
+        with _LAUNCHERS_LOCK:
+            if len(_LAUNCHERS) >= 64:
+                _LAUNCHERS.pop(next(iter(_LAUNCHERS)), None)
+            _LAUNCHERS[key] = hit
+    return hit
+
+
+def run_call(call: VarlenCall, launcher: Launcher):
+    """Fresh output, LSE and table; the two launches; the result in the caller's kind."""
+    if call.out_given is not None:
+        out, out_view = call.out_given, call.out
+    else:
+        out = _empty(call.out_shape, "bfloat16", call)
+        out_view = _out_view(out)
+    lse = _empty(call.lse_shape, "float32", call) if call.want_lse else None
+    keep = []
+    workspace = _workspace(call.workspace_bytes, call)
+    bounds = None
+    if check_bounds_requested():
+        if _is_capturing(call.stream):
+            raise RuntimeError(f"{CHECK_BOUNDS_ENV}=1 reads the kernel's report back on the "
+                               "host, which a stream being captured cannot do")
+        bounds = driver.DeviceBuffer(4 * BOUNDS_WORDS, stream=call.stream,
+                                     stream_owner=call.stream_object)
+        driver.memset_u8(bounds.ptr, 0, 4 * BOUNDS_WORDS, stream=call.stream)
+    launcher.run(call.q, call.k, call.v, out_view, _ptr(lse) if lse is not None else 0, _ptr(workspace),
+                 _device_offsets(call.cu_q, call, keep), _device_offsets(call.cu_k, call, keep),
+                 _device_offsets(call.seqused_k, call, keep),
+                 bounds.ptr if bounds is not None else 0)
+    if not call.torch:
+        for arr in (out, lse):
+            if isinstance(arr, DeviceArray):
+                arr.stream = call.stream
+                arr.stream_owner = call.stream_object
+    if bounds is not None:
+        _raise_if_out_of_bounds(bounds, call)
+    del keep, workspace                 # stream-ordered: freed after the launches
+    return out, lse
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal=False, window_size=(-1, -1), softmax_scale=None,
+                           return_lse=False, seqused_k=None, block_table=None, *, out=None,
+                           stream=None):
+    """Attention over packed variable-length sequences (FlashAttention's API).
+
+    q: (total_q, H, D) bf16; k, v: (total_k, Hkv, D) bf16, Hkv dividing H (GQA/MQA); D 64,
+    128 or 256. cu_seqlens_q, cu_seqlens_k: int32 (B + 1) offsets (device arrays, or NumPy
+    arrays checked and copied in); sequence b is q rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
+    against k/v rows from cu_seqlens_k[b], cu_seqlens_k[b + 1] - cu_seqlens_k[b] of them or
+    seqused_k[b] (int32 (B)) when given. max_seqlen_q / max_seqlen_k: ints, checked against
+    host offsets (the kernels size their work from the offsets on the device).
+    causal: bottom-right per sequence (query i of Lq sees keys <= i + Lk - Lq);
+    window_size=(left, right), -1 unbounded. softmax_scale defaults to 1 / sqrt(D).
+    return_lse: also return the float32 (H, total_q) log-sum-exp (-inf for a query that sees
+    no key, whose output is 0). Sequences may be empty. Rows of q past cu_seqlens_q[-1] are
+    not written. block_table (a paged K/V cache) is not built yet for this call.
+    Beyond FlashAttention's: out= (a bf16 array of q's shape), stream= (non-torch arrays).
+    Device offsets are never read on the host: out-of-range or decreasing ones are clamped
+    into the tensors by the kernels (no access leaves q, k, v or the output), and
+    PTXATTN_CHECK_BOUNDS=1 reports them as a ValueError (it waits for the GPU).
+    Returns out, or (out, lse): torch tensors for torch q, DeviceArrays otherwise.
+    """
+    call = validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    window_size, softmax_scale, return_lse, seqused_k, block_table, out=out,
+                    stream=stream)
+    if call.empty:
+        out_arr = call.out_given if call.out_given is not None else _empty(
+            call.out_shape, "bfloat16", call) if call.torch else DeviceArray(
+            0, call.out_shape, device=call.q.device)
+        if not return_lse:
+            return out_arr
+        lse = _empty(call.lse_shape, "float32", call) if call.torch else DeviceArray(
+            0, call.lse_shape, device=call.q.device, dtype=F32)
+        return out_arr, lse
+    _handshake(call)
+    result, lse = run_call(call, _launcher(call))
+    return (result, lse) if return_lse else result
