@@ -14,7 +14,6 @@ Every output comes fresh from the stream-ordered allocator (tensors.empty) per c
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 
@@ -53,8 +52,8 @@ def stats_chunks(batch: int, heads_kv: int, seq_k: int) -> tuple[int, int]:
     return -(-seq_k // rows), rows
 
 
-_FUNCTIONS: dict[tuple[int, int], dict] = {}
-_FUNCTIONS_LOCK = threading.Lock()
+_KERNELS: dict[tuple[int, int], dict] = {}
+_KERNELS_LOCK = threading.Lock()
 
 
 def quantize_source(head_dim: int) -> str:
@@ -67,8 +66,8 @@ def quantize_source(head_dim: int) -> str:
 def _quantize_functions(head_dim: int) -> dict:
     ctx = driver.context()
     key = (ctx.ordinal, head_dim)
-    with _FUNCTIONS_LOCK:
-        if key not in _FUNCTIONS:
+    with _KERNELS_LOCK:
+        if key not in _KERNELS:
             module = driver.load_module(quantize_source(head_dim),
                                         f"quantize_fp8 -DHEAD_DIM={head_dim}")
             found = {name: module.function(name) for name in
@@ -76,8 +75,8 @@ def _quantize_functions(head_dim: int) -> dict:
             found["ptxattn_fp8_kv_stats"].set_max_dynamic_smem(stats_smem(head_dim))
             found["ptxattn_fp8_quantize"].set_max_dynamic_smem(quantize_smem(head_dim))
             found["ptxattn_fp8_transpose_v"].set_max_dynamic_smem(quantize_smem(head_dim))
-            _FUNCTIONS[key] = found
-        return _FUNCTIONS[key]
+            _KERNELS[key] = found
+        return _KERNELS[key]
 
 
 @dataclass
@@ -196,9 +195,15 @@ def _dims(shape, layout: str) -> tuple[int, int, int, int]:
     return (b, x, y, d) if layout == "bhld" else (b, y, x, d)
 
 
-@functools.lru_cache(maxsize=None)
+_CONSTANTS: dict[int, DeviceArray] = {}      # device -> its float32 1.0 (read-only)
+
+
 def one(device: int) -> DeviceArray:
-    """A device float32 1.0: the descale a None stands for (all strides 0)."""
-    arr = tensors.empty((1,), dtype=_F32)
-    driver.memcpy_htod(arr.ptr, np.ones(1, np.float32))
-    return arr
+    """A device float32 1.0: the descale a None stands for (all strides 0). Never written
+    after it is made, so one per device serves every call."""
+    with _KERNELS_LOCK:
+        if device not in _CONSTANTS:
+            arr = tensors.empty((1,), dtype=_F32)
+            driver.memcpy_htod(arr.ptr, np.ones(1, np.float32))
+            _CONSTANTS[device] = arr
+        return _CONSTANTS[device]
