@@ -150,3 +150,36 @@ def qkv_fp8(B, H, Hkv, Lq, Lk, D, layout, seed):
         return rng.standard_normal(shape, dtype=np.float32).astype(BF16)
 
     return one(H, Lq), one(Hkv, Lk), one(Hkv, Lk)
+
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def prequantized_inputs(B, H, Hkv, Lq, Lk, D, seed, given=DESCALES):
+    """e4m3 q, k, v (BHLD, values ~100 wide) and FlashAttention-3's (batch, heads_kv) descales,
+    random for the names in `given`, 1 for the rest (what a descale not passed stands for)."""
+    rng = np.random.default_rng(seed)
+
+    def e4m3(h, L):
+        return model.to_e4m3((100 * rng.standard_normal((B, h, L, D))).astype(np.float32))
+
+    q8, k8, v8 = e4m3(H, Lq), e4m3(Hkv, Lk), e4m3(Hkv, Lk)
+    descales = {n: (rng.random((B, Hkv)) * 0.02 + 0.002).astype(np.float32)
+                if n in given else np.ones((B, Hkv), np.float32) for n in DESCALES}
+    return q8, k8, v8, descales
+
+
+def check_prequantized(got, lse, q8, k8, v8, descales, **mask):
+    """The kernel's out (BHLD) and LSE on e4m3 inputs against the FP8 model on the same e4m3
+    values and descales."""
+    group = q8.shape[1] // k8.shape[1]
+    seq_k = k8.shape[2]
+    inputs = model.Fp8Inputs(q8, np.repeat(descales["q_descale"], group, axis=1)[..., None],
+                             k8, descales["k_descale"][..., None],
+                             model.permute_vt(v8, model.padded_keys(seq_k)),
+                             descales["v_descale"][..., None], seq_k, k_block=1 << 30)
+    want, want_lse = model.fp8_attention_model(inputs, return_lse=True, **mask)
+    m = error_metrics(got, want)
+    assert m["nan_count"] == 0 and m["rel_l2"] <= MODEL_BAR, f"out against the model: {m}"
+    lse_err = float(np.abs(np.asarray(lse, np.float64) - want_lse).max())
+    assert lse_err <= LSE_MODEL_TOL, f"lse max error {lse_err:.3e} against the model"

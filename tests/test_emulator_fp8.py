@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fp8_checks import (LSE_MODEL_TOL, MODEL_BAR, check_fp8, diff, qkv, qkv_fp8,
-                        quantize_on_gpu)
+from fp8_checks import (MODEL_BAR, check_fp8, check_prequantized, diff, prequantized_inputs,
+                        qkv, qkv_fp8, quantize_on_gpu)
 
 import ptxattn
 from ptxattn import driver, fp8_quantize, tensors
@@ -116,16 +116,7 @@ def test_fp8_prequantized_inputs_on_the_emulator(emulated_gpu, layout, given):
     """e4m3 NumPy q, k, v with FlashAttention-3's (batch, heads_kv) descales (a descale not
     given is 1), GQA, causal, a ragged tail: against the model on the same e4m3 values and
     scales."""
-    B, H, Hkv, Lq, Lk, D = 1, 4, 2, 150, 170, 128
-    rng = np.random.default_rng(3)
-
-    def e4m3(h, L):
-        return model.to_e4m3((100 * rng.standard_normal((B, h, L, D))).astype(np.float32))
-
-    q8, k8, v8 = e4m3(H, Lq), e4m3(Hkv, Lk), e4m3(Hkv, Lk)
-    descales = {n: (rng.random((B, Hkv)) * 0.02 + 0.002).astype(np.float32)
-                if n in given else np.ones((B, Hkv), np.float32)
-                for n in ("q_descale", "k_descale", "v_descale")}
+    q8, k8, v8, descales = prequantized_inputs(1, 4, 2, 150, 170, 128, seed=3, given=given)
 
     def to_layout(x):
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if layout == "bshd" else x
@@ -133,16 +124,7 @@ def test_fp8_prequantized_inputs_on_the_emulator(emulated_gpu, layout, given):
     out, lse = ptxattn.attention(*(to_layout(x) for x in (q8, k8, v8)), layout=layout,
                                  precision="fp8", return_lse=True, causal=True,
                                  **{n: descales[n] for n in given})
-    got = out.transpose(0, 2, 1, 3) if layout == "bshd" else out
-    inputs = model.Fp8Inputs(q8, np.repeat(descales["q_descale"], H // Hkv, axis=1)[..., None],
-                             k8, descales["k_descale"][..., None],
-                             model.permute_vt(v8, model.padded_keys(Lk)),
-                             descales["v_descale"][..., None], Lk, k_block=1 << 30)
-    want, want_lse = model.fp8_attention_model(inputs, causal=True, return_lse=True)
-    m = error_metrics(got, want)
-    assert m["nan_count"] == 0 and m["rel_l2"] <= MODEL_BAR, m
-    lse_err = float(np.abs(np.asarray(lse) - want_lse).max())
-    assert lse_err <= LSE_MODEL_TOL, f"lse max error {lse_err:.3e} against the model"
+    check_prequantized(to_layout(out), lse, q8, k8, v8, descales, causal=True)
 
 
 @pytest.mark.parametrize("shape,layout,smooth", [

@@ -14,8 +14,8 @@ import pytest
 from ptxattn import driver, fp8_quantize, tensors
 from ptxattn import fp8_reference as model
 from ptxattn.reference import BF16, attention_reference, error_metrics
-from fp8_checks import (LSE_MODEL_TOL, MODEL_BAR, check_fp8, diff, fp8_call, qkv, qkv_fp8,
-                        quantize_on_gpu)
+from fp8_checks import (check_fp8, check_prequantized, diff, fp8_call, prequantized_inputs, qkv,
+                        qkv_fp8, quantize_on_gpu)
 
 import ptxattn
 
@@ -178,16 +178,7 @@ def test_fp8_numpy_path_and_smoothing():
 def test_fp8_prequantized_inputs_with_fa3_descales(layout):
     """e4m3 q, k, v taken as they are (V transposed by our kernel), FlashAttention-3's
     (batch, heads_kv) descales: against the model on the same e4m3 values and scales."""
-    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 300, 450, 128
-    rng = np.random.default_rng(3)
-
-    def e4m3(h, L, spread):
-        x = (spread * rng.standard_normal((B, h, L, D))).astype(np.float32)
-        return model.to_e4m3(x)
-
-    q8, k8, v8 = e4m3(H, Lq, 100), e4m3(Hkv, Lk, 100), e4m3(Hkv, Lk, 100)
-    descales = {n: (rng.random((B, Hkv)) * 0.02 + 0.002).astype(np.float32)
-                for n in ("q_descale", "k_descale", "v_descale")}
+    q8, k8, v8, descales = prequantized_inputs(2, 4, 2, 300, 450, 128, seed=3)
 
     def to_layout(x):
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if layout == "bshd" else x
@@ -201,13 +192,5 @@ def test_fp8_prequantized_inputs_with_fa3_descales(layout):
     scales = {n: dev(x, np.float32) for n, x in descales.items()}
     out, lse = ptxattn.attention(qd, kd, vd, layout=layout, precision="fp8", return_lse=True,
                                  causal=True, **scales)
-    got = out.to_numpy()
-    got = got.transpose(0, 2, 1, 3) if layout == "bshd" else got
-    inputs = model.Fp8Inputs(q8, np.repeat(descales["q_descale"], H // Hkv, axis=1)[..., None],
-                             k8, descales["k_descale"][..., None],
-                             model.permute_vt(v8, model.padded_keys(Lk)),
-                             descales["v_descale"][..., None], Lk, k_block=1 << 30)
-    want, want_lse = model.fp8_attention_model(inputs, causal=True, return_lse=True)
-    m = error_metrics(got, want)
-    assert m["nan_count"] == 0 and m["rel_l2"] <= MODEL_BAR, m
-    assert np.abs(lse.to_numpy() - want_lse).max() <= LSE_MODEL_TOL
+    check_prequantized(to_layout(out.to_numpy()), lse.to_numpy(), q8, k8, v8, descales,
+                       causal=True)
