@@ -61,6 +61,13 @@ def test_precision_names():
         ptxattn.attention(q, k, v, q_descale=descale())
 
 
+def test_lse_out_is_not_for_fp8():
+    """lse_out= (the bf16 path's caller-owned LSE) is refused by name on the FP8 path."""
+    q, k, v = fp8_inputs()
+    with raises(ValueError, "lse_out", "FP8"):
+        call(q, k, v, return_lse=True, lse_out=np.zeros((B, H, L), np.float32))
+
+
 def test_stage_is_not_for_fp8():
     with raises(ValueError, "stage"):
         call(*fp8_inputs(), stage=14)

@@ -60,6 +60,10 @@ def test_the_op_flag_and_its_errors():
         pt.attention(q, k, v, precision="fp8", return_lse=True)
     with pytest.raises(ValueError, match="CUDA"):
         pt.attention(q, k, v, precision="fp8")         # CPU tensors: refused clearly
+    with pytest.raises(ValueError, match="window"):
+        pt.attention(q, k, v, precision="fp8", window=(16, 0))
+    with pytest.raises(ValueError, match="diagonal"):
+        pt.attention(q, k, v, precision="fp8", is_causal=True, diagonal="top_left")
 
 
 def test_the_fp8_fake_impl_traces():
