@@ -228,3 +228,13 @@ def test_build_assembles_without_spills_with_qgmma_only(d, masked):
     e4m3 = sum(c for op, c in s.opcodes.items() if op.startswith("F2FP.SATFINITE.E4M3"))
     assert e4m3 == 3 * build.block_n // 4
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text            # S waited with PV in flight
+
+
+def test_fp8_and_varlen_are_not_one_build():
+    """Both builds come from forward.ptx; asking for both at once is a preprocessing error that
+    names them, not a kernel with one's parameters and the other's addressing."""
+    from ptxattn.errors import PtxattnError
+    with pytest.raises(PtxattnError, match="PTXATTN_VARLEN and PTXATTN_FP8"):
+        ptx.source(stages.PRODUCTION, {"PTXATTN_FP8": "1", "PTXATTN_VARLEN": "1"})
+    for one in ({"PTXATTN_FP8": "1"}, {"PTXATTN_VARLEN": "1"}):
+        assert ".entry" in ptx.source(stages.PRODUCTION, one)
