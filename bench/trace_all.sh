@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv || true
     python3 - "$JSON" "$TRACE_SHAPE" "$STAGES" "$LAYOUT" "$SEED" <<'EOF'
 import sys
-from ptxattn import trace as T
+from ptxattn.tools import trace as T
 
 path, shape, stage_arg, layout, seed = sys.argv[1:6]
 b, h, l, d = (int(x) for x in shape.split("x"))

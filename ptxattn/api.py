@@ -22,8 +22,14 @@ __all__ = ["attention", "prepare", "PreparedAttention"]
 
 def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None, stream=None,
               return_lse: bool = False, causal: bool = False, window=None,
-              diagonal: str = "bottom_right", lse_out=None):
+              diagonal: str = "bottom_right", lse_out=None, precision: str = "bf16",
+              q_descale=None, k_descale=None, v_descale=None, smooth_k: bool = False):
     """softmax(scale * q k^T + mask) v, bf16 in and out, fp32 accumulation.
+
+    precision="fp8" runs the FP8 (e4m3) forward instead (ptxattn/fp8.py): bf16 inputs are
+    quantized inside, or e4m3 inputs come with q_descale, k_descale, v_descale (float32
+    (batch, heads_kv), FlashAttention-3's convention); smooth_k subtracts K's per-channel mean
+    before quantizing. It trades ~5% relative error for up to twice the tensor rate.
 
     q: (B, H, Lq, D), k and v: (B, Hkv, Lk, D) for layout "bhld"; (B, L, H, D) for "bshd".
     Any lengths Lq, Lk >= 1; Hkv divides H (grouped-query / multi-query attention: query
@@ -64,6 +70,17 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
     error. Nothing is written to `out` when an error is raised. Thread-safe: see
     README, "Threading".
     """
+    if (precision != "bf16" or smooth_k is not False
+            or any(x is not None for x in (q_descale, k_descale, v_descale))):
+        if lse_out is not None:
+            raise ValueError("lse_out: the FP8 path (precision='fp8', descales, smooth_k) "
+                             "returns its LSE in a new array; pass lse_out=None")
+        from . import fp8
+        return fp8.attention(q, k, v, precision=precision, stage=stage, scale=scale,
+                             layout=layout, out=out, stream=stream, return_lse=return_lse,
+                             causal=causal, window=window, diagonal=diagonal,
+                             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                             smooth_k=smooth_k)
     result, key = steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal,
                               window, diagonal, lse_out=lse_out)
     if result is not None:

@@ -1,7 +1,9 @@
 """The production kernel's build table: the only source of each build's figures.
 
-One row per head dim: what was chosen (consumer warpgroups, K/V tile rows, ring depth, Q
-buffers, where O is staged), each with its reason. Everything else is derived here, once:
+One row per (precision, head dim): what was chosen (consumer warpgroups, K/V tile rows, ring
+depth, Q buffers, where O is staged), each with its reason. The precision column: "bf16" (the
+default kernel, stages.PRODUCTION) or "fp8" (the e4m3 build, attention(precision="fp8"):
+the same kernel composed with -D PTXATTN_FP8, Q, K and V^T one byte an element, O still bf16). Everything else is derived here, once:
 tile bytes, every shared-memory offset (Q, K, V, O, each mbarrier), TMA transaction bytes,
 descriptor steps, shift amounts, named barrier IDs, register budgets and the dynamic
 shared-memory size. Three readers take the figures from here:
@@ -12,8 +14,9 @@ shared-memory size. Three readers take the figures from here:
   - the launcher, through stages.PRODUCTION_VARIANTS (block_n, ring depth, smem, threads);
   - the tests (tests/test_builds.py, test_production_builds.py, the schedule and sync replays).
 
-A new head dim is one row of BUILDS (and its per-score macros: ptxattn/tools/ptxgen.py makes them
-for every head dim and tile width the table names).
+A new head dim is one row of BUILDS (bf16) or FP8_BUILDS (and its per-score macros:
+ptxattn/tools/ptxgen.py and ptxgen_fp8.py make them for every head dim and tile width the
+table names).
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ MAX_REGS_PER_THREAD = 256          # setmaxnreg's ceiling; budgets are multiples
 Q_BOX_ROWS = 64                    # a consumer warpgroup's query rows (the wgmma M)
 SWIZZLE_ROW_BYTES = 128            # a 128-byte swizzled row: 64 bf16 of D
 SWIZZLE_COLS = SWIZZLE_ROW_BYTES // 2
+SMALL_SWIZZLE_ROW_BYTES = 64      # a 64-byte swizzled row (FP8 tiles of 64 bytes a row)
 DESC_UNIT = 16                     # wgmma descriptors address 16-byte units
 MBAR_BYTES = 8                     # one mbarrier
 BARRIER_ALIGN = 128                # the mbarriers' room is rounded up to this
 SMEM_ALIGN = 1024                  # the kernel rounds the dynamic base up to a swizzle atom
 BF16 = 2                           # bytes per element
+PRECISIONS = {"bf16": 2, "fp8": 1}  # the precision column: bytes per Q, K, V element (O is bf16)
+FP8_K_STEP = 32                    # keys (bytes) of one e4m3 wgmma k-step: FP8 BLOCK_N's unit
+FP8_SCALE_BLOCK = 128              # rows a Q descale covers, keys a K descale covers (and V^T's
+                                   # padding of Lk: fp8_reference.Q_BLOCK, V_BLOCK)
+F32_BYTES = 4                      # a descale
 PRODUCER_REGS = 24                 # the producer warpgroup keeps this many (one thread issues TMA)
 # Registers a consumer thread needs besides its S, P and O tiles (addresses, loop state, the
 # softmax's scalars): a row whose tiles leave less than this would spill
@@ -52,6 +61,16 @@ class Build:
     q_buffers: int                 # 2: the next tile's Q loads a whole tile ahead
     o_staged_in_q: bool            # O leaves through the consumer's own Q rows (no O region)
     why: str                       # the reasons behind the choices above
+    precision: str = "bf16"        # "bf16", or "fp8": e4m3 Q, K, V (the PTXATTN_FP8 build)
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one Q, K or V element (O is always bf16)."""
+        return PRECISIONS[self.precision]
 
     # ---- tiles ---------------------------------------------------------------------------
     @property
@@ -64,7 +83,12 @@ class Build:
 
     @property
     def q_box_bytes(self) -> int:
-        """One consumer's 64 rows of Q (and of O): Q_TILE_BYTES."""
+        """One consumer's 64 rows of Q: Q_TILE_BYTES."""
+        return Q_BOX_ROWS * self.head_dim * self.element_bytes
+
+    @property
+    def o_box_bytes(self) -> int:
+        """One consumer's 64 rows of O (bf16 in every build): O_TILE_BYTES."""
         return Q_BOX_ROWS * self.head_dim * BF16
 
     @property
@@ -74,7 +98,38 @@ class Build:
 
     @property
     def kv_tile_bytes(self) -> int:
-        return self.block_n * self.head_dim * BF16
+        """A K tile (BLOCK_N rows of D), or a V tile: V (bf16, BLOCK_N rows of D) or V^T (fp8,
+        D rows of BLOCK_N keys); the same bytes."""
+        return self.block_n * self.head_dim * self.element_bytes
+
+    # ---- the operands' shared-memory layouts (the TMA boxes and the wgmma descriptors) ------
+    @property
+    def qk_row_bytes(self) -> int:
+        """Bytes of one swizzled row of a Q or K tile: 128 (tiles [D bytes / 128][rows][128]),
+        or 64 where a row of D is only 64 bytes (FP8 at D = 64: 64-byte swizzle)."""
+        row = self.head_dim * self.element_bytes
+        return SMALL_SWIZZLE_ROW_BYTES if row == SMALL_SWIZZLE_ROW_BYTES else SWIZZLE_ROW_BYTES
+
+    @property
+    def vt_row_bytes(self) -> int:
+        """FP8: bytes of one row of a V^T tile (BLOCK_N keys of one channel), 128 or 64."""
+        return self.block_n
+
+    @property
+    def desc_qk_bits(self) -> str:
+        """The layout bits (wgmma_desc.ptxh) of Q's and K's descriptors: K-major, swizzled by
+        their rows."""
+        return "DESC_KMAJOR_SW64" if self.qk_row_bytes == SMALL_SWIZZLE_ROW_BYTES \
+            else "DESC_KMAJOR_SW128"
+
+    @property
+    def desc_v_bits(self) -> str:
+        """... of V's: bf16 V is MN-major (read transposed; LBO: BLOCK_N rows * 128 B to the
+        next 64 of D); FP8 wants both operands K-major, so V^T, D rows of BLOCK_N keys."""
+        if not self.fp8:
+            return f"DESC_MNMAJOR_SW128_{self.block_n}ROWS"
+        return "DESC_KMAJOR_SW64" if self.vt_row_bytes == SMALL_SWIZZLE_ROW_BYTES \
+            else "DESC_KMAJOR_SW128"
 
     @property
     def kv_slot_desc(self) -> int:
@@ -107,11 +162,17 @@ class Build:
 
     @property
     def p_regs(self) -> int:
-        return self.block_n // 4                         # the same as bf16 pairs
+        """P as PV's A fragments: bf16 pairs (BLOCK_N / 4) or e4m3 quadruples (BLOCK_N / 8)."""
+        return self.block_n // 2 * self.element_bytes // 4
 
     @property
     def o_regs(self) -> int:
         return self.head_dim // 2                        # 64 x D fp32 over 128 threads
+
+    @property
+    def regs_besides_tiles(self) -> int:
+        """REGS_BESIDES_TILES, and the FP8 build's descale scalars and addresses (~12)."""
+        return REGS_BESIDES_TILES + (12 if self.fp8 else 0)
 
     @property
     def entry_regs(self) -> int:
@@ -151,7 +212,7 @@ class Build:
         if self.o_staged_in_q:
             at["SMEM_O"] = at["SMEM_Q"]
         else:
-            at["SMEM_O"], end = end, end + self.consumers * self.q_box_bytes
+            at["SMEM_O"], end = end, end + self.consumers * self.o_box_bytes
         ring = self.kv_stages * MBAR_BYTES
         at["SMEM_BAR_Q"] = end
         at["SMEM_BAR_FULL_K"] = end + MBAR_BYTES
@@ -183,7 +244,7 @@ class Build:
         """Byte offset of O's 64-column block `block` in a consumer's staging box."""
         return block * Q_BOX_ROWS * SWIZZLE_ROW_BYTES
 
-    # ---- the generated macros this row uses (ptxattn/tools/ptxgen.py) ----------------------------
+    # ---- the generated macros this row uses (ptxattn/tools/ptxgen.py, ptxgen_fp8.py) --------
     @property
     def score_header(self) -> str:
         return f"gen_n{self.block_n}.ptxh"
@@ -192,11 +253,23 @@ class Build:
     def output_header(self) -> str:
         return f"gen_d{self.head_dim}.ptxh"
 
+    @property
+    def headers(self) -> tuple[str, ...]:
+        """Every generated header of the row: the scores', O's, and the FP8 k-steps'."""
+        return (self.score_header, self.output_header) + (("gen_fp8.ptxh",) if self.fp8 else ())
+
+    @property
+    def label(self) -> str:
+        """How messages name the row: "head dim 128", "fp8 head dim 128"."""
+        return f"{'fp8 ' if self.fp8 else ''}head dim {self.head_dim}"
+
     def check(self) -> None:
         """ValueError naming the figure when a row cannot be built."""
         def need(ok, what):
             if not ok:
-                raise ValueError(f"build table, head dim {self.head_dim}: {what}")
+                raise ValueError(f"build table, {self.label}: {what}")
+        need(self.precision in PRECISIONS, f"precision {self.precision!r} (takes "
+             f"{', '.join(PRECISIONS)})")
         need(self.head_dim % SWIZZLE_COLS == 0, f"D must be a multiple of {SWIZZLE_COLS}")
         need(self.block_n % 16 == 0 and self.block_n <= 256, "BLOCK_N: a multiple of 16, <= 256")
         need(self.block_n_shift is not None, "BLOCK_N must be a power of two (tile counts shift)")
@@ -204,8 +277,21 @@ class Build:
         need(self.q_buffers in (1, 2), "one or two Q buffers")
         need(not (self.o_staged_in_q and self.q_buffers == 2),
              "O staged in Q needs the one Q buffer (the next tile's Q would land on O)")
+        need(not (self.o_staged_in_q and self.o_box_bytes > self.q_box_bytes),
+             "O staged in Q needs Q's rows to hold O's (bf16 O is twice e4m3 Q)")
+        if self.fp8:
+            need(self.block_n % FP8_K_STEP == 0 and self.vt_row_bytes in
+                 (SMALL_SWIZZLE_ROW_BYTES, SWIZZLE_ROW_BYTES),
+                 "FP8 BLOCK_N: 64 or 128 keys (V^T's swizzled rows; k-steps of 32)")
+            need(FP8_SCALE_BLOCK % self.block_n == 0,
+                 f"FP8 BLOCK_N must divide the {FP8_SCALE_BLOCK} keys of a K descale")
+            need(self.head_dim * self.element_bytes % SMALL_SWIZZLE_ROW_BYTES == 0 and
+                 (self.head_dim * self.element_bytes == SMALL_SWIZZLE_ROW_BYTES or
+                  self.head_dim * self.element_bytes % SWIZZLE_ROW_BYTES == 0),
+                 "FP8 D: 64 bytes or a multiple of 128 (Q's and K's swizzled rows)")
         need(self.named_barriers <= NAMED_BARRIERS, f"{self.named_barriers} named barriers")
-        need(self.s_regs + self.p_regs + self.o_regs + REGS_BESIDES_TILES <= self.consumer_regs,
+        need(self.s_regs + self.p_regs + self.o_regs + self.regs_besides_tiles
+             <= self.consumer_regs,
              f"S {self.s_regs} + P {self.p_regs} + O {self.o_regs} registers do not fit a "
              f"consumer's {self.consumer_regs}")
         need(self.smem_bytes <= MAX_DYNAMIC_SMEM,
@@ -237,18 +323,52 @@ BUILDS: tuple[Build, ...] = (
               "them, and there is one Q buffer"),
 )
 
+
+# The FP8 builds (precision "fp8"): e4m3 halves every operand tile, so each head dim keeps the
+# bf16 row's consumers and K/V tile and gains what the bytes freed allow.
+FP8_BUILDS: tuple[Build, ...] = (
+    Build(head_dim=64, consumers=3, block_n=128, kv_stages=2, q_buffers=2, o_staged_in_q=False,
+          precision="fp8",
+          why="the bf16 row's three consumers and 128-key tiles (the softmax binds twice as "
+              "hard at the FP8 tensor rate); 64-byte rows of Q and K take the 64-byte swizzle"),
+    Build(head_dim=128, consumers=2, block_n=128, kv_stages=2, q_buffers=2, o_staged_in_q=False,
+          precision="fp8",
+          why="the bf16 row's tile: 128 x 128 with Q double-buffered; the e4m3 tiles leave 96 "
+              "KiB free (a 3- or 4-deep ring is the measurement to try)"),
+    Build(head_dim=256, consumers=2, block_n=64, kv_stages=2, q_buffers=2, o_staged_in_q=False,
+          precision="fp8",
+          why="the bf16 row's BLOCK_N 64 (O alone is 128 registers a thread; BLOCK_N 128, "
+              "FlashAttention-3's FP8 tile, leaves 0 registers to spare: the next thing to "
+              "measure); e4m3 Q (32 KiB a buffer) and ring (64 KiB) leave room for two Q "
+              "buffers and an own O staging (64 KiB bf16)"),
+)
+
 BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in BUILDS}
 HEAD_DIMS: tuple[int, ...] = tuple(sorted(BY_HEAD_DIM))
-for _b in BUILDS:
+FP8_BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in FP8_BUILDS}
+FP8_HEAD_DIMS: tuple[int, ...] = tuple(sorted(FP8_BY_HEAD_DIM))
+for _b in BUILDS + FP8_BUILDS:
     _b.check()
 if DEFAULT_HEAD_DIM not in BY_HEAD_DIM or len(BY_HEAD_DIM) != len(BUILDS):
     raise ValueError("build table: one row per head dim, the default among them")
+if (len(FP8_BY_HEAD_DIM) != len(FP8_BUILDS) or any(b.precision != "bf16" for b in BUILDS)
+        or any(not b.fp8 for b in FP8_BUILDS)):
+    raise ValueError("build table: one row per (precision, head dim), each in its list")
 
 
-def get(head_dim: int) -> Build:
-    """The row of a head dim, or ValueError naming the ones there are."""
+def table(precision: str = "bf16") -> tuple[Build, ...]:
+    """The rows of one precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return BUILDS if precision == "bf16" else FP8_BUILDS
+
+
+def get(head_dim: int, precision: str = "bf16") -> Build:
+    """The row of a head dim (of a precision), or ValueError naming the ones there are."""
+    rows = {b.head_dim: b for b in table(precision)}
     try:
-        return BY_HEAD_DIM[head_dim]
+        return rows[head_dim]
     except KeyError:
-        raise ValueError(f"head dim {head_dim}: the production kernel is built for "
-                         f"{', '.join(map(str, HEAD_DIMS))}") from None
+        what = "the production kernel" if precision == "bf16" else "the FP8 build"
+        raise ValueError(f"head dim {head_dim}: {what} is built for "
+                         f"{', '.join(map(str, sorted(rows)))}") from None

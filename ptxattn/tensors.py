@@ -34,11 +34,14 @@ from . import driver
 from .tma import contiguous_strides
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)       # the FP8 path's operands (ptxattn/fp8.py)
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 kDLInt, kDLUInt, kDLFloat, kDLBfloat = 0, 1, 2, 4
+kDLFloat8_e4m3fn = 10                            # DLPack 1.1
 # What a DeviceArray may hold, as DLPack (code, bits, lanes).
-_DLPACK_CODES = {BF16: (kDLBfloat, 16, 1), np.dtype(np.float32): (kDLFloat, 32, 1)}
+_DLPACK_CODES = {BF16: (kDLBfloat, 16, 1), np.dtype(np.float32): (kDLFloat, 32, 1),
+                 E4M3: (kDLFloat8_e4m3fn, 8, 1)}
 DLPACK_FLAG_READ_ONLY = 1
 DLPACK_VERSION = (1, 0)
 _DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA host (pinned)", 4: "OpenCL", 7: "Vulkan",
@@ -383,7 +386,7 @@ def _describe_typestr(typestr: str) -> str:
 
 class DeviceArray:
     """A strided view of device memory (strides in elements): bf16 for q, k, v and out,
-    float32 for the log-sum-exp.
+    float32 for the log-sum-exp, float8_e4m3fn for the FP8 path's operands.
 
     `stream` is the stream of the last write enqueued by this library; readers
     on another stream (DLPack consumers, to_numpy) are ordered after it.
@@ -395,7 +398,7 @@ class DeviceArray:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _DLPACK_CODES:
             raise TypeError(f"DeviceArray: dtype {self.dtype} is not supported "
-                            "(bfloat16 or float32)")
+                            "(bfloat16, float32 or float8_e4m3fn)")
         self.ptr = int(ptr)
         self.shape = tuple(map(int, shape))
         self.strides = tuple(map(int, strides)) if strides is not None \

@@ -128,7 +128,7 @@ def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, hea
     key = (int(ptr), dims, byte_strides, box, swizzle)
     tmap = _MAPS.get(key)
     if tmap is None:
-        tmap = _encode(int(ptr), dims, byte_strides, box, swizzle, chunk, name)
+        tmap = _encode(int(ptr), dims, byte_strides, box, swizzle, chunk * ELEMENT_BYTES, name)
         with _MAPS_LOCK:
             if len(_MAPS) >= _MAPS_MAX:
                 _MAPS.pop(next(iter(_MAPS)), None)
@@ -136,24 +136,51 @@ def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, hea
     return tmap
 
 
-def _encode(ptr, dims, byte_strides, box, swizzle, chunk, name):
+SWIZZLE_64B = "64B"          # FP8 tiles of 64-byte rows (ptxattn/fp8.py)
+_SWIZZLE_BYTES = {SWIZZLE_NONE: None, SWIZZLE_64B: 64, SWIZZLE_128B: 128}
+
+
+def encode_tiled(ptr: int, dims, byte_strides, box, swizzle: str, *, data_type: str = "bf16",
+                 name: str = "tensor"):
+    """A CUtensorMap of any rank (dims innermost first, byte strides of dims 1.., box) for
+    bf16 or one-byte ("u8": e4m3) elements, encoded once per key like encode_qkvo_map."""
+    check_base(ptr, name)
+    key = (int(ptr), tuple(dims), tuple(byte_strides), tuple(box), swizzle, data_type)
+    tmap = _MAPS.get(key)
+    if tmap is None:
+        row_bytes = box[0] * (ELEMENT_BYTES if data_type == "bf16" else 1)
+        tmap = _encode(int(ptr), tuple(dims), tuple(byte_strides), tuple(box), swizzle,
+                       row_bytes, name, data_type)
+        with _MAPS_LOCK:
+            if len(_MAPS) >= _MAPS_MAX:
+                _MAPS.pop(next(iter(_MAPS)), None)
+            _MAPS[key] = tmap
+    return tmap
+
+
+def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="bf16"):
     from .driver import check, cu  # driver only when a map is actually built
 
-    if swizzle not in (SWIZZLE_NONE, SWIZZLE_128B):
-        raise ValueError(f"swizzle: expected {SWIZZLE_NONE!r} or {SWIZZLE_128B!r}, got {swizzle!r}")
-    if swizzle == SWIZZLE_128B and chunk * ELEMENT_BYTES > 128:
-        raise ValueError(f"{name}: a 128B-swizzled box row is at most 128 bytes, got {chunk * 2}")
+    if swizzle not in _SWIZZLE_BYTES:
+        raise ValueError(f"swizzle: expected one of {tuple(_SWIZZLE_BYTES)}, got {swizzle!r}")
+    span = _SWIZZLE_BYTES[swizzle]
+    if span is not None and row_bytes > span:
+        raise ValueError(f"{name}: a {swizzle}-swizzled box row is at most {span} bytes, "
+                         f"got {row_bytes}")
     d = cu()
-    sw = (d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle == SWIZZLE_128B
-          else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE)
+    sw = {SWIZZLE_128B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+          SWIZZLE_64B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+          SWIZZLE_NONE: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}[swizzle]
+    kind = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if data_type == "bf16"
+            else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
     return check(d.cuTensorMapEncodeTiled(
-        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        5,
+        kind,
+        len(dims),
         ptr,
         [d.cuuint64_t(x) for x in dims],
         [d.cuuint64_t(x) for x in byte_strides],
         [d.cuuint32_t(x) for x in box],
-        [d.cuuint32_t(1)] * 5,
+        [d.cuuint32_t(1)] * len(dims),
         d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         sw,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,

@@ -46,8 +46,11 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
     own = (stages.ptx_root() / stages.PRODUCTION.file).read_text()
     assert not re.search(r"^\s*TRACE\(", own, re.M) and not re.search(r"^#if HEAD_DIM\b", own, re.M)
     names = [v for v, _ in golden.variants(stages.PRODUCTION)]
+    fp8 = [f"PTXATTN_FP8=1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
+           for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")]
     assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
-                     "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256"]
+                     "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256",
+                     *fp8]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 
@@ -104,6 +107,15 @@ def test_a_one_instruction_edit_of_a_real_stage_breaks_its_fingerprint(tmp_path)
     edited = golden.fingerprint(ptx.expand_file(tmp_path / "edited.ptx", inc).text)
     assert "bar.sync BAR_CTA;" in text and copy == GOLDEN[st.label]["default"]
     assert edited != copy and edited["statements"] == copy["statements"]
+
+
+def test_a_knob_value_may_cross_the_knob_with_other_defines():
+    assert golden.knob_defines("PTXATTN_FP8", "1") == {"PTXATTN_FP8": "1"}
+    assert golden.knob_defines("PTXATTN_FP8", "1 HEAD_DIM=64 PTXATTN_MASKED=1") == {
+        "PTXATTN_FP8": "1", "HEAD_DIM": "64", "PTXATTN_MASKED": "1"}
+    named = dict(golden.variants(stages.PRODUCTION))
+    assert named["PTXATTN_FP8=1 HEAD_DIM=64 PTXATTN_MASKED=1"] == {
+        "PTXATTN_FP8": "1", "HEAD_DIM": "64", "PTXATTN_MASKED": "1"}
 
 
 # ---- the decode family: kernels outside the stage registry ------------------------------------

@@ -33,14 +33,25 @@ from .. import ptx, stages
 # The build variants in use, in ONE place: each knob names the values the lineage is built
 # with and how to tell whether a stage reads it (a regex over the stage's sources: its file and
 # every file it includes, ptx.source_files). A new define that changes what a stage assembles
-# to gets one row here.
+# to gets one row here. A value may name further defines after it ("1 HEAD_DIM=64": a build
+# of two switches), for a knob whose builds are crossed with others.
 KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_TRACE", ("1",), r"^\s*TRACE\("),                 # trace points (ptxattn/tools/trace.py)
     ("SW_EXP2_PER_8", tuple(str(k) for k in range(9)), r"\bSW_EXP2_PER_8\b"),  # stages 9 on
     ("PTXATTN_MASKED", ("1",), r"^#ifdef PTXATTN_MASKED"),     # the production kernel's masks
     ("PTXATTN_VARLEN", ("1",), r"^#ifdef PTXATTN_VARLEN"),     # its packed-sequence build
     ("HEAD_DIM", ("64", "256"), r"^#if HEAD_DIM\b"),   # production builds (128: the default)
+    # the production kernel's FP8 builds (builds.FP8_BUILDS): every head dim, masked or not
+    ("PTXATTN_FP8", tuple(f"1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
+                          for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")),
+     r"^#ifn?def PTXATTN_FP8"),
 )
+
+
+def knob_defines(name: str, value: str) -> dict[str, str]:
+    """The defines of one knob value: NAME=first word, then the value's further defines."""
+    first, *more = value.split()
+    return {name: first, **dict(d.split("=", 1) for d in more)}
 
 FINGERPRINTS = Path(__file__).resolve().parents[2] / "tests" / "golden" / "fingerprints.json"
 
@@ -84,7 +95,9 @@ def variants(stage) -> list[tuple[str, dict[str, str]]]:
     out = [("default", {})]
     for name, values, reads in KNOBS:
         if re.search(reads, text, re.M):
-            out += [(f"{name}={v}", {name: v}) for v in values]
+            for v in values:
+                defines = knob_defines(name, v)
+                out.append((" ".join(f"{k}={x}" for k, x in defines.items()), defines))
     return out
 
 

@@ -1,7 +1,7 @@
 """Write ptx/sm90/production/layout.ptxh, the production kernel's build table, from ptxattn/builds.py.
 
-One `#if HEAD_DIM == d` block per row of builds.BUILDS, every figure a literal number: pcpp does
-no arithmetic outside #if, and the golden fingerprints compare the operands' text, so an
+One `#if HEAD_DIM == d` block per row of builds.BUILDS (and, under `#ifdef PTXATTN_FP8`, one per
+row of builds.FP8_BUILDS), every figure a literal number: pcpp does no arithmetic outside #if, and the golden fingerprints compare the operands' text, so an
 operand must expand to the number (or the product) it has always been. Beside the figures, each
 block includes the row's generated fragment headers (ptxgen.py), names its per-score macros
 and writes the statement lists that depend on the row (the ring's mbarrier inits, O's
@@ -36,12 +36,21 @@ def _macro(name: str, body: list[str]) -> list[str]:
 
 
 def _aliases(b: builds.Build) -> list[str]:
-    """The per-score and per-head-dim macros of the row (gen_nN / gen_dD) under the names the
-    kernel uses."""
+    """The per-score and per-head-dim macros of the row (gen_nN / gen_dD, and the FP8 rows'
+    k-steps, P packing and V descale: gen_fp8.ptxh) under the names the kernel uses."""
     n, d = f"N{b.block_n}", f"D{b.head_dim}"
-    return [
-        f"#define QK_TILE(DQ, DK) QK_{n}_{d}(DQ, DK)",
-        f"#define PV_TILE(DV) PV_{n}_{d}(DV)",
+    if b.fp8:
+        gemms = [f"#define QK_TILE(DQ, DK) QK_FP8_{n}_{d}(DQ, DK)",
+                 f"#define PV_TILE(DV) PV_FP8_{n}_{d}(DV)",
+                 f"#define PACK_P PACK_P_FP8_{n}",
+                 "#define PACK_P_REGS .reg .b16 %ph_lo, %ph_hi;   // two e4m3 each",
+                 f"#define SCALE_V SCALE_V_{d}"]
+    else:
+        gemms = [f"#define QK_TILE(DQ, DK) QK_{n}_{d}(DQ, DK)",
+                 f"#define PV_TILE(DV) PV_{n}_{d}(DV)",
+                 f"#define PACK_P PACK_P_{n}",
+                 "#define PACK_P_REGS"]
+    return gemms + [
         f"#define ZERO_O ZERO_O_{d}",
         f"#define SCALE_O(LO, HI) SCALE_O_{d}(LO, HI)",
         f"#define STMATRIX_O STMATRIX_O_{d}",
@@ -51,7 +60,6 @@ def _aliases(b: builds.Build) -> list[str]:
         f"#define ROW_SUM_ADD_LO(S) ROW_SUM_ADD_LO_{n}(S)",
         f"#define ROW_SUM_ADD_HI(S) ROW_SUM_ADD_HI_{n}(S)",
         f"#define SCALE_EXP2(A, B, C, D, E, F) SCALE_EXP2_{n}(A, B, C, D, E, F)",
-        f"#define PACK_P PACK_P_{n}",
         f"#define MASK_COLS(LIMIT) MASK_COLS_{n}(LIMIT)",
         f"#define MASK_RANGE(LO_LO, HI_LO, LO_HI, HI_HI) MASK_RANGE_{n}(LO_LO, HI_LO, LO_HI, HI_HI)",
     ]
@@ -77,14 +85,15 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
          f"setmaxnreg: ({builds.REGISTERS_PER_SM} - {builds.PRODUCER_REGS} * "
          f"{builds.WARPGROUP}) / {b.consumers * builds.WARPGROUP}, to 8"),
         ("S_REGS", b.s_regs, "BLOCK_N / 2 scores a thread"),
-        ("P_REGS", b.p_regs, "BLOCK_N / 4 bf16 pairs"),
+        ("P_REGS", b.p_regs, "BLOCK_N / 8 e4m3 quadruples" if b.fp8 else "BLOCK_N / 4 bf16 pairs"),
         ("O_REGS", b.o_regs, "D / 2 accumulators a thread"),
-        ("Q_TILE_BYTES", b.q_box_bytes, "one consumer's 64 rows of Q (and of O)"),
+        ("Q_TILE_BYTES", b.q_box_bytes, "one consumer's 64 rows of Q"),
+        ("O_TILE_BYTES", b.o_box_bytes, "one consumer's 64 rows of O (bf16)"),
         ("Q_BUFFERS", b.q_buffers, ""),
         # products, not their values: the operand text the kernel has always had
         ("Q_BUFFER_BYTES", f"({b.consumers} * {b.q_box_bytes})", "every consumer's rows"),
         ("Q_TX_BYTES", f"{b.consumers} * {b.q_box_bytes}", "Q FULL's expect_tx: a box a consumer"),
-        ("KV_TILE_BYTES", b.kv_tile_bytes, ""),
+        ("KV_TILE_BYTES", b.kv_tile_bytes, "V^T's too (D rows of BLOCK_N keys)" if b.fp8 else ""),
         ("KV_TX_BYTES", b.kv_tx_bytes, "a K or V FULL's expect_tx"),
         ("KV_SLOT_DESC", b.kv_slot_desc, "KV_TILE_BYTES >> 4: a slot's descriptor step"),
         ("KV_STAGES", b.kv_stages, "ring depth"),
@@ -105,7 +114,10 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
     out += [(f"BAR_TURN_{c}", b.bar_turn(c), f"consumer {c}'s GEMM turn")
             for c in range(b.consumers)]
     out += [(f"BAR_O_{c}", b.bar_o(c), f"consumer {c}'s O staging") for c in range(b.consumers)]
-    out.append(("DESC_V_BITS", f"DESC_MNMAJOR_SW128_{b.block_n}ROWS",
+    out.append(("DESC_QK_BITS", b.desc_qk_bits,
+                f"Q and K K-major, {b.qk_row_bytes}-byte swizzled rows"))
+    out.append(("DESC_V_BITS", b.desc_v_bits,
+                f"V^T K-major: D rows of {b.vt_row_bytes} key bytes" if b.fp8 else
                 "V MN-major: LBO BLOCK_N rows * 128 B to the next 64 of D"))
     return out
 
@@ -117,9 +129,10 @@ def numbers(b: builds.Build) -> dict[str, int]:
 
 
 def _row(b: builds.Build) -> list[str]:
-    out = textwrap.wrap(b.why, 96, initial_indent=f"// D = {b.head_dim}: ", subsequent_indent="// ",
+    lead = f"// {'FP8 ' if b.fp8 else ''}D = {b.head_dim}: "
+    out = textwrap.wrap(b.why, 96, initial_indent=lead, subsequent_indent="// ",
                         break_on_hyphens=False)
-    out += [f'#include "{b.score_header}"', f'#include "{b.output_header}"']
+    out += [f'#include "{name}"' for name in b.headers]
     out += [_define(name, value, comment) for name, value, comment in figures(b)]
     # the K/V ring's FULL or EMPTY barriers, one a slot (the includer's %p_leader inits them)
     out.append("// the mbarriers of a ring (FULL or EMPTY, K or V), one a slot")
@@ -137,21 +150,35 @@ def _row(b: builds.Build) -> list[str]:
     return out
 
 
+def _rows(rows: tuple[builds.Build, ...], what: str) -> list[str]:
+    """`#if HEAD_DIM == d` ... `#endif` over the rows of one precision."""
+    dims = sorted(b.head_dim for b in rows)
+    named = ", ".join(map(str, dims[:-1])) + f" or {dims[-1]}"
+    out = []
+    for i, b in enumerate(rows):
+        out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim}")
+        out += _row(b)
+    return out + ["#else", f'#error "production: {what}HEAD_DIM must be {named} (a row of '
+                  'ptxattn/builds.py)"', "#endif"]
+
+
 def header() -> str:
-    table = ["//   D    consumers BLOCK_M BLOCK_N ring  Q buffers  O staged  smem      "
+    table = ["//   precision D    consumers BLOCK_M BLOCK_N ring  Q buffers  O staged  smem      "
              "registers/thread (S, P, O of the consumer budget)"]
-    for b in builds.BUILDS:
-        table.append(f"//   {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} {b.block_n:<7} "
-                     f"{b.kv_stages:<5} {b.q_buffers:<10} {'in Q' if b.o_staged_in_q else 'own':<9} "
+    for b in builds.BUILDS + builds.FP8_BUILDS:
+        table.append(f"//   {b.precision:<9} {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} "
+                     f"{b.block_n:<7} {b.kv_stages:<5} {b.q_buffers:<10} "
+                     f"{'in Q' if b.o_staged_in_q else 'own':<9} "
                      f"{b.smem_bytes:<9} S {b.s_regs}, P {b.p_regs}, O {b.o_regs} "
                      f"(of {b.consumer_regs})")
-    dims = ", ".join(map(str, builds.HEAD_DIMS[:-1])) + f" or {builds.HEAD_DIMS[-1]}"
     out = [
         f"// {NAME}: generated by `python -m ptxattn.tools.ptxgen_layout` (ptxattn/tools/ptxgen_layout.py)",
         "// from the build table in ptxattn/builds.py; do not edit.",
         "// The production kernel's figures per head dim: tiles, consumers, shared-memory offsets,",
         "// transaction bytes, descriptor steps, shifts, named barrier IDs, register budgets.",
-        "// Every tile is 128-byte swizzled, stored [D / 64][rows][64 elements].",
+        "// Every bf16 tile is 128-byte swizzled, stored [D / 64][rows][64 elements]; the FP8",
+        "// builds' (-D PTXATTN_FP8) Q and K tiles [D / 128][rows][128 bytes] (D = 64: [rows][64",
+        "// bytes], 64-byte swizzle), V^T tiles [D][BLOCK_N bytes], O staging as bf16's.",
         "//",
         *table,
         "#ifndef PTXATTN_PRODUCTION_LAYOUT_PTXH",
@@ -171,14 +198,18 @@ def header() -> str:
         _define("BAR_CTA", builds.Build.bar_cta, "named barrier: the whole CTA"),
         _define("BAR_TURN_THREADS", 2 * builds.WARPGROUP, "a turn: the waiter and the hand-over"),
         _define("BAR_O_THREADS", builds.WARPGROUP, "an O staging barrier: one consumer"),
+        _define("DESCALE_BLOCK_SHIFT", builds.FP8_SCALE_BLOCK.bit_length() - 1,
+                "FP8: log2 of the rows (keys) a Q (K) descale covers"),
+        _define("DESCALE_BYTES", builds.F32_BYTES, "FP8: a float32 descale"),
+        _define("DESCALE_BYTES_SHIFT", builds.F32_BYTES.bit_length() - 1, "log2(DESCALE_BYTES)"),
         "",
-    ]
-    for i, b in enumerate(builds.BUILDS):
-        out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim}")
-        out += _row(b)
-    out += ["#else",
-            f'#error "production: HEAD_DIM must be {dims} (a row of ptxattn/builds.py)"',
-            "#endif", "", "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
+        "#ifndef PTXATTN_FP8",
+        "// ==== the bf16 builds (stages.PRODUCTION)",
+        *_rows(builds.BUILDS, ""),
+        "#else",
+        "// ==== the FP8 builds (-D PTXATTN_FP8: attention(precision=\"fp8\"))",
+        *_rows(builds.FP8_BUILDS, "FP8: "),
+        "#endif", "", "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
     return "\n".join(out)
 
 

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import builds as _builds
 from .. import stages as _stages
 from ..errors import PtxattnError
 
@@ -475,7 +476,14 @@ def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -
     asm = assemble(stage, arch=arch, defines=defines)
     text = disassemble(asm.cubin)
     smem = stage.smem_bytes
-    if stage.production and defines and "HEAD_DIM" in defines:
+    if stage.production and defines and str(defines.get("PTXATTN_FP8", "0")) != "0":
+        # -d PTXATTN_FP8: the e4m3 build's shared memory (builds.FP8_BUILDS), not bf16's
+        try:
+            smem = _builds.get(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
+                               "fp8").smem_bytes
+        except ValueError:
+            pass                                  # no such build: ptxas said so already
+    elif stage.production and defines and "HEAD_DIM" in defines:
         # -d HEAD_DIM=256: the shared memory of that build (PRODUCTION_VARIANTS)
         try:
             smem = stage.specialize(int(defines["HEAD_DIM"]),

@@ -10,7 +10,8 @@
   the call (tensors that require grad included), torch's SDPA elsewhere (warned once per
   reason, counted: fallback_counts()).
 - `register_diffusers()`: a "ptxattn" attention backend for diffusers
-  (`transformer.set_attention_backend("ptxattn")`).
+  (`transformer.set_attention_backend("ptxattn")`); `register_diffusers(fp8=True)` the opt-in
+  "ptxattn_fp8" one (ptxattn.torch.fp8: e4m3, ~5% relative error; never the default).
 - `register_transformers()`: `attn_implementation="ptxattn"` for transformers models (decode
   steps on the split-KV decode kernel, with the dynamic and the static cache; training on
   the forward and backward kernels).
@@ -33,6 +34,7 @@ if not hasattr(_torch.library, "custom_op"):  # pragma: no cover
 
 from ._op import attention, library_takes_causal  # noqa: E402
 from .kvcache import flash_attn_with_kvcache  # noqa: E402
+from . import fp8  # noqa: E402,F401  (registers ptxattn::attention_fp8)
 from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_counts,  # noqa: E402
                    scaled_dot_product_attention)
 
@@ -54,13 +56,14 @@ def _require(package: str, minimum: str, caller: str) -> None:
             "that brings it: pip install -e '.[models]' in a checkout") from e
 
 
-def register_diffusers() -> str:
-    """Register the "ptxattn" backend with diffusers' attention dispatch; returns its name.
+def register_diffusers(fp8: bool = False) -> str:
+    """Register the "ptxattn" backend (fp8=True: the opt-in "ptxattn_fp8") with diffusers'
+    attention dispatch; returns its name.
     Needs diffusers (>= 0.35, extra `models`): MissingModelLibraryError (an ImportError) says
     so when it is not installed."""
     _require("diffusers", "0.35", "register_diffusers()")
     from .diffusers_backend import register
-    return register()
+    return register(fp8=fp8)
 
 
 def register_transformers() -> str:

@@ -309,7 +309,8 @@ def _mask_arguments(is_causal, window, diagonal):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               layout: str = "bhld", is_causal: bool = False, return_lse: bool = False,
-              window=None, diagonal: str = "bottom_right", deterministic: bool = False):
+              window=None, diagonal: str = "bottom_right", deterministic: bool = False,
+              precision: str = "bf16"):
     """The op with defaults: scale 1/sqrt(D); returns out, or (out, lse) with return_lse.
 
     Masks as ptxattn.attention's: is_causal (bottom-right by default: query i of Lq sees keys
@@ -323,7 +324,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     No fallback here: the call must be one the kernel takes (bf16 CUDA tensors, a head dim
     in stages.PRODUCTION.head_dims, k/v heads dividing q's); the library raises a clear
     ValueError/TypeError naming the argument otherwise. For SDPA's semantics with fallback
-    use scaled_dot_product_attention."""
+    use scaled_dot_product_attention. precision="fp8": the opt-in FP8 op
+    (ptxattn.torch.fp8: ~5% relative error for up to twice the tensor rate; no LSE)."""
+    if precision != "bf16":
+        if precision != "fp8":
+            raise ValueError(f"precision: expected 'bf16' or 'fp8', got {precision!r}")
+        if return_lse:
+            raise ValueError("return_lse: the FP8 op returns no LSE; use precision='bf16'")
+        if window is not None or diagonal != "bottom_right":
+            raise ValueError(f"window/diagonal: the FP8 op takes is_causal only (bottom-right), "
+                             f"got window={window!r}, diagonal={diagonal!r}; use "
+                             "ptxattn.attention(precision='fp8', window=...) or "
+                             "precision='bf16'")
+        from .fp8 import attention as attention_fp8
+        return attention_fp8(q, k, v, scale=scale, layout=layout, is_causal=is_causal)
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' or 'bshd', got {layout!r}")
     if q.dim() != 4:

@@ -18,6 +18,7 @@ import torch
 from . import sdpa
 
 NAME = "ptxattn"
+NAME_FP8 = "ptxattn_fp8"          # opt-in: register(fp8=True); never the default
 
 
 def _add_enum_member(enum_cls, name: str, value: str):
@@ -63,13 +64,33 @@ def ptxattn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                           layout="bshd")
 
 
-def register() -> str:
-    """Make "ptxattn" a diffusers attention backend (idempotent); returns the name."""
+def ptxattn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                          is_causal: bool = False, scale: float | None = None,
+                          enable_gqa: bool = False, return_lse: bool = False):
+    """The opt-in FP8 backend: (batch, seq, heads, head_dim) in and out, through
+    ptxattn.torch.fp8_sdpa (e4m3 Q, K, V and P: ~5% relative error); torch's SDPA for the calls
+    the kernel does not take. No LSE."""
+    if return_lse:
+        raise ValueError("ptxattn_fp8 attention backend: return_lse=True is not supported "
+                         "(the FP8 op returns no LSE); use the 'ptxattn' backend")
+    if (attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape[0] == query.shape[0]
+            and attn_mask.shape[1] == key.shape[1]):
+        attn_mask = attn_mask.unsqueeze(1).unsqueeze(1)
+    from . import fp8_sdpa
+    return fp8_sdpa.sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa, layout="bshd")
+
+
+def register(fp8: bool = False) -> str:
+    """Make "ptxattn" (or, with fp8=True, the opt-in "ptxattn_fp8") a diffusers attention
+    backend (idempotent); returns the name. Neither is ever made the default."""
     from diffusers.models import attention_dispatch as dispatch
 
-    backend = _add_enum_member(dispatch.AttentionBackendName, NAME.upper(), NAME)
+    name, function = (NAME_FP8, ptxattn_fp8_attention) if fp8 else (NAME, ptxattn_attention)
+    backend = _add_enum_member(dispatch.AttentionBackendName, name.upper(), name)
     if backend not in dispatch._AttentionBackendRegistry._backends:
         dispatch._AttentionBackendRegistry.register(
             backend, constraints=[dispatch._check_device, dispatch._check_shape],
-            supports_context_parallel=False)(ptxattn_attention)
-    return NAME
+            supports_context_parallel=False)(function)
+    return name

@@ -42,7 +42,8 @@ H200 = {
     "driver_version": 13000,
 }
 _DEFAULT_SMEM = 48 * 1024
-_CACHE_NAMES = ("_KERNELS", "_STEADY", "_MODULES", "_CONFIGS", "_MAPS", "_RESULTS", "_METRICS")
+_CACHE_NAMES = ("_KERNELS", "_STEADY", "_MODULES", "_CONFIGS", "_MAPS", "_RESULTS", "_METRICS",
+                "_CONSTANTS")
 
 
 class FakeModule:
