@@ -15,11 +15,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from ptxattn import driver, launch, ptx, stages
+from ptxattn import driver, fp8_forward, launch, ptx, stages
 from ptxattn.launch import LINEAGE_PARAMS, TILE_COUNTER, TRACE_BUF, params_of
 from ptxattn.tools import golden
 
-_ENTRY = re.compile(r"\.entry\s+ptxattn_fwd\s*\((.*?)\)", re.S)
+_ENTRY = re.compile(r"\.entry\s+ptxattn_fwd(?:_fp8)?\s*\((.*?)\)", re.S)   # (FP8: its own entry)
 _DECL = re.compile(r"^\.param\s+(?P<type>.+?)\s+(?P<name>\w+)\s*(?P<array>\[\d+\])?$")
 TRACE = {"PTXATTN_TRACE": "1"}
 
@@ -127,7 +127,10 @@ def production_builds():
                          ids=[name for name, _, _ in production_builds()])
 def test_the_production_kernel_declares_the_table(name, build, defines):
     trace = (TRACE_BUF,) if "PTXATTN_TRACE" in (defines or {}) else ()
-    assert declared(ptx.source(build, defines)) == table(params_of(build) + trace)
+    # the FP8 builds (ptxattn_fwd_fp8) are launched from fp8_forward's table: the production
+    # kernel's parameters, then the descales
+    params = fp8_forward.PARAMS if "PTXATTN_FP8" in (defines or {}) else params_of(build)
+    assert declared(ptx.source(build, defines)) == table(params + trace)
 
 
 def test_the_production_builds_cover_masks_head_dims_and_the_trace():
