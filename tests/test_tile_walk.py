@@ -476,17 +476,17 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
     ctx = driver.context()
     problem = Problem.of(b, h, lq, lk, d, hkv, causal=causal, window=window)
     used = tile_walk.host_section(problem, ctx.l2_bytes, ctas or ctx.sm_count)
-    if section is not None:                        # forced: the launcher's rule patched
-        monkeypatch.setattr(tile_walk, "host_section", lambda *a, **k: section)
-        used = section
-    extra = ((used, None),)                        # for the messages
-    p = prepare(qd, kd, vd, layout=layout, out=out, causal=causal, window=window)
+    with pytest.MonkeyPatch.context() as patch:
+        if section is not None:                    # forced: the launcher's rule patched
+            patch.setattr(tile_walk, "host_section", lambda *a, **k: section)
+            used = section
+        p = prepare(qd, kd, vd, layout=layout, out=out, causal=causal, window=window)
     p.launch()
     driver.synchronize()
     got = out.to_numpy().astype(np.float32)
     axis = 2 if layout == "bhld" else 1
     nan_rows = np.isnan(got).any(axis=-1)
-    assert not nan_rows.any(), (f"{shape} S={extra[0][0]}: {int(nan_rows.sum())} rows not "
+    assert not nan_rows.any(), (f"{shape} S={used}: {int(nan_rows.sum())} rows not "
                                 f"written (NaN), first at {np.argwhere(nan_rows)[:3].tolist()}")
     rows = sample_rows(lq, 256, seed=seed) if lq > 600 else np.arange(lq)
     ref = attention_reference(q, k, v, layout=layout, causal=causal, window=window, rows=rows)
@@ -497,7 +497,7 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
         m = error_metrics(got[sl], ref[sl])
         if not passes(m) and worst is None:
             worst = (bi, hi, m)
-    assert worst is None, (f"{shape} S={extra[0][0]} {layout}: (batch, head) {worst[:2]}, "
+    assert worst is None, (f"{shape} S={used} {layout}: (batch, head) {worst[:2]}, "
                            f"{len(rows)} rows: {worst[2]}")
 
 
