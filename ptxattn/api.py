@@ -121,7 +121,7 @@ def attention(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None
 def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
             stream=None, return_lse: bool = False, causal: bool = False, window=None,
             diagonal: str = "bottom_right", defines: dict | None = None,
-            extra_params=(), lse_out=None) -> PreparedAttention:
+            extra_params=(), lse_out=None, walk_rule: str = "l2-walk") -> PreparedAttention:
     """Validate, pick the stage, copy NumPy inputs in, build maps and parameters.
 
     Arguments as for `attention`. Call `.launch()` to enqueue the kernel (as
@@ -129,8 +129,13 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     For build variants (tools, not users): `defines` go to the preprocessor
     (e.g. {"PTXATTN_TRACE": 1}) and `extra_params`, (value, ctypes type)
     pairs, follow the table's parameters (launch.params_of), e.g. the trace
-    buffer: ((trace_ptr, launch.TRACE_BUF.ctype),).
+    buffer: ((trace_ptr, launch.TRACE_BUF.ctype),); `walk_rule` (a measurement's) names
+    the section rule of the production walk (tile_walk.WALKS: "l2-walk", what attention()
+    runs; "today", "head-major": the walks before it).
     """
+    from .tile_walk import WALKS
+    if walk_rule not in WALKS:
+        raise ValueError(f"walk_rule: expected one of {', '.join(WALKS)}, got {walk_rule!r}")
     plan = validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                     return_lse=return_lse, causal=causal, window=window, diagonal=diagonal,
                     lse_out=lse_out)
@@ -139,7 +144,7 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     where = launch.target(plan)
     if where.stage.arch != stages.HOPPER:   # a never-run lineage: checked before its first launch
         _first_use(plan, where.stage, where.ctx.ordinal)
-    return launch.build(plan, where, defines, tuple(extra_params))
+    return launch.build(plan, where, defines, tuple(extra_params), walk_rule)
 
 
 def _first_use(plan: Plan, stage: Stage, device: int) -> None:

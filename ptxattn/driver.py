@@ -79,6 +79,8 @@ class Context:
         )
         self.sm_count = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.max_smem_optin = self.attribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        # the production walk's sections fit a share of it (tile_walk.host_section)
+        self.l2_bytes = self.attribute(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         # stream-ordered allocation (cuMemAllocAsync) from the device's default pool
         self.memory_pools = bool(self.attribute(attr.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED))
 

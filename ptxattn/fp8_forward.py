@@ -11,7 +11,8 @@ import threading
 import numpy as np
 
 from . import builds, driver, fp8_quantize, tensors, tma
-from .launch import LINEAGE_PARAMS, PRODUCTION_PARAMS, UNBOUNDED, Param, pack, persistent_ctas
+from .launch import (LINEAGE_PARAMS, PRODUCTION_PARAMS, UNBOUNDED, WALK_SECTION, Param, pack,
+                     persistent_ctas, walk_section)
 from .fp8_reference import padded_keys
 from .stages import PRODUCTION, SWIZZLE_128B
 from .tensors import BF16, E4M3, DeviceArray
@@ -38,7 +39,8 @@ DESCALE_PARAMS: tuple[Param, ...] = (
     Param("v_descale_head_kv", driver.U32, ".u32"),
     Param("v_descale_channel", driver.U32, ".u32"),
 )
-PARAMS: tuple[Param, ...] = LINEAGE_PARAMS + PRODUCTION_PARAMS + DESCALE_PARAMS
+# then the tile walk's section (the bf16 builds' rule: include/tile_walk.ptxh)
+PARAMS: tuple[Param, ...] = LINEAGE_PARAMS + PRODUCTION_PARAMS + DESCALE_PARAMS + (WALK_SECTION,)
 
 
 def build_of(head_dim: int) -> builds.Build:
@@ -254,6 +256,7 @@ def prepare(plan, defines: dict | None = None) -> PreparedFp8:
         params.update(zip(fields, strides))
     cap = persistent_ctas()
     cover = grid(build, B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
+    params["walk_section"] = walk_section(plan, build, ctx, cover[0])
     forward = driver.LaunchSpec(function, cover, (build.threads, 1, 1), build.smem_bytes,
                                 pack(PARAMS, params), stream=stream)
     out.stream = stream

@@ -66,6 +66,9 @@ PRODUCTION_PARAMS: tuple[Param, ...] = (
     Param("window_left", driver.S32, ".s32"),      # the keys row r sees: [r + diag - left,
     Param("window_right", driver.S32, ".s32"),     #   r + diag + right]; UNBOUNDED: no edge
 )
+# What the production kernel's builds but the varlen one take after those: the tile walk's
+# section in (batch, head) pairs (include/tile_walk.ptxh; the host's: tile_walk.host_section).
+WALK_SECTION = Param("walk_section", driver.U32, ".u32")
 # What the production kernel's varlen build (PTXATTN_VARLEN: flash_attn_varlen_func) takes
 # after those: the tile table varlen_tiles.ptx wrote (scheduler.ptxh) and q's rows (the LSE's
 # row stride, (heads, total_q)).
@@ -84,6 +87,7 @@ def params_of(stage: Stage) -> tuple[Param, ...]:
     """The parameter list of a kernel's launch, in order (a build variant's extra_params, the
     trace buffer, come after it)."""
     return (LINEAGE_PARAMS + (PRODUCTION_PARAMS if stage.production else ())
+            + ((WALK_SECTION,) if stage.production and not stage.varlen else ())
             + (VARLEN_PARAMS if stage.varlen else ())
             + ((TILE_COUNTER,) if stage.dynamic_tiles else ()))
 
@@ -266,10 +270,12 @@ def target(plan: Plan) -> Target:
     return Target(ctx, stage, cap)
 
 
-def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedAttention:
+def build(plan: Plan, where: Target, defines=None, extra_params=(),
+          walk_rule: str = "l2-walk") -> PreparedAttention:
     """JIT (once), the caller's arrays ready on the stream, maps, parameters, geometry.
 
-    defines and extra_params are a build variant's (tools: see api.prepare)."""
+    defines and extra_params are a build variant's, walk_rule the production walk's section
+    rule (tile_walk.WALKS; a measurement's, tools: see api.prepare)."""
     ctx, stage = where.ctx, where.stage
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
@@ -349,6 +355,10 @@ def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedA
         left, right = (UNBOUNDED if x < 0 else min(x, UNBOUNDED) for x in plan.window)
         values.update(heads_per_kv=H // Hkv, lse_ptr=lse.ptr if lse is not None else 0,
                       diag_offset=plan.diag_offset, window_left=left, window_right=right)
+    cap = where.ctas_cap
+    ctas = ctx.sm_count if cap is None else min(ctx.sm_count, cap)
+    if stage.production and not stage.varlen:
+        values["walk_section"] = walk_section(plan, stage, ctx, ctas, walk_rule)
     if stage.dynamic_tiles:
         # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
         # the kernel's last CTA resets them, so every later launch of this object finds zeros
@@ -361,8 +371,7 @@ def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedA
     # Parameters a build variant adds after the table's (e.g. trace_buf with PTXATTN_TRACE).
     args += tuple(value for value, _ in extra_params)
     types += tuple(ctype for _, ctype in extra_params)
-    cap = where.ctas_cap
-    grid = stage.grid(B, H, Lq, ctx.sm_count if cap is None else min(ctx.sm_count, cap))
+    grid = stage.grid(B, H, Lq, ctas)
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
                              (args, types), cluster=stage.cluster, stream=stream)
     prepared = PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
@@ -372,3 +381,13 @@ def build(plan: Plan, where: Target, defines=None, extra_params=()) -> PreparedA
     prepared._steady = (ctx, (plan.layout, B, H, Lq, D, stage.q_box_rows, stage.swizzle,
                               stage.tma_chunk, out.strides, "out"), lse is not None)
     return prepared
+
+
+def walk_section(plan: Plan, stage: Stage, ctx, ctas: int, rule: str = "l2-walk") -> int:
+    """The production walk's section for this call (tile_walk.host_section): from the plan's
+    shape and mask, the build's tiles, this device's L2 size and its CTAs at most."""
+    from .tile_walk import Problem, host_section
+    window = plan.window if plan.masked else None
+    problem = Problem(plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim,
+                      plan.heads_kv, window, stage.block_m, stage.block_n)
+    return host_section(problem, getattr(ctx, "l2_bytes", None), ctas, rule)

@@ -29,6 +29,7 @@ tests/test_tile_walk.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 
 H200_SMS = 132
@@ -38,7 +39,6 @@ H200_L2_BYTES = 50 * 1024 * 1024      # CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE on an 
 L2_SHARE = 0.64
 BALANCE_TIE = 0.0025           # sizes whose busiest CTA is within 0.25% of the best tie
 MAX_CANDIDATES = 32
-WALK_DEFINE = "PTXATTN_L2_WALK"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +134,8 @@ def section_pairs(p: Problem, l2_bytes: int = H200_L2_BYTES, share: float = L2_S
 
 
 def today_section(p: Problem) -> int:
-    """Today's walk as a section: m_block-major (S = BH) for masked calls with B*H <= 32
-    (MBLOCK_MAJOR_MAX_BH), else head-major (S = 1)."""
+    """The walk before the sectioned one as a section: m_block-major (S = BH) for masked calls
+    with B*H <= 32, else head-major (S = 1)."""
     return p.bh if p.masked and p.bh <= 32 else 1
 
 
@@ -310,12 +310,15 @@ COUNTER_JITTER = 0.05   # the drift with which the model's strict rate met ncu's
 
 def walk_section(p: Problem, name: str, l2_bytes: int = H200_L2_BYTES,
                  grid: int | None = None) -> tuple[int, bool]:
-    """(section, alternate) of a named walk: today's default build, the PTXATTN_HEAD_MAJOR
-    knob, the PTXATTN_L2_WALK build with the host's section."""
+    """(section, alternate) of a named walk as the kernel runs it when given that section
+    (walk_section): "today" the rule of the walk before the sectioned one (today_section),
+    "head-major" section 1, "l2-walk" the host's section (section_pairs), what attention()
+    passes. The kernel alternates the sections' directions always (alternate=False models
+    the builds before it: with section B*H, one section, the same walk)."""
     if name == "today":
-        return today_section(p), False
+        return today_section(p), True
     if name == "head-major":
-        return 1, False
+        return 1, True
     if name == "l2-walk":
         return section_pairs(p, l2_bytes, grid=grid), True
     raise ValueError(f"walk: expected one of {', '.join(WALKS)}, got {name!r}")
@@ -359,20 +362,15 @@ def problem_of_case(case) -> Problem:
 
 # ---- the launcher's side -----------------------------------------------------------------
 
-def extra_params(defines, batch, heads, heads_kv, seq_q, seq_k, head_dim, *, causal=False,
-                 window=None, l2_bytes: int | None = None, sm_count: int | None = None) -> tuple:
-    """The parameters the L2-walk build (-D PTXATTN_L2_WALK=1) adds after the ABI's: the
-    section in (batch, head) pairs (section_pairs), as ((value, ctypes type),) for
-    attention.prepare's extra_params; () for any other build. window: (left, right) as
-    attention() takes it (-1 unbounded). l2_bytes and sm_count: the device's (read from the
-    driver when not given)."""
-    if not defines or str(defines.get(WALK_DEFINE, "0")) in ("0", ""):
-        return ()
-    import ctypes
-    if l2_bytes is None or sm_count is None:
-        from . import driver
-        info = driver.device_info()
-        l2_bytes = l2_bytes or info.get("l2_bytes") or H200_L2_BYTES
-        sm_count = sm_count or info.get("sm_count") or H200_SMS
-    p = Problem.of(batch, heads, seq_q, seq_k, head_dim, heads_kv or heads, causal, window)
-    return ((section_pairs(p, l2_bytes, grid=min(sm_count, p.tiles)), ctypes.c_uint32),)
+@functools.lru_cache(maxsize=256)
+def _cached_section(p: Problem, l2_bytes: int, grid: int, rule: str) -> int:
+    return walk_section(p, rule, l2_bytes, grid)[0]
+
+
+def host_section(p: Problem, l2_bytes: int | None, sm_count: int, rule: str = "l2-walk") -> int:
+    """The kernel parameter walk_section for one call: the section of the named walk (WALKS;
+    "l2-walk", section_pairs, is what every call of attention() gets) on a device with this
+    L2 (None or 0: the H200's) and this many CTAs at most (the grid is min(that, tiles)).
+    Cached per (problem, device), so a prepared call pays for the model once per shape."""
+    grid = max(1, min(sm_count, p.tiles))
+    return _cached_section(p, int(l2_bytes or H200_L2_BYTES), grid, rule)

@@ -29,8 +29,8 @@ def variants(monkeypatch):
     from ptxattn import api
     fake_prepare = api.prepare
 
-    def prepare(q, k, v, *, stage, defines=None, extra_params=(), **kwargs):
-        module.prepared_extras.append((defines, extra_params))
+    def prepare(q, k, v, *, stage, defines=None, walk_rule="l2-walk", **kwargs):
+        module.prepared_extras.append((defines, walk_rule))
         return fake_prepare(q, k, v, stage=stages.get_stage(stage), **kwargs)
     module.prepared_extras = []
 
@@ -84,24 +84,27 @@ def test_ratios_are_against_the_first_variant(variants, tmp_path):
     (["a=production", "a=stage14"], "each LABEL once"),
     (["a=production:PTXATTN_X"], "expected LABEL=KERNEL"),
     (["a=production", "--window", "3"], "--window '3': expected LEFT,RIGHT"),
+    (["a=production:PTXATTN_L2_WALK=1"], "PTXATTN_L2_WALK is no build knob any more"),
+    (["a=production:PTXATTN_HEAD_MAJOR=1"], "PTXATTN_HEAD_MAJOR is no build knob any more"),
+    (["a=production:walk=snake"], "walk=snake: expected one of today, head-major, l2-walk"),
 ])
 def test_bad_arguments_are_named(variants, argv, message):
     with pytest.raises(SystemExit, match=message):
         variants.main([*argv, "--shape", "1x1x128x128"])
 
 
-def test_gqa_flops_and_the_l2_walk_parameter(variants, tmp_path):
+def test_gqa_flops_and_the_walk_rule(variants, tmp_path):
     """--heads-kv: K/V with fewer heads, FLOPs as bench credits a GQA case (by query heads);
-    a PTXATTN_L2_WALK build gets its walk_section from tile_walk, the default build none."""
-    from ptxattn import tile_walk
-    rc, result = run(variants, tmp_path, "a=production", "b=production:PTXATTN_L2_WALK=1",
-                     "--shape", "1x4x256x128", "--heads-kv", "2", "--causal")
+    each variant's walk=RULE reaches prepare() as its walk_rule (the host's l2-walk by
+    default), not as a define, and the result says which walk each variant ran."""
+    rc, result = run(variants, tmp_path, "a=production", "b=production:walk=today",
+                     "c=production:SW_EXP2_PER_8=1,walk=head-major", "--shape", "1x4x256x128",
+                     "--heads-kv", "2", "--causal")
     assert rc == 0 and result["heads_kv"] == 2
     assert result["flops"] == 4 * 4 * 256 * 256 * 128 // 2
-    (d0, e0), (d1, e1) = variants.prepared_extras
-    assert e0 == () and d1 == {"PTXATTN_L2_WALK": "1"}
-    p = tile_walk.Problem.of(1, 4, 256, 256, 128, 2, causal=True)
-    assert e1[0][0] == tile_walk.section_pairs(p, grid=min(132, p.tiles))
+    assert variants.prepared_extras == [(None, "l2-walk"), (None, "today"),
+                                        ({"SW_EXP2_PER_8": "1"}, "head-major")]
+    assert [result["variants"][x]["walk"] for x in "abc"] == ["l2-walk", "today", "head-major"]
     with pytest.raises(SystemExit, match="--heads-kv 3"):
         variants.main(["a=production", "--shape", "1x4x256x128", "--heads-kv", "3"])
 
@@ -190,7 +193,8 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
             return types.SimpleNamespace(returncode=0, stdout=names, stderr="")
         return types.SimpleNamespace(returncode=0, stdout=RAW, stderr="")
     args = ncu_bind.argparse.Namespace(kernel="production", shape="2x16x16384x128", causal=True,
-                                       heads_kv=0, define=[], clocks="natural,locked",
+                                       heads_kv=0, define=[], walk="l2-walk",
+                                       clocks="natural,locked",
                                        out=str(tmp_path / "n.jsonl"), timeout=10)
     rc = ncu_bind.profile(args, ["production"], run=run, which=lambda name: "/usr/bin/ncu")
     assert rc == 0 and [c[2] for c in calls[1:]] == ["none", "base"]
@@ -224,14 +228,14 @@ def test_cudnn_variant_needs_torch_and_no_window(variants):
 
 @pytest.mark.gpu
 def test_variants_with_cudnn_and_sustained_on_the_gpu(tmp_path):
-    """The device plan's form, small: the default build, the L2-walk build and cuDNN, burst
-    rounds then a short sustained window each (~6 s of device time). Every variant passes its
-    check and gets sustained figures."""
+    """The device plan's form, small: the default walk, the walk that was the default
+    (walk=today) and cuDNN, burst rounds then a short sustained window each (~6 s of device
+    time). Every variant passes its check and gets sustained figures."""
     spec = importlib.util.spec_from_file_location("experiments_variants_gpu", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "v.jsonl"
-    rc = module.main(["a=production", "w=production:PTXATTN_L2_WALK=1", "c=cudnn", "--shape",
+    rc = module.main(["a=production", "w=production:walk=today", "c=cudnn", "--shape",
                       "1x4x2048x128", "--causal", "--rounds", "2", "--reps", "2", "--sustained",
                       "--sustained-seconds", "0.5", "--cooldown", "0.2", "--out", str(out)])
     result = json.loads(out.read_text())

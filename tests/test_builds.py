@@ -161,7 +161,7 @@ def test_a_new_head_dim_is_one_row(tmp_path, monkeypatch):
 # ---- no layout literal outside the generated header ------------------------------------------
 
 # Numbers a production source may #define itself: policies and flags, not layout figures
-OWN_DEFINES = {"MBLOCK_MAJOR_MAX_BH", "SW_EXP2_PER_8", "KV_STEP_MASKED", "M_BLOCK_MAJOR_WALK",
+OWN_DEFINES = {"SW_EXP2_PER_8", "KV_STEP_MASKED",
                "P_SHIFT_LOG2", "REBASE_LOG2_FP8",      # (FP8 measurement knobs: softmax.ptxh)
                "PTXATTN_MASKED"}       # a switch, not a figure: the varlen build implies it
 # shared-memory address registers: a literal added to one is an offset

@@ -16,7 +16,7 @@ from fakes import FAKE_BASE, FakeDLPack
 from test_prepare import MiB, OK, cu, gpu, launched  # noqa: F401  (gpu is a fixture)
 
 from ptxattn import api as attn
-from ptxattn import driver, fastpath, tma
+from ptxattn import driver, fastpath, launch, tma
 from ptxattn.tensors import DeviceArray
 
 SHAPE = (1, 2, 128, 128)
@@ -244,7 +244,7 @@ def test_a_second_launch_passes_a_void_array_packed_once(gpu):
         else:
             got = ctype.from_address(slots[i]).value
             assert got == (pytest.approx(value) if ctype is ctypes.c_float else value), i
-    assert values[-4] == p.lse.ptr and values[4] == p.out.ptr   # then diag, left, right
+    assert values[launch.slot(p.abi, "lse_ptr")] == p.lse.ptr and values[4] == p.out.ptr
 
 
 def test_plain_torch_tensors_are_read_without_a_capsule(gpu, monkeypatch):

@@ -63,8 +63,8 @@ PTX_OF_CTYPE = {driver.BY_VALUE: ".align 64 .b8[128]", driver.PTR: ".u64", drive
 def test_each_parameter_has_the_ptx_type_of_its_ctype():
     """A ctype and its .param agree in size and kind: the driver copies sizeof(ctype) bytes
     (128 for a by-value tensor map) into the slot the kernel reads as that type."""
-    every = (LINEAGE_PARAMS + launch.PRODUCTION_PARAMS + launch.VARLEN_PARAMS
-             + (TILE_COUNTER, TRACE_BUF))
+    every = (LINEAGE_PARAMS + launch.PRODUCTION_PARAMS + (launch.WALK_SECTION,)
+             + launch.VARLEN_PARAMS + (TILE_COUNTER, TRACE_BUF))
     for p in every:
         assert p.ptx == PTX_OF_CTYPE[p.ctype], p
         size = 128 if p.ctype is driver.BY_VALUE else ctypes.sizeof(p.ctype)
@@ -142,8 +142,10 @@ def test_the_production_builds_cover_masks_head_dims_and_the_trace():
         build = stages.PRODUCTION.specialize(d, masked)
         assert build.file == stages.PRODUCTION.file and params_of(build) == params_of(
             stages.PRODUCTION)
+        # the walk's section in every build but the varlen one (its tile table is its walk)
+        assert params_of(build)[-1] == launch.WALK_SECTION
         varlen = stages.PRODUCTION.specialize(d, masked, varlen=True)
-        assert params_of(varlen) == params_of(stages.PRODUCTION) + launch.VARLEN_PARAMS
+        assert params_of(varlen) == params_of(stages.PRODUCTION)[:-1] + launch.VARLEN_PARAMS
 
 
 @pytest.mark.parametrize("stage", stages.all_stages(), ids=lambda s: s.label)

@@ -3,8 +3,10 @@
 The production kernel (ptx/sm90/production/) walks two nested schedules that no GPU test covers
 exhaustively:
   - the persistent tile walk: CTA c of G takes round k's tile k*G + c, or k*G + G-1-c on odd
-    rounds in the masked build (SNAKE_TILE); %p_last_tile must be true on its last tile only
-    (consumer 1's last turn hand-over is skipped there, so a wrong flag hangs or races);
+    rounds in the masked build (SNAKE_TILE); tile t is the sectioned walk's (m_block, (batch,
+    head)) for the section walk_section (include/tile_walk.ptxh, ptxattn/tile_walk.tile_of);
+    %p_last_tile must be true on its last tile only (consumer 1's last turn hand-over is
+    skipped there, so a wrong flag hangs or races);
   - per Q tile, the K/V tiles it sees ([kv_first, kv_first + kv_count)): tile 0 in the
     prologue, then a front run of masked steps, the plain loop, a back run of masked steps
     (kv_masked_run / kv_loop / kv_back_run). A tile some row sees only in part must take the
@@ -31,7 +33,7 @@ import numpy as np
 import pytest
 
 from ptxattn import api as attn
-from ptxattn import builds, ptx, stages
+from ptxattn import builds, launch, ptx, stages, tile_walk
 from ptxattn.tools import ptxgen_layout
 from ptxattn.launch import UNBOUNDED   # an unbounded window side, as the kernel reads it
 from test_prepare import dev, gpu         # noqa: F401 - gpu is a fixture (a pretend driver)
@@ -292,16 +294,11 @@ HEAD_DIMS = builds.HEAD_DIMS          # every build of the table
 
 
 @lru_cache(maxsize=None)
-def program(head_dim: int, masked: bool, elements: bool = False,
-            head_major: bool = False) -> Program:
-    """The build's PTX as the model runs it; head_major: the PTXATTN_HEAD_MAJOR measurement
-    knob (the masked walk head-major at any head count)."""
+def program(head_dim: int, masked: bool, elements: bool = False) -> Program:
+    """The build's PTX as the model runs it."""
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
-    defines = dict(st.defines)
-    if head_major:
-        defines["PTXATTN_HEAD_MAJOR"] = "1"
     watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
-    return Program(ptx.source(st, defines), watched, elements)
+    return Program(ptx.source(st, dict(st.defines)), watched, elements)
 
 
 @lru_cache(maxsize=None)
@@ -331,9 +328,12 @@ WATCHED_LABELS = set(CONSUMER_WATCH) | set(PRODUCER_WATCH)
 
 
 def params(seq_q, seq_k, heads=1, batch=1, heads_per_kv=1, diag=0, left=UNBOUNDED,
-           right=UNBOUNDED):
+           right=UNBOUNDED, section=2):
+    """The kernel's parameters the model reads; section: walk_section (the kernel clamps it to
+    [1, batch * heads]; 2 by default: a walk neither head-major nor m_block-major at most
+    head counts, its last section narrower at odd ones)."""
     return dict(seq_q=seq_q, seq_k=seq_k, heads=heads, batch=batch, heads_per_kv=heads_per_kv,
-                diag_offset=diag, window_left=left, window_right=right)
+                diag_offset=diag, window_left=left, window_right=right, walk_section=section)
 
 
 def run_cta(head_dim, masked, prm, ctaid, nctaid, prog=None, tids=None):
@@ -402,26 +402,26 @@ def straddles(seq_q, seq_k, q_row, block_m, block_n, diag, left, right, key_base
     return key_base < below or key_base + block_n - 1 > above
 
 
-@lru_cache(maxsize=None)
-def mblock_major_max_bh() -> int:
-    """The scheduler's MBLOCK_MAJOR_MAX_BH (production/scheduler.ptxh): up to this many (batch,
-    head) pairs the masked build walks its tiles m_block-major."""
-    text = ptx.source_text(stages.PRODUCTION)
-    return int(re.search(r"^#define MBLOCK_MAJOR_MAX_BH (\d+)", text, re.M).group(1))
+def walk_of(prm, head_dim, masked, block_m, block_n):
+    """(the walk's Problem, the section the kernel walks: walk_section clamped to [1, B*H])."""
+    window = (prm["window_left"], prm["window_right"]) if masked else None
+    p = tile_walk.Problem(prm["batch"], prm["heads"], prm["seq_q"], prm["seq_k"], head_dim,
+                          prm["heads"] // prm["heads_per_kv"], window, block_m, block_n)
+    return p, min(max(prm["walk_section"], 1), p.bh)
 
 
-def check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major=False):
-    """One consumer's record of one Q tile against the definition (head_major: the
-    PTXATTN_HEAD_MAJOR knob's walk)."""
+def check_q_tile(t, prm, head_dim, masked, block_m, block_n):
+    """One consumer's record of one Q tile against the definition: the sectioned walk's tile
+    (tile_walk.tile_of, the kernel's arithmetic, longest rows first in the masked build) and
+    the K/V tiles its rows see."""
     seq_q, seq_k = prm["seq_q"], prm["seq_k"]
-    m_blocks = -(-seq_q // block_m)
-    bh_count = prm["heads"] * prm["batch"]
-    if masked and not head_major and bh_count <= mblock_major_max_bh():
-        m, bh = divmod(t["tile"], bh_count)          # m_block-major: few heads (TILE_TO_BLOCK)
-    else:
-        bh, m = divmod(t["tile"], m_blocks)          # head-major: m_block fastest
-    assert (t["%head"], t["%batch"]) == (bh % prm["heads"], bh // prm["heads"])
-    m_block = m_blocks - 1 - m if masked else m      # longest rows first (masked build)
+    problem, section = walk_of(prm, head_dim, masked, block_m, block_n)
+    m_block, bh = tile_walk.tile_of(t["tile"], problem, section, alternate=True)
+    assert (t["%head"], t["%batch"]) == (bh % prm["heads"], bh // prm["heads"]), (
+        f"tile {t['tile']} (section {section}): (head, batch) "
+        f"{(t['%head'], t['%batch'])}, the walk's {(bh % prm['heads'], bh // prm['heads'])}")
+    assert t["%m_block"] == m_block, (f"tile {t['tile']} (section {section}): m_block "
+                                      f"{t['%m_block']}, the walk's {m_block}")
     q_row = m_block * block_m
     positions = [s[0] for s in t["steps"]]
     count = len(positions)
@@ -436,7 +436,6 @@ def check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major=False):
             assert was_masked == (ragged and i == n_tiles - 1), (i, t["steps"])
         return count
     diag, left, right = prm["diag_offset"], prm["window_left"], prm["window_right"]
-    assert t["%m_block"] == m_block
     seen, partial = truth(seq_q, seq_k, q_row, block_m, block_n, diag, left, right)
     first = t["%kv_first"]
     tiles = list(range(first, first + count))
@@ -458,7 +457,7 @@ def check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major=False):
     return count
 
 
-def check_launch(head_dim, masked, prm, grid, prog=None, head_major=False):
+def check_launch(head_dim, masked, prm, grid, prog=None):
     """Every CTA of a launch: its threads agree, and the tiles are covered once each."""
     block_m = build_constant(head_dim, "BLOCK_M")
     block_n = build_constant(head_dim, "BLOCK_N")
@@ -480,7 +479,7 @@ def check_launch(head_dim, masked, prm, grid, prog=None, head_major=False):
         assert [v["%kv_global"] for v in loads] == consumed
         i = 0
         for t in t0:
-            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n, head_major)
+            count = check_q_tile(t, prm, head_dim, masked, block_m, block_n)
             first = t["%kv_first"] if masked else 0
             for j in range(count):
                 v = loads[i + j]
@@ -679,43 +678,73 @@ def test_the_model_catches_a_wrong_snake():
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("masked", [True, False])
 def test_every_tile_once_across_ctas_and_the_last_tile_flag(head_dim, masked):
-    """Tile walk (snake in the masked build) for every grid size up to the tile count."""
+    """Tile walk (snake in the masked build) for every grid size up to the tile count, at the
+    sections 1 (head-major), B*H (m_block-major) and 2 (the last section narrower at odd B*H)."""
     n = build_constant(head_dim, "BLOCK_N")
     for seq_q, heads, batch in [(128, 1, 1), (300, 2, 1), (513, 3, 2), (129, 2, 3)]:
         for seq_k in ((n - 5,) if heads * batch > 1 else (n - 5, 2 * n + 1)):
-            prm = params(seq_q, seq_k, heads=heads, batch=batch, heads_per_kv=heads,
-                         diag=seq_k - seq_q, left=(n + 7) if masked else UNBOUNDED,
-                         right=0 if masked else UNBOUNDED)
             tiles = -(-seq_q // build_constant(head_dim, "BLOCK_M")) * heads * batch
             # every grid up to 12, then a few up to one CTA per tile (the launcher: min(SMs, tiles))
             grids = {*range(1, min(tiles, 12) + 1), tiles // 2 + 1, max(tiles - 1, 1), tiles}
-            for grid in sorted(grids):
+            for section in sorted({1, 2, heads * batch}):
+                prm = params(seq_q, seq_k, heads=heads, batch=batch, heads_per_kv=heads,
+                             diag=seq_k - seq_q, left=(n + 7) if masked else UNBOUNDED,
+                             right=0 if masked else UNBOUNDED, section=section)
+                for grid in sorted(grids) if section == 2 else (1, 5, tiles):
+                    if grid <= tiles:
+                        check_launch(head_dim, masked, prm, grid)
+
+
+def walk_sections(p) -> dict:
+    """The sections a walk test takes: head-major, m_block-major, the host's, one that does not
+    divide B*H, and the kernel's clamps (0 and past B*H)."""
+    return {"head-major": 1, "m_block-major": p.bh, "host": tile_walk.section_pairs(p),
+            "not dividing": next(s for s in range(2, p.bh + 1) if p.bh % s) if p.bh > 2 else 2,
+            "zero": 0, "huge": 10**6}
+
+
+@pytest.mark.parametrize("head_dim, masked", [(128, True), (128, False), (64, True),
+                                              (256, True)])
+def test_every_section_walks_every_tile_once(head_dim, masked):
+    """The sectioned walk at every kind of section (walk_sections), GQA and MHA, several grids:
+    each consumer's tile is tile_of's (check_q_tile), every tile once across the CTAs."""
+    n = build_constant(head_dim, "BLOCK_N")
+    block_m = build_constant(head_dim, "BLOCK_M")
+    for batch, heads, group, seq_q in [(2, 5, 1, 2 * block_m + 3), (1, 8, 4, 3 * block_m),
+                                       (3, 3, 3, block_m - 1)]:
+        seq_k = 2 * n + 9
+        window = (-1, 0) if masked else None
+        p = tile_walk.Problem(batch, heads, seq_q, seq_k, head_dim, heads // group, window,
+                              block_m, build_constant(head_dim, "BLOCK_N"))
+        for name, section in walk_sections(p).items():
+            prm = params(seq_q, seq_k, heads=heads, batch=batch, heads_per_kv=group,
+                         diag=seq_k - seq_q, left=UNBOUNDED,
+                         right=0 if masked else UNBOUNDED, section=section)
+            for grid in sorted({3, p.tiles // 2 + 1, p.tiles}):
                 check_launch(head_dim, masked, prm, grid)
 
 
-def test_many_heads_walk_head_major_and_few_m_block_major():
-    """Past MBLOCK_MAJOR_MAX_BH (batch, head) pairs the masked build's walk is head-major, at or
-    under it m_block-major (check_q_tile asserts which); both cover every tile once."""
-    cap = mblock_major_max_bh()
-    for heads, batch in ((cap, 1), (cap + 1, 1), (cap // 2 + 1, 2)):
-        prm = params(300, 300, heads=heads, batch=batch, heads_per_kv=heads, diag=0,
-                     left=UNBOUNDED, right=0)
-        tiles = 3 * heads * batch                     # 300 rows: 3 Q tiles a (batch, head)
-        for grid in (7, tiles // 2 + 1, tiles):       # the launcher: min(SMs, tiles)
-            check_launch(128, True, prm, grid)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_head_major_knob_walks_head_major_at_few_heads(head_dim):
-    """The PTXATTN_HEAD_MAJOR measurement knob: the masked walk head-major even at few (batch,
-    head) pairs, every tile once; and the default's check (m_block-major there) fails it."""
-    prog = program(head_dim, True, head_major=True)
-    prm = params(513, 300, heads=2, batch=2, heads_per_kv=2, diag=-213, left=UNBOUNDED, right=0)
-    assert prm["heads"] * prm["batch"] <= mblock_major_max_bh()
-    for grid in (1, 3, 7):
-        check_launch(head_dim, True, prm, grid, prog=prog, head_major=True)
-    with pytest.raises(AssertionError):
-        check_launch(head_dim, True, prm, 3, prog=prog)
+def test_the_walk_check_fails_a_wrong_walk():
+    """Planted bugs in the walk (include/tile_walk.ptxh) are caught: the alternation dropped, a
+    narrower last section ignored (pairs past B*H), section 0 unclamped (a division by zero:
+    the interpreter refuses it)."""
+    st = stages.PRODUCTION.specialize(128, masked=True)
+    text = ptx.source(st, dict(st.defines))
+    watched = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
+    bugs = [("@%p_walk_back sub.u32 %m_block, %m_blocks, %m_block;", ""),
+            ("min.u32 %tmp, %tmp, %walk_section;", "mov.u32 %tmp, %walk_section;"),
+            ("max.u32 %walk_section, %walk_section, 1;", "")]
+    prm = params(300, 300, heads=5, batch=1, diag=0, left=UNBOUNDED, right=0, section=2)
+    zero = dict(prm, walk_section=0)
+    for old, new in bugs:
+        assert text.count(old) >= 1, old
+        prog = Program(text.replace(old, new), watched)
+        with pytest.raises((AssertionError, ZeroDivisionError)):
+            for case in (prm, zero):
+                for grid in (3, 15):
+                    check_launch(128, True, case, grid, prog=prog)
+    for case in (prm, zero):                     # and the walk as it is passes
+        check_launch(128, True, case, 3)
 
 
 def test_snake_order_is_the_documented_one():
@@ -739,9 +768,12 @@ def test_huge_window_sides_reach_the_kernel_as_unbounded(window, gpu):
     attn.prepare(q, k, v, window=window).launch()
     (_, _, (values, types), _), = gpu["cuLaunchKernelEx"]
     want = tuple(UNBOUNDED if x < 0 or x >= UNBOUNDED else x for x in window)
-    assert values[-2:] == want
+    abi = launch.params_of(stages.PRODUCTION)
+    left, right = (values[launch.slot(abi, name)] for name in ("window_left", "window_right"))
+    assert (left, right) == want
     # and the kernel, given them, visits every K/V tile a row sees
-    prm = params(300, 300, diag=0, left=values[-2], right=values[-1])
+    prm = params(300, 300, diag=0, left=left, right=right,
+                 section=values[launch.slot(abi, "walk_section")])
     (c0,) = run_cta(128, True, prm, 0, 1, tids=(128,))
     for t in consumer_tiles(c0):
         check_q_tile(t, prm, 128, True, 128, 128)

@@ -14,11 +14,12 @@ the last hand-over, EMPTY counts, the third Q box). Also: the traced build (PTXA
 each tile takes one turn a K/V tile plus its own last PV's.
 
 The references (BLOCK_M from the build's row: m_blocks = ceil(seq_q / BLOCK_M); Q one 64-row
-box a consumer): unmasked, round-robin over tiles (t = ctaid + k * grid), head-major (m_block =
-t % m_blocks), every K/V tile of K/V head head // heads_per_kv. Masked, the snake (round k:
-k*G + c, or k*G + G-1-c on odd rounds), m_block-major up to MBLOCK_MAJOR_MAX_BH (batch, head)
-pairs, longest rows first (m_block reversed), and the K/V tiles some row of the Q tile sees
-(test_production_schedule.truth; a Q tile whose rows see no key keeps one fully masked tile).
+box a consumer): the tiles round-robin (t = ctaid + k * grid) unmasked, the snake (round k:
+k*G + c, or k*G + G-1-c on odd rounds) masked; tile t the sectioned walk's (m_block, (batch,
+head)) for the parameter walk_section clamped to [1, B*H] (ptxattn/tile_walk.tile_of, longest
+rows first when masked); every K/V tile of K/V head head // heads_per_kv unmasked, masked the
+K/V tiles some row of the Q tile sees (test_production_schedule.truth; a Q tile whose rows see
+no key keeps one fully masked tile).
 A fill's content is read from its TMA loads' coordinates: the K/V loads' head is the K/V head
 the kernel actually loads (%head_kv), checked against the reference's head // heads_per_kv.
 """
@@ -30,11 +31,11 @@ from functools import lru_cache
 
 import pytest
 
-from ptxattn import builds, ptx, stages
+from ptxattn import builds, ptx, stages, tile_walk
 from ptxattn.launch import UNBOUNDED
 import sync_replay
 from sync_replay import q_content, round_robin
-from test_production_schedule import build_constant, mblock_major_max_bh, params, truth
+from test_production_schedule import build_constant, params, truth, walk_of
 
 HEAD_DIMS = builds.HEAD_DIMS                                           # every build
 TWO_Q_BUFFERS = tuple(d for d in HEAD_DIMS if builds.get(d).q_buffers == 2)   # D = 64, 128
@@ -66,9 +67,7 @@ class Build:
                                        defines(head_dim))
 
     def reference(self, prm, ctaid, grid):
-        if not self.masked:
-            return round_robin(prm, ctaid, grid, self.block_m, self.block_n)
-        return masked_walk(prm, ctaid, grid, self.block_m, self.block_n)
+        return sectioned_walk(prm, ctaid, grid, self.head_dim, self.masked)
 
     def play(self, prm, grid, seeds=2, ctas=None):
         """Every CTA of the launch (or those in ctas) under every interleaving."""
@@ -83,34 +82,31 @@ def build(head_dim: int, masked: bool, **knobs) -> Build:
     return Build(head_dim, masked, **knobs)
 
 
-def masked_walk(prm, ctaid, grid, block_m, block_n):
-    """The masked build's reference: the snake over tiles, each tile's (m_block, batch, head)
-    and the K/V tiles some of its rows see (the rules check_q_tile checks the walk against)."""
-    seq_q, seq_k = prm["seq_q"], prm["seq_k"]
-    m_blocks = -(-seq_q // block_m)
-    bh_count = prm["heads"] * prm["batch"]
-    n_tiles = m_blocks * bh_count
-    tiles = []
-    for k in range(-(-n_tiles // grid)):
-        t = k * grid + (ctaid if k % 2 == 0 else grid - 1 - ctaid)
-        if t < n_tiles:
-            tiles.append(t)
+def sectioned_walk(prm, ctaid, grid, head_dim: int, masked: bool):
+    """The production build's reference: its CTA's tiles (the snake when masked), each tile's
+    (m_block, batch, head) in the sectioned walk (tile_walk.tile_of with the clamped
+    walk_section: the rules check_q_tile checks the walk against) and the K/V tiles some of
+    its rows see (every K/V tile unmasked)."""
+    block_m = build_constant(head_dim, "BLOCK_M")
+    block_n = build_constant(head_dim, "BLOCK_N")
+    p, section = walk_of(prm, head_dim, masked, block_m, block_n)
+    tiles = tile_walk.cta_tiles(ctaid, grid, p.tiles, snake=masked)
     q, kv = [], []
     for t in tiles:
-        if bh_count <= mblock_major_max_bh():
-            m, bh = divmod(t, bh_count)          # m_block-major: few (batch, head) pairs
-        else:
-            bh, m = divmod(t, m_blocks)          # head-major
-        head, batch = bh % prm["heads"], bh // prm["heads"]
-        q_row = (m_blocks - 1 - m) * block_m     # longest rows first
+        m_block, bh = tile_walk.tile_of(t, p, section)
+        head, batch = bh % p.heads, bh // p.heads
+        q_row = m_block * block_m
         q.append(q_content(q_row, block_m, head, batch))
-        seen, _ = truth(seq_q, seq_k, q_row, block_m, block_n, prm["diag_offset"],
-                        prm["window_left"], prm["window_right"])
-        if not seen:
-            # no row sees a key: one fully masked tile, the one of the first row's first key
-            # clamped to [0, seq_k)
-            key = min(max(q_row + prm["diag_offset"] - prm["window_left"], 0), seq_k - 1)
-            seen = [key // block_n]
+        if masked:
+            seen, _ = truth(p.seq_q, p.seq_k, q_row, block_m, block_n, prm["diag_offset"],
+                            prm["window_left"], prm["window_right"])
+            if not seen:
+                # no row sees a key: one fully masked tile, the one of the first row's first
+                # key clamped to [0, seq_k)
+                key = min(max(q_row + prm["diag_offset"] - prm["window_left"], 0), p.seq_k - 1)
+                seen = [key // block_n]
+        else:
+            seen = range(p.kv_tiles)
         kv.append([(i * block_n, head // prm["heads_per_kv"], batch) for i in seen])
     return tiles, q, kv
 
@@ -180,18 +176,18 @@ def test_builds_across_tiles(head_dim, masked):
 
 def test_long_walks_wrap_the_q_buffers():
     """CTAs with 8-40 tiles: each Q buffer and its FULL/EMPTY parities go round many times,
-    ring positions run far past 2^3; the masked build's walk past MBLOCK_MAJOR_MAX_BH (batch,
-    head) pairs is head-major (two m_blocks: BLOCK_M + 1 query rows). Grids stay within the
-    tile count, as the launcher's min(SMs, tiles) does (a CTA without a tile still runs one)."""
-    cap = mblock_major_max_bh()
+    ring positions run far past 2^3; the masked build's walk over 33 (batch, head) pairs in
+    sections of 5 (the last one of 3; two m_blocks: BLOCK_M + 1 query rows). Grids stay within
+    the tile count, as the launcher's min(SMs, tiles) does (a CTA without a tile still runs
+    one)."""
     for head_dim in HEAD_DIMS:
         plain = build(head_dim, False)
         masked = build(head_dim, True)
         prm = params(513, 1, heads=4, batch=2, heads_per_kv=2)   # 40 tiles (24 at D = 64)
         for grid in (1, 3):
             plain.play(prm, grid, seeds=1)
-        prm = causal(masked.block_m + 1, 300, heads=cap + 1, heads_per_kv=cap + 1)
-        assert tile_count(masked, prm) == 2 * (cap + 1) >= 40          # 66 tiles, head-major
+        prm = causal(masked.block_m + 1, 300, heads=33, heads_per_kv=33, section=5)
+        assert tile_count(masked, prm) == 66
         masked.play(prm, 3, seeds=1)
         masked.play(prm, 40, seeds=1, ctas=(0, 39))
 

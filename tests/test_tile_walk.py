@@ -2,12 +2,14 @@
 except the GPU tests at the end.
 
 - The model's walks: every tile once, for any section size; section 1 is head-major and
-  section BH m_block-major; today's walks as the model states them equal the default build's
-  PTX (run by test_production_schedule's interpreter), so the model's "today" is the kernel's.
-- The L2-walk build's PTX (-D PTXATTN_L2_WALK=1) takes, CTA by CTA, exactly the tiles of the
-  model's sectioned walk, in the same order, in every build (D 64/128/256, masked or not),
-  with the parameter clamped (0 or more than BH pairs); its producer walks them too; the last
-  tile flag is set on each CTA's last tile only.
+  section BH m_block-major (one section: the alternation changes nothing, so the kernel given
+  today_section's BH walks the old m_block-major walk exactly).
+- The production builds' PTX (the sectioned walk is every non-varlen build's) takes, CTA by
+  CTA, exactly the tiles of the model's sectioned walk, in the same order, in every build (D
+  64/128/256, masked or not), with the parameter clamped (0 or more than BH pairs); its
+  producer walks them too; the last tile flag is set on each CTA's last tile only.
+- The host: the launcher passes tile_walk.host_section's value as walk_section (and a
+  measurement's rule, api.prepare(walk_rule=)), per prepared call.
 - The simulation: against a direct event-by-event reference on small problems, its limits
   (an L2 that holds everything: only first reads miss), and the predictions the walk was
   chosen by (causal (2, 16, 16384): a busiest CTA within 0.5% of the mean and far more K/V
@@ -17,7 +19,6 @@ except the GPU tests at the end.
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 import itertools
 import re
@@ -31,6 +32,8 @@ from ptxattn import ptx, stages, tile_walk
 from ptxattn.launch import UNBOUNDED
 from ptxattn.tile_walk import Problem
 from sync_replay import q_content
+from test_prepare import gpu  # noqa: F401  (a fixture: the pretend driver)
+from test_steady import tagged  # noqa: F401  (a fixture)
 from test_production_schedule import (CONSUMER_WATCH, PRODUCER_WATCH, Program, build_constant,
                                       consumer_tiles, params, program, run_cta)
 
@@ -81,15 +84,9 @@ def test_sections_alternate_and_the_last_goes_longest_first():
 WATCHED = {r for w in (CONSUMER_WATCH, PRODUCER_WATCH) for regs in w.values() for r in regs}
 
 
-@lru_cache(maxsize=None)
-def walk_program(head_dim: int, masked: bool, l2_walk: bool = True) -> Program:
-    if not l2_walk:                      # the default build: shared with that module's tests
-        return program(head_dim, masked)
-    st = stages.PRODUCTION.specialize(head_dim, masked=masked)
-    defines = dict(st.defines)
-    if l2_walk:
-        defines[tile_walk.WALK_DEFINE] = "1"
-    return Program(ptx.source(st, defines), WATCHED)
+def walk_program(head_dim: int, masked: bool) -> Program:
+    """The production build (shared with test_production_schedule's tests)."""
+    return program(head_dim, masked)
 
 
 def kernel_walk(head_dim, masked, prm, grid, prog):
@@ -125,7 +122,7 @@ def masked_params(seq_q, seq_k, heads, batch, group, masked):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("masked", [True, False])
 def test_the_ptx_walk_is_the_models(head_dim, masked):
-    """CTA by CTA, the L2-walk build's tiles are tile_walk.walk()'s, over shapes, section
+    """CTA by CTA, the production build's tiles are tile_walk.walk()'s, over shapes, section
     sizes (0 and past BH: clamped to 1 and BH) and grids."""
     prog = walk_program(head_dim, masked)
     n = build_constant(head_dim, "BLOCK_N")
@@ -150,24 +147,29 @@ def test_the_ptx_walk_is_the_models(head_dim, masked):
     assert checked > 50
 
 
-def test_the_model_states_todays_walks_as_the_default_build_runs_them():
-    """The model's "today" (today_section, no alternation) is what the default masked and
-    unmasked builds do: m_block-major at B*H <= 32 (masked), head-major otherwise."""
+def test_one_section_is_the_old_m_block_major_walk():
+    """today_section's B*H (masked, B*H <= 32): one section, so the alternation changes
+    nothing and the kernel given it walks the m_block-major walk of the builds before, tile
+    for tile; given 1 it walks head-major, every other head's query blocks the other way."""
     for masked, (batch, heads, seq) in itertools.product((True, False),
                                                          [(1, 3, 640), (3, 11, 300)]):
-        prog = walk_program(128, masked, l2_walk=False)
+        prog = walk_program(128, masked)
         p = Problem.of(batch, heads, seq, 125, 128, causal=masked)
-        prm = masked_params(seq, 125, heads, batch, 1, masked)
-        for grid in (1, 5):
-            got, _ = kernel_walk(128, masked, prm, grid, prog)
-            want = tile_walk.walk(p, tile_walk.today_section(p), grid, alternate=False)
-            assert got == want, (masked, batch, heads, grid)
+        for section in (p.bh, 1):
+            prm = dict(masked_params(seq, 125, heads, batch, 1, masked), walk_section=section)
+            for grid in (1, 5):
+                got, _ = kernel_walk(128, masked, prm, grid, prog)
+                assert got == tile_walk.walk(p, section, grid), (masked, batch, heads, grid)
+                if section == p.bh:
+                    assert got == tile_walk.walk(p, section, grid, alternate=False)
+    p = Problem.of(1, 3, 640, 125, 128, causal=True)
+    assert tile_walk.today_section(p) == p.bh
 
 
 def test_the_ptx_check_can_fail():
     """A walk without the alternation is caught (the sections' directions matter)."""
     st = stages.PRODUCTION.specialize(128, masked=True)
-    text = ptx.source(st, {**dict(st.defines), tile_walk.WALK_DEFINE: "1"})
+    text = ptx.source(st, dict(st.defines))
     old = "@%p_walk_back sub.u32 %m_block, %m_blocks, %m_block;"
     assert text.count(old) == 2
     prog = Program(text.replace(old, "").replace("@%p_walk_back add.u32 %m_block, %m_block, -1;",
@@ -176,57 +178,38 @@ def test_the_ptx_check_can_fail():
     prm = dict(masked_params(384, 100, 4, 1, 1, True), walk_section=2)
     got, _ = kernel_walk(128, True, prm, 3, prog)
     assert got != tile_walk.walk(p, 2, 3)
+    assert kernel_walk(128, True, prm, 3, walk_program(128, True))[0] == tile_walk.walk(p, 2, 3)
 
 
-def test_the_default_build_takes_no_walk_parameter():
-    """Golden builds are unchanged: the parameter and the walk exist with the define only."""
-    st = stages.PRODUCTION.specialize(128, masked=True)
+def test_every_non_varlen_build_takes_the_walk_parameter():
+    """walk_section right after window_right in every production build but the varlen one
+    (its tile table is its walk: tiles_ptr there), and no build knob left for the walk."""
+    for head_dim, masked in itertools.product((64, 128, 256), (False, True)):
+        st = stages.PRODUCTION.specialize(head_dim, masked=masked)
+        text = ptx.source(st, dict(st.defines))
+        entry = text[text.index(".entry"):text.index(")", text.index(".entry"))]
+        names = re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)", entry)
+        assert names[-2:] == ["window_right", "walk_section"], names
+        assert "p_mblock_major" not in text and "MBLOCK_MAJOR" not in text
+    st = stages.PRODUCTION.specialize(128, varlen=True)
     assert "walk_section" not in ptx.source(st, dict(st.defines))
-    walk = ptx.source(st, {**dict(st.defines), tile_walk.WALK_DEFINE: "1"})
-    entry = walk[walk.index(".entry"):walk.index(")", walk.index(".entry"))]
-    params_ = re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.\w+\s+(\w+)", entry)
-    assert params_[-2:] == ["window_right", "walk_section"], params_
+    raw = ptx.source_text(stages.PRODUCTION)
+    for knob in ("PTXATTN_L2_WALK", "PTXATTN_HEAD_MAJOR", "MBLOCK_MAJOR_MAX_BH"):
+        assert knob not in raw, knob
 
 
 def walk_reference(head_dim: int, masked: bool):
-    """sync_replay's reference schedule of the L2-walk build: the rounds (snake when masked),
-    tile_walk's (m_block, pair) for each tile with the parameter's section (clamped), and the
-    K/V tiles some row of the Q tile sees (every K/V tile unmasked)."""
-    from test_production_schedule import truth
-    block_m = build_constant(head_dim, "BLOCK_M")
-    block_n = build_constant(head_dim, "BLOCK_N")
-
-    def reference(prm, ctaid, grid):
-        window = (prm["window_left"], prm["window_right"]) if masked else None
-        p = Problem(prm["batch"], prm["heads"], prm["seq_q"], prm["seq_k"], head_dim,
-                    prm["heads"] // prm["heads_per_kv"], window, block_m, block_n)
-        section = min(max(prm["walk_section"], 1), p.bh)
-        tiles = tile_walk.cta_tiles(ctaid, grid, p.tiles, snake=masked)
-        q, kv = [], []
-        for t in tiles:
-            m_block, bh = tile_walk.tile_of(t, p, section)
-            head, batch = bh % p.heads, bh // p.heads
-            q_row = m_block * block_m
-            q.append(q_content(q_row, block_m, head, batch))
-            if masked:
-                seen, _ = truth(p.seq_q, p.seq_k, q_row, block_m, block_n, prm["diag_offset"],
-                                prm["window_left"], prm["window_right"])
-                if not seen:       # no row sees a key: one fully masked tile, as the kernel
-                    key = min(max(q_row + prm["diag_offset"] - prm["window_left"], 0),
-                              p.seq_k - 1)
-                    seen = [key // block_n]
-            else:
-                seen = range(p.kv_tiles)
-            kv.append([(i * block_n, head // prm["heads_per_kv"], batch) for i in seen])
-        return tiles, q, kv
-    return reference
+    """sync_replay's reference schedule of the production build (test_production_sync's:
+    the rounds, tile_walk's tiles for the clamped section, the K/V tiles rows see)."""
+    from test_production_sync import sectioned_walk
+    return lambda prm, ctaid, grid: sectioned_walk(prm, ctaid, grid, head_dim, masked)
 
 
 @pytest.mark.parametrize("head_dim, masked", [(128, True), (128, False), (64, True)])
 def test_walk_build_synchronisation_replays(head_dim, masked):
-    """The L2-walk build's barrier protocol (tests/sync_replay.py: parities, Q buffers, ring
-    slots, turns, TMA contents against the walk's reference) under several interleavings;
-    its K/V runs and Q loads follow the walk's tiles."""
+    """The production build's barrier protocol (tests/sync_replay.py: parities, Q buffers, ring
+    slots, turns, TMA contents against the walk's reference) under several interleavings, at
+    several sections; its K/V runs and Q loads follow the walk's tiles."""
     import sync_replay
     from test_production_sync import defines
     model = sync_replay.Model(walk_program_text(head_dim, masked), defines(head_dim))
@@ -242,7 +225,7 @@ def test_walk_build_synchronisation_replays(head_dim, masked):
 
 def walk_program_text(head_dim: int, masked: bool) -> str:
     st = stages.PRODUCTION.specialize(head_dim, masked=masked)
-    return ptx.source(st, {**dict(st.defines), tile_walk.WALK_DEFINE: "1"})
+    return ptx.source(st, dict(st.defines))
 
 
 # ---- the simulation -----------------------------------------------------------------------
@@ -352,14 +335,112 @@ def test_section_pairs_fit_the_share_in_whole_groups_and_balance():
                                    l2_bytes=16 << 20) == 1
 
 
-def test_extra_params_only_for_the_walk_build():
-    assert tile_walk.extra_params(None, 2, 16, 16, 16384, 16384, 128) == ()
-    assert tile_walk.extra_params({"HEAD_DIM": "128"}, 2, 16, 16, 16384, 16384, 128) == ()
-    ((value, ctype),) = tile_walk.extra_params({tile_walk.WALK_DEFINE: "1"}, 2, 16, 16, 16384,
-                                               16384, 128, causal=True, l2_bytes=50 << 20,
-                                               sm_count=132)
-    assert ctype is ctypes.c_uint32
-    assert value == tile_walk.section_pairs(Problem.of(2, 16, 16384, 16384, 128, causal=True))
+# ---- the launcher's side ------------------------------------------------------------------
+
+def launched_section(calls) -> int:
+    """walk_section of the last recorded launch (tuple or packed form)."""
+    from ptxattn import launch
+    from test_steady import packed_bytes
+    abi = launch.params_of(stages.PRODUCTION)
+    call = calls["cuLaunchKernelEx"][-1]
+    if isinstance(call[2], tuple):
+        return int(call[2][0][launch.slot(abi, "walk_section")])
+    raw = packed_bytes(call, [p.ctype for p in abi])[launch.slot(abi, "walk_section")]
+    return int.from_bytes(raw, "little")
+
+
+def test_the_launcher_passes_the_hosts_section(tagged):
+    """attention() and prepare() pass host_section's value (section_pairs with the grid and the
+    device's L2) as walk_section; walk_rule= picks another rule; a bad rule is refused before
+    anything runs; a smaller L2 gives smaller sections."""
+    from ptxattn import api as attn
+    from test_steady import dev
+    cases = [((4, 8, 1024, 64), True), ((1, 2, 128, 128), True), ((2, 16, 16384, 128), True),
+             ((2, 16, 16384, 128), False)]
+    for (b, h, seq, d), causal in cases:
+        q, k, v = (dev((b, h, seq, d), i) for i in range(3))
+        attn.prepare(q, k, v, causal=causal).launch()
+        p = Problem.of(b, h, seq, seq, d, causal=causal)
+        want = tile_walk.section_pairs(p, grid=min(132, p.tiles))
+        assert launched_section(tagged) == want, ((b, h, seq, d), causal)
+        for rule, section in (("today", tile_walk.today_section(p)), ("head-major", 1)):
+            attn.prepare(q, k, v, causal=causal, walk_rule=rule).launch()
+            assert launched_section(tagged) == section, (rule, (b, h, seq, d))
+    launches = len(tagged["cuLaunchKernelEx"])
+    with pytest.raises(ValueError, match="walk_rule: expected one of today, head-major, l2-walk"):
+        attn.prepare(q, k, v, walk_rule="snake")
+    assert len(tagged["cuLaunchKernelEx"]) == launches
+    from ptxattn import driver
+    driver.context().l2_bytes = 8 << 20                # a smaller L2: fewer heads a section
+    q, k, v = (dev((2, 16, 16384, 128), i) for i in range(3))
+    attn.prepare(q, k, v, causal=True).launch()
+    p = Problem.of(2, 16, 16384, 16384, 128, causal=True)
+    assert launched_section(tagged) == tile_walk.section_pairs(p, 8 << 20, grid=132) == 1
+
+
+def test_the_fast_path_gives_a_new_shape_its_own_section(tagged):
+    """The steady call replays a prepared call's parameters per shape: each shape keeps the
+    section its own build computed."""
+    from ptxattn import api as attn
+    from test_steady import dev
+    shapes = [(4, 8, 1024, 64), (1, 2, 128, 128)]
+    wants = []
+    for shape in shapes:
+        b, h, seq, d = shape
+        p = Problem.of(b, h, seq, seq, d, causal=True)
+        wants.append(tile_walk.section_pairs(p, grid=min(132, p.tiles)))
+    assert wants[0] != wants[1]
+    arrays = [tuple(dev(shape, 3 * i + j) for j in range(3)) for i, shape in enumerate(shapes)]
+    for _ in range(3):                                   # miss, then hits, shapes interleaved
+        for (q, k, v), want in zip(arrays, wants):
+            attn.attention(q, k, v, causal=True)
+            assert launched_section(tagged) == want
+    assert len(tagged["builds"]) == 2
+
+
+def test_host_section_is_section_pairs_per_device_and_cached():
+    p = Problem.of(2, 16, 16384, 16384, 128, causal=True)
+    assert tile_walk.host_section(p, None, 132) == tile_walk.section_pairs(p, grid=132)
+    assert tile_walk.host_section(p, 50 << 20, 1000) == tile_walk.section_pairs(p, grid=1000)
+    small_p = Problem.of(1, 2, 128, 128, 128, causal=True)        # 2 tiles: a grid of 2
+    assert tile_walk.host_section(small_p, None, 132) == tile_walk.section_pairs(small_p, grid=2)
+    assert tile_walk.host_section(p, 8 << 20, 132) == tile_walk.section_pairs(p, 8 << 20,
+                                                                              grid=132)
+    assert tile_walk.host_section(p, None, 132, "today") == tile_walk.today_section(p) == 32
+    hits = tile_walk._cached_section.cache_info().hits
+    tile_walk.host_section(p, None, 132)
+    assert tile_walk._cached_section.cache_info().hits == hits + 1
+
+
+# (B, H, Hkv, L, D, causal, section, CTAs): B*H not a multiple of the section, GQA, a section
+# of 1 and one past B*H (clamped), few CTAs (each walks tiles of several sections)
+EMULATED_WALKS = [
+    (1, 3, 3, 260, 128, True, 2, 2),
+    (1, 5, 5, 200, 128, False, 2, 3),
+    (2, 3, 1, 130, 128, True, 4, 2),
+    (1, 4, 2, 200, 64, True, 3, 2),
+    (1, 3, 3, 140, 256, False, 10**6, 2),
+    (1, 3, 3, 260, 128, True, 1, 3),
+]
+
+
+@pytest.mark.parametrize("case", EMULATED_WALKS, ids=lambda c: (
+    f"B{c[0]}H{c[1]}:{c[2]}-L{c[3]}-D{c[4]}-{'causal' if c[5] else 'dense'}-S{c[6]}-ctas{c[7]}"))
+def test_the_production_walk_on_the_emulator(emulated_gpu, monkeypatch, case):
+    """attention() end to end on the CPU emulator with the section forced (host_section
+    patched), against the float64 reference: every row written and within the bar."""
+    from emulator_checks import check
+    b, h, hkv, seq, d, causal, section, ctas = case
+    monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", str(ctas))
+    passed = []
+
+    def forced(problem, l2_bytes, sm_count, rule="l2-walk"):
+        passed.append(problem)
+        return section
+    monkeypatch.setattr(tile_walk, "host_section", forced)
+    check(emulated_gpu, None, b, h, seq, seq, d, heads_kv=hkv, causal=causal)
+    assert len(passed) == 1 and passed[0].bh == b * h and passed[0].masked == causal
+    assert emulated_gpu.launches[-1][1][0] <= ctas
 
 
 def test_predictions_table_names_every_walk_and_case():
@@ -376,8 +457,9 @@ def test_predictions_table_names_every_walk_and_case():
 
 def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout="bhld",
                       section=None, ctas=None, monkeypatch=None, seed=0):
-    """The L2-walk build on the GPU against the float64 reference: every row checked is
-    finite and within the bar; on failure the message names the worst (batch, head) and rows."""
+    """The production build on the GPU with the host's section (or a forced one) against the
+    float64 reference: every row checked is finite and within the bar; on failure the message
+    names the section, the worst (batch, head) and rows."""
     from ptxattn import driver, tensors
     from ptxattn.api import prepare
     from ptxattn.reference import (attention_reference, error_metrics, passes, random_qkv,
@@ -391,18 +473,20 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
     qd, kd, vd = (tensors.from_numpy(x) for x in (q, k, v))
     out = tensors.empty(q.shape)
     out.fill_u16(0xFFFF)                           # NaN: an unwritten tile shows
-    defines = {tile_walk.WALK_DEFINE: "1"}
-    extra = tile_walk.extra_params(defines, b, h, hkv, lq, lk, d, causal=causal, window=window)
-    if section is not None:
-        extra = ((section, ctypes.c_uint32),)
-    p = prepare(qd, kd, vd, layout=layout, out=out, causal=causal, window=window,
-                defines=defines, extra_params=extra)
+    ctx = driver.context()
+    problem = Problem.of(b, h, lq, lk, d, hkv, causal=causal, window=window)
+    used = tile_walk.host_section(problem, ctx.l2_bytes, ctas or ctx.sm_count)
+    with pytest.MonkeyPatch.context() as patch:
+        if section is not None:                    # forced: the launcher's rule patched
+            patch.setattr(tile_walk, "host_section", lambda *a, **k: section)
+            used = section
+        p = prepare(qd, kd, vd, layout=layout, out=out, causal=causal, window=window)
     p.launch()
     driver.synchronize()
     got = out.to_numpy().astype(np.float32)
     axis = 2 if layout == "bhld" else 1
     nan_rows = np.isnan(got).any(axis=-1)
-    assert not nan_rows.any(), (f"{shape} S={extra[0][0]}: {int(nan_rows.sum())} rows not "
+    assert not nan_rows.any(), (f"{shape} S={used}: {int(nan_rows.sum())} rows not "
                                 f"written (NaN), first at {np.argwhere(nan_rows)[:3].tolist()}")
     rows = sample_rows(lq, 256, seed=seed) if lq > 600 else np.arange(lq)
     ref = attention_reference(q, k, v, layout=layout, causal=causal, window=window, rows=rows)
@@ -413,7 +497,7 @@ def _check_walk_build(shape, *, heads_kv=None, causal=False, window=None, layout
         m = error_metrics(got[sl], ref[sl])
         if not passes(m) and worst is None:
             worst = (bi, hi, m)
-    assert worst is None, (f"{shape} S={extra[0][0]} {layout}: (batch, head) {worst[:2]}, "
+    assert worst is None, (f"{shape} S={used} {layout}: (batch, head) {worst[:2]}, "
                            f"{len(rows)} rows: {worst[2]}")
 
 

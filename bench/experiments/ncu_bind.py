@@ -93,8 +93,7 @@ def target(args) -> int:
         out.fill_u16(0xFFFF)
         defines = dict(x.split("=", 1) for x in args.define) or None
         p = prepare(qd, kd, vd, stage=args.kernel, out=out, causal=args.causal, defines=defines,
-                    extra_params=tile_walk.extra_params(defines, b, h, hkv, seq, seq, d,
-                                                        causal=args.causal))
+                    walk_rule=args.walk)
         p.launch()
         p.launch()
         driver.synchronize()
@@ -254,11 +253,11 @@ def profile(args, target_argv, *, run=subprocess.run, which=shutil.which) -> int
         rows.append({"kernel": args.kernel, "clocks": clocks, "check": check[-1] if check else None,
                      **figures(launches[0])})
     print(f"{args.kernel} {args.shape} causal={args.causal} heads_kv={args.heads_kv or '-'} "
-          f"defines={args.define or '-'}")
+          f"defines={args.define or '-'} walk={args.walk}")
     print(format_table(rows))
     if args.out:
         entry = {"kernel": args.kernel, "shape": args.shape, "causal": args.causal,
-                 "heads_kv": args.heads_kv, "defines": args.define,
+                 "heads_kv": args.heads_kv, "defines": args.define, "walk": args.walk,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "source": bench.source_id(),
                  "metrics": metrics, "unknown_metrics": unknown, "rows": rows}
         with open(args.out, "a") as f:
@@ -273,6 +272,8 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (GQA); 0: as many as q")
     ap.add_argument("-d", "--define", action="append", default=[], help="NAME=VALUE")
+    ap.add_argument("--walk", default="l2-walk", choices=tile_walk.WALKS,
+                    help="the production walk's section rule (l2-walk: attention()'s)")
     ap.add_argument("--profile", action="store_true",
                     help="run ncu on this at natural and locked clocks; table and JSON")
     ap.add_argument("--clocks", default="natural,locked", help="--profile: natural, locked")
@@ -290,7 +291,7 @@ def main(argv=None) -> int:
     if args.profile:
         target_argv = [args.kernel, "--shape", args.shape] + (["--causal"] if args.causal else []) \
             + (["--heads-kv", str(args.heads_kv)] if args.heads_kv else []) \
-            + [x for d in args.define for x in ("-d", d)]
+            + [x for d in args.define for x in ("-d", d)] + ["--walk", args.walk]
         return profile(args, target_argv)
     return target(args)
 

@@ -14,8 +14,10 @@ interval over rounds. Outputs are checked against the reference before anything 
 --sustained: after the rounds, each variant (in a seeded random order) also runs a sustained
 window at the power cap (ptxattn/tools/sustained.py, as `ptxattn bench --sustained`): sustained
 TFLOP/s, median SM clock and power, TFLOP/J, and its sustained speed in % of the first's.
---heads-kv: GQA (K/V heads). A build with -D PTXATTN_L2_WALK=1 gets its walk_section parameter
-from ptxattn.tile_walk (the host's section for this shape and this GPU's L2).
+--heads-kv: GQA (K/V heads). The production walk's section (its walk_section parameter) comes
+from the host's rule, l2-walk (ptxattn/tile_walk.section_pairs: what attention() passes), or
+the one a variant names with walk=RULE among its defines, e.g. old=production:walk=today
+(tile_walk.WALKS: today, head-major, l2-walk); it is no build define.
 """
 
 from __future__ import annotations
@@ -32,13 +34,28 @@ from ptxattn.tools import bench, sustained
 from ptxattn.api import prepare
 
 
+WALK_KEY = "walk"                       # a variant's section rule, not a define
+RETIRED_KNOBS = ("PTXATTN_L2_WALK", "PTXATTN_HEAD_MAJOR")   # now walk=l2-walk / walk=head-major
+
+
 def parse_variant(text: str):
+    """LABEL=KERNEL[:NAME=VALUE,...] -> (label, kernel, defines, walk rule)."""
     label, _, spec = text.partition("=")
     kernel, _, defs = spec.partition(":")
     pairs = [d.split("=", 1) for d in defs.split(",") if d] if defs else []
     if not label or not kernel or any(len(p) != 2 or not p[0] for p in pairs):
         raise SystemExit(f"variant {text!r}: expected LABEL=KERNEL[:NAME=VALUE,...]")
-    return label, kernel, dict(pairs)
+    defines = dict(pairs)
+    for knob in RETIRED_KNOBS:
+        if knob in defines:
+            raise SystemExit(f"variant {text!r}: {knob} is no build knob any more (the sectioned "
+                             f"walk is every build's); walk=RULE picks the section rule "
+                             f"({', '.join(tile_walk.WALKS)})")
+    walk = defines.pop(WALK_KEY, "l2-walk")
+    if walk not in tile_walk.WALKS:
+        raise SystemExit(f"variant {text!r}: walk={walk}: expected one of "
+                         f"{', '.join(tile_walk.WALKS)}")
+    return label, kernel, defines, walk
 
 
 def parse_window(text: str | None):
@@ -137,7 +154,8 @@ def main(argv=None) -> int:
     else:
         raise SystemExit(f"--shape {args.shape!r}: expected BxHxLxD or BxHxLqxLkxD")
     variants = [parse_variant(v) for v in args.variants]
-    labels = [label for label, _, _ in variants]
+    labels = [label for label, _, _, _ in variants]
+    walks = {label: (None if kernel == "cudnn" else walk) for label, kernel, _, walk in variants}
     if len(set(labels)) != len(labels):            # a repeated label would overwrite a run
         raise SystemExit(f"variants: each LABEL once, got {', '.join(labels)}")
     window = parse_window(args.window)
@@ -151,17 +169,15 @@ def main(argv=None) -> int:
     ref = reference.attention_reference(q, k, v, layout=args.layout, rows=rows, **mask)
     axis = 2 if args.layout == "bhld" else 1
     runs, failed = {}, {}
-    for label, kernel, defines in variants:
+    for label, kernel, defines, walk in variants:
         if kernel == "cudnn":
             p = CudnnVariant(q, k, v, args.layout, args.causal, window)
             got = p.output()
         else:
             out = tensors.empty(q.shape)
             out.fill_u16(0xFFFF)
-            extra = tile_walk.extra_params(defines, b, h, hkv, lq, lk, d, causal=args.causal,
-                                           window=window)
             p = prepare(qd, kd, vd, stage=kernel, layout=args.layout, out=out,
-                        defines=defines or None, extra_params=extra, **mask)
+                        defines=defines or None, walk_rule=walk, **mask)
             p.launch()
             got = out.to_numpy()
         m = reference.error_metrics(np.take(got, rows, axis=axis), ref)
@@ -198,7 +214,7 @@ def main(argv=None) -> int:
         lo, hi = bench.bootstrap_ci(ratios, seed=args.seed)
         row = {"ms": ms, "tflops": flops / ms / 1e9, "ratio_to_first": bench.median(ratios),
                "ci": [lo, hi], "spread_pct": bench.spread_pct(per_round[lab]),
-               "rounds_ms": per_round[lab]}
+               "rounds_ms": per_round[lab], "walk": walks[lab]}
         result["variants"][lab] = row
         print(f"  {lab:<12} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
               f"{100 * row['ratio_to_first']:6.1f}% of {first} ({100 * lo:.1f}-{100 * hi:.1f})  "
