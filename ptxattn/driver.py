@@ -427,21 +427,29 @@ def stream_handle(stream) -> int:
     if isinstance(stream, bool):
         raise TypeError(f"stream: expected a stream or an int handle, got {stream!r}")
     if isinstance(stream, int):
-        if stream < 0:
-            raise ValueError(f"stream: expected a non-negative handle, got {stream}")
-        return stream
+        return _handle_in_range(stream)
     if isinstance(stream, Stream):
         return stream.handle
     if hasattr(stream, "__cuda_stream__"):
-        return int(stream.__cuda_stream__()[1])
+        return _handle_in_range(int(stream.__cuda_stream__()[1]))
     for name in ("cuda_stream", "handle", "ptr"):
         value = getattr(stream, name, None)
         if value is not None:
-            return int(value)
+            return _handle_in_range(int(value))
     if hasattr(stream, "getPtr"):       # a cuda.bindings CUstream
         return int(stream)
     raise TypeError("stream: expected None, an int handle or a stream object with "
                     f".cuda_stream/.handle/.ptr, got {type(stream).__name__}")
+
+
+_HANDLE_LIMIT = 1 << 64          # a CUstream is a 64-bit pointer
+
+
+def _handle_in_range(handle: int) -> int:
+    if not 0 <= handle < _HANDLE_LIMIT:
+        raise ValueError(f"stream: expected a handle in [0, 2**64) (a CUstream is a 64-bit "
+                         f"pointer), got {handle}")
+    return handle
 
 
 class _ClosedWhenCollected:
