@@ -635,6 +635,40 @@ class DeviceBuffer(_ClosedWhenCollected):
         return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
 
 
+def zeroed_scratch(ctx, nbytes: int, stream: int) -> tuple:
+    """`nbytes` of zeroed device memory for one launch on `stream` (a raw handle): from the
+    device's stream-ordered pool (cuMemAllocAsync), zeroed there (cuMemsetD8Async), so work
+    queued on other streams never sees it. Returns (address, its CUdeviceptr, the CUstream),
+    for free_scratch right after the launch is queued: the free is enqueued while the stream
+    surely exists (the caller has just launched on it), which a free left to garbage
+    collection could not promise. Under CUDA-graph capture the three become an allocation,
+    memset and free node of the graph, so every replay gets its own memory. A device without
+    memory pools: cuMemAlloc and cuMemFree, which waits for the device."""
+    d = _cu_module or cu()
+    on = d.CUstream(stream)
+    if getattr(ctx, "memory_pools", False):
+        err, dptr = d.cuMemAllocAsync(nbytes, on)
+    else:
+        err, dptr = d.cuMemAlloc(nbytes)
+    if int(err):
+        raise CudaError(int(err), f"cuMemAllocAsync({nbytes}) (per-call scratch)")
+    (err,) = d.cuMemsetD8Async(dptr, 0, nbytes, on)
+    if int(err):
+        free_scratch(ctx, (0, dptr, on))
+        raise CudaError(int(err), "cuMemsetD8Async (per-call scratch)")
+    return int(dptr), dptr, on
+
+
+def free_scratch(ctx, scratch: tuple) -> None:
+    """Free what zeroed_scratch returned, in stream order after the work queued so far."""
+    d = _cu_module or cu()
+    _, dptr, on = scratch
+    (err,) = (d.cuMemFreeAsync(dptr, on) if getattr(ctx, "memory_pools", False)
+              else d.cuMemFree(dptr))
+    if int(err):
+        raise CudaError(int(err), "cuMemFreeAsync (per-call scratch)")
+
+
 def memcpy_htod(dst: int, src, stream=None) -> None:
     """Copy a C-contiguous NumPy array to device address dst (async on a stream if given).
 
