@@ -11,10 +11,9 @@ CPU side: tests/test_per_call_state.py.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
+from fakes import at_once
 from gpu_checks import assert_passes, check_rows, rows_for
 
 import ptxattn
@@ -34,27 +33,11 @@ def host_qkv(seed):
 
 
 def in_threads(worker) -> None:
-    """Run worker(i) in THREADS threads at once, started together; re-raise the first error
-    with the thread's index."""
-    start = threading.Barrier(THREADS)
-    errors = []
-
-    def run(i):
-        try:
-            driver.context()
-            start.wait()
-            worker(i)
-        except BaseException as exc:       # noqa: BLE001 - reported below
-            errors.append((i, exc))
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a thread did not finish in 300 s"
-    if errors:
-        i, exc = errors[0]
-        raise AssertionError(f"thread {i}: {type(exc).__name__}: {exc}") from exc
+    """worker(0) .. worker(THREADS - 1) on threads released together (fakes.at_once); the
+    first error raised, named by its message (workers put their thread in it)."""
+    errors = at_once(worker, THREADS, timeout=300)
+    assert not errors, f"{len(errors)} thread(s) failed; first: {type(errors[0]).__name__}: " \
+        f"{errors[0]}"
 
 
 def test_gpu_stage15_warm_calls_of_one_key_from_4_per_thread_streams(monkeypatch):

@@ -193,19 +193,35 @@ def bwd_args(**over):
     return a
 
 
-@pytest.mark.parametrize("over,kind,name,words", [
-    (dict(scale=True), TypeError, "scale", ("bool",)),
-    (dict(scale=1e39), ValueError, "scale", ("float32",)),
-    (dict(window={8, 0}), TypeError, "window", ("pair",)),
-    (dict(window=(x for x in (8, 0))), TypeError, "window", ("pair",)),
+def shared_classes(scale: str, window: str) -> list:
+    """The classes every entry shares through plan.scale_of and plan._window, under the
+    entry's names for the scale and the window: (kwargs, error, argument, words)."""
+    return [
+        (dict(scale=True), TypeError, scale, ("bool",)),
+        (dict(scale=1e39), ValueError, scale, ("float32",)),
+        (dict(window={8, 0}), TypeError, window, ("pair",)),
+        (dict(window={8: 0, 0: 8}), TypeError, window, ("pair",)),
+        (dict(window=(x for x in (8, 0))), TypeError, window, ("pair",)),
+    ]
+
+
+def renamed(cases, **names) -> list:
+    """cases with their kwargs' keys renamed (scale -> softmax_scale, ...)."""
+    return [({names.get(k, k): v for k, v in over.items()}, *rest) for over, *rest in cases]
+
+
+SHARED_IDS = ["scale-bool", "scale-inf", "window-set", "window-dict", "window-generator"]
+FA_NAMES = dict(scale="softmax_scale", window="window_size")
+
+
+@pytest.mark.parametrize("over,kind,name,words", shared_classes("scale", "window") + [
     (dict(diagonal="top_left"), ValueError, "diagonal", ("causal",)),
     (dict(q=np.ma.masked_array(host(seed=0), mask=False)), TypeError, "q", ("masked",)),
     (dict(lse=np.ma.masked_array(np.zeros((B, H, L), np.float32), mask=False)), TypeError,
      "lse", ("masked",)),
     (dict(q=host((B, 0, L, D)), out=host((B, 0, L, D)), lse=np.zeros((B, 0, L), np.float32),
           dout=host((B, 0, L, D))), ValueError, "k", ("heads",)),
-], ids=["scale-bool", "scale-inf", "window-set", "window-generator", "diagonal", "masked-q",
-        "masked-lse", "heads"])
+], ids=SHARED_IDS + ["diagonal", "masked-q", "masked-lse", "heads"])
 def test_attention_backward_refuses_the_same(no_driver, over, kind, name, words):
     kw = {n: over.pop(n) for n in ("scale", "window", "diagonal") if n in over}
     a = bwd_args(**over)
@@ -235,19 +251,15 @@ def _kvcache(**over):
     return a
 
 
-@pytest.mark.parametrize("over,kind,name,words", [
-    (dict(softmax_scale=True), TypeError, "softmax_scale", ("bool",)),
-    (dict(softmax_scale=1e39), ValueError, "softmax_scale", ("float32",)),
-    (dict(window_size={8, 0}), TypeError, "window_size", ("pair",)),
-    (dict(window_size={8: 0, 0: 8}), TypeError, "window_size", ("pair",)),
+@pytest.mark.parametrize("over,kind,name,words", renamed(
+        shared_classes("softmax_scale", "window_size"), **FA_NAMES) + [
     (dict(cache_seqlens=np.ma.masked_array(np.array([3, 4], np.int32), mask=False)), TypeError,
      "cache_seqlens", ("masked",)),
     (dict(q=dev((2, 1, 8, D), ptr=0)), ValueError, "q", ("null",)),
     (dict(cache_seqlens=dev((2,), slot=5, dtype="int32", ptr=0)), ValueError, "cache_seqlens",
      ("null",)),
     (dict(stream=2 ** 64), ValueError, "stream", ("2**64",)),
-], ids=["scale-bool", "scale-inf", "window-set", "window-dict", "masked-lengths", "null-q",
-        "null-lengths", "stream"])
+], ids=SHARED_IDS + ["masked-lengths", "null-q", "null-lengths", "stream"])
 def test_flash_attn_with_kvcache_refuses_the_same(no_driver, over, kind, name, words):
     a = _kvcache(**over)
     with pytest.raises(kind) as err:
@@ -263,18 +275,15 @@ def _varlen(**over):
     return a
 
 
-@pytest.mark.parametrize("over,kind,name,words", [
-    (dict(softmax_scale=True), TypeError, "softmax_scale", ("bool",)),
-    (dict(softmax_scale=1e39), ValueError, "softmax_scale", ("float32",)),
-    (dict(window_size={8, 0}), TypeError, "window_size", ("pair",)),
+@pytest.mark.parametrize("over,kind,name,words", renamed(
+        shared_classes("softmax_scale", "window_size"), **FA_NAMES) + [
     (dict(cu_seqlens_q=np.ma.masked_array(np.array([0, 3, 8], np.int32), mask=False)),
      TypeError, "cu_seqlens_q", ("masked",)),
     (dict(k=dev((8, 2, D), ptr=0)), ValueError, "k", ("null",)),
     (dict(cu_seqlens_k=dev((3,), slot=5, dtype="int32", ptr=0)), ValueError, "cu_seqlens_k",
      ("null",)),
     (dict(stream=2 ** 64), ValueError, "stream", ("2**64",)),
-], ids=["scale-bool", "scale-inf", "window-set", "masked-offsets", "null-k", "null-offsets",
-        "stream"])
+], ids=SHARED_IDS + ["masked-offsets", "null-k", "null-offsets", "stream"])
 def test_flash_attn_varlen_func_refuses_the_same(no_driver, over, kind, name, words):
     a = _varlen(**over)
     first = [a.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
