@@ -161,14 +161,16 @@ def test_a_new_head_dim_is_one_row(tmp_path, monkeypatch):
 # ---- no layout literal outside the generated header ------------------------------------------
 
 # Numbers a production source may #define itself: policies and flags, not layout figures
-OWN_DEFINES = {"MBLOCK_MAJOR_MAX_BH", "SW_EXP2_PER_8", "KV_STEP_MASKED", "M_BLOCK_MAJOR_WALK"}
+OWN_DEFINES = {"MBLOCK_MAJOR_MAX_BH", "SW_EXP2_PER_8", "KV_STEP_MASKED", "M_BLOCK_MAJOR_WALK",
+               "PTXATTN_MASKED"}     # a flag: the varlen build implies the masked build
 # shared-memory address registers: a literal added to one is an offset
 _SMEM_REGS = re.compile(r"%(smem_base|sQ1?|sK|sV|sO|q_base|bar_\w+|slot_bar|st_row_\d|o_bar)\b")
 _NUMBER = re.compile(r"(?<![\w%.])-?(?:0x[0-9a-fA-F]+|\d+)(?![\w.])")
-# thread-index arithmetic shifts by literals (warpgroup, warp, quad row, chunk parity); and two
-# more a shift: local_tile / 2 (the two Q buffers' use count) and float32 elements to bytes
+# thread-index arithmetic shifts by literals (warpgroup, warp, quad row, chunk parity); and
+# element sizes, not layout: local_tile / 2 (the two Q buffers' use count), float32 elements to
+# bytes, and the varlen epilogue's bf16 elements to bytes (x2) and 8 rows of them (x16)
 _SHIFT_SOURCES = re.compile(r"^%(thread|lane|wg_thread)$")
-_SHIFT_OK = {("%local_tile", "1"), ("%lse_addr", "2")}
+_SHIFT_OK = {("%local_tile", "1"), ("%lse_addr", "2"), ("%state", "1"), ("%lse_addr", "4")}
 
 
 def production_sources() -> dict[str, str]:
