@@ -8,6 +8,7 @@ Paths at the small shape (1, 2, 128, 128), BHLD, bf16:
   attention           ptxattn.attention(q, k, v)            (a fresh output per call)
   attention_out       ptxattn.attention(q, k, v, out=out)
   launch              p = prepare(...) once, then p.launch()
+  stage15_out         ptxattn.attention(q, k, v, out=out, stage=15)  (+ a per-call tile counter)
   torch_op            ptxattn.torch.attention(q, k, v)      (the ptxattn::attention op, eager)
   torch_sdpa_wrapper  ptxattn.torch.scaled_dot_product_attention(q, k, v)
   sdpa                torch.nn.functional.scaled_dot_product_attention (default backend)
@@ -282,6 +283,8 @@ def make_paths(q, k, v, out, torch, fake: bool) -> dict:
         "attention": lambda: ptxattn.attention(q, k, v),
         "attention_out": lambda: ptxattn.attention(q, k, v, out=out),
         "launch": prepared.launch,
+        # the lineage's dynamic scheduler: a fresh tile counter per call (issue 28, defect 1)
+        "stage15_out": lambda: ptxattn.attention(q, k, v, out=out, stage=15),
     }
     if torch is not None and not fake:
         # on the GPU the library paths already take torch tensors: only the op and wrapper

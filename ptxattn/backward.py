@@ -107,6 +107,7 @@ class BackwardPlan:
 def _classify_lse(lse, host: bool, stream: int):
     """The log-sum-exp: float32 (B, H, Lq); NumPy float64 is rounded to float32."""
     if isinstance(lse, np.ndarray):
+        tensors.refuse_masked("lse", lse)
         if not host:
             raise ValueError("lse: q, k, v are device arrays, so lse must be one too, got a "
                              "NumPy (host) array")

@@ -65,6 +65,7 @@ def _lengths(obj, batch: int, cache_len: int, seq_new: int, stream: int) -> Leng
                             f"{obj.dtype}")
         obj = obj.numpy()
     if isinstance(obj, np.ndarray):
+        tensors.refuse_masked("cache_seqlens", obj)
         if obj.dtype != np.int32:
             raise TypeError(f"cache_seqlens: expected dtype int32 (FlashAttention's), got "
                             f"{obj.dtype}")
@@ -167,7 +168,7 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
             raise ValueError(f"k: {new[0][2]} new keys do not fit {paging.max_pages} pages of "
                              f"{paging.page_size} positions")
     seq_new = new[0][2] if new is not None else 0
-    left, right = _window(causal, window_size, "bottom_right")
+    left, right = _window(causal, window_size, "bottom_right", "window_size")
     scale = check_scale(softmax_scale, head_dim)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")

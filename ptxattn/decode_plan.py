@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .plan import scale_of
+
 from .decode_builds import (MAX_PAGE_SIZE, MAX_QUERIES, MAX_SPLITS, MIN_PAGE_SIZE, ROWS,
                             DecodeBuild, build_for)
 
@@ -287,18 +289,9 @@ def overlaps(a, b) -> bool:
 
 
 def check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    try:
-        if isinstance(scale, (str, bytes, bool)):
-            raise TypeError
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale: expected a real number, got "
-                        f"{type(scale).__name__}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softmax_scale: expected a positive finite number, got {value}")
-    return value
+    """softmax_scale as attention()'s scale is checked (a real positive number a float32
+    holds; None: 1/sqrt(D))."""
+    return scale_of(scale, head_dim, "softmax_scale")
 
 
 def check_num_splits(num_splits) -> int:

@@ -6,6 +6,7 @@ ValueError naming the argument; none touches the device memory it describes."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -50,7 +51,16 @@ _TYPESTRS = {"int32": "<i4", "float32": "<f4"}
 
 def foreign(name: str, obj, dtype: str, stream: int) -> Vector:
     """A device array of `dtype` from torch, DLPack or __cuda_array_interface__ (a host array
-    or another dtype is a TypeError naming the argument)."""
+    or another dtype is a TypeError naming the argument; a null address of a non-empty array
+    a ValueError)."""
+    vec = _foreign(name, obj, dtype, stream)
+    if vec.ptr == 0 and math.prod(vec.shape):
+        raise ValueError(f"{name}: a null device pointer (address 0) for an array of shape "
+                         f"{vec.shape}; expected the address of its device memory")
+    return vec
+
+
+def _foreign(name: str, obj, dtype: str, stream: int) -> Vector:
     if is_torch(obj):
         torch = sys.modules["torch"]
         if obj.dtype != getattr(torch, dtype):
@@ -123,6 +133,7 @@ def host_int32(name: str, obj):
             raise TypeError(f"{name}: expected dtype int32 (FlashAttention's), got {obj.dtype}")
         obj = obj.numpy()
     if isinstance(obj, np.ndarray):
+        tensors.refuse_masked(name, obj)
         if obj.dtype != np.int32:
             raise TypeError(f"{name}: expected dtype int32 (FlashAttention's), got {obj.dtype}")
         return np.ascontiguousarray(obj)

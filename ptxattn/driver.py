@@ -429,21 +429,29 @@ def stream_handle(stream) -> int:
     if isinstance(stream, bool):
         raise TypeError(f"stream: expected a stream or an int handle, got {stream!r}")
     if isinstance(stream, int):
-        if stream < 0:
-            raise ValueError(f"stream: expected a non-negative handle, got {stream}")
-        return stream
+        return _handle_in_range(stream)
     if isinstance(stream, Stream):
         return stream.handle
     if hasattr(stream, "__cuda_stream__"):
-        return int(stream.__cuda_stream__()[1])
+        return _handle_in_range(int(stream.__cuda_stream__()[1]))
     for name in ("cuda_stream", "handle", "ptr"):
         value = getattr(stream, name, None)
         if value is not None:
-            return int(value)
+            return _handle_in_range(int(value))
     if hasattr(stream, "getPtr"):       # a cuda.bindings CUstream
         return int(stream)
     raise TypeError("stream: expected None, an int handle or a stream object with "
                     f".cuda_stream/.handle/.ptr, got {type(stream).__name__}")
+
+
+_HANDLE_LIMIT = 1 << 64          # a CUstream is a 64-bit pointer
+
+
+def _handle_in_range(handle: int) -> int:
+    if not 0 <= handle < _HANDLE_LIMIT:
+        raise ValueError(f"stream: expected a handle in [0, 2**64) (a CUstream is a 64-bit "
+                         f"pointer), got {handle}")
+    return handle
 
 
 class _ClosedWhenCollected:
@@ -627,6 +635,40 @@ class DeviceBuffer(_ClosedWhenCollected):
 
     def __repr__(self) -> str:
         return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+
+
+def zeroed_scratch(ctx, nbytes: int, stream: int) -> tuple:
+    """`nbytes` of zeroed device memory for one launch on `stream` (a raw handle): from the
+    device's stream-ordered pool (cuMemAllocAsync), zeroed there (cuMemsetD8Async), so work
+    queued on other streams never sees it. Returns (address, its CUdeviceptr, the CUstream),
+    for free_scratch right after the launch is queued: the free is enqueued while the stream
+    surely exists (the caller has just launched on it), which a free left to garbage
+    collection could not promise. Under CUDA-graph capture the three become an allocation,
+    memset and free node of the graph, so every replay gets its own memory. A device without
+    memory pools: cuMemAlloc and cuMemFree, which waits for the device."""
+    d = _cu_module or cu()
+    on = d.CUstream(stream)
+    if getattr(ctx, "memory_pools", False):
+        err, dptr = d.cuMemAllocAsync(nbytes, on)
+    else:
+        err, dptr = d.cuMemAlloc(nbytes)
+    if int(err):
+        raise CudaError(int(err), f"cuMemAllocAsync({nbytes}) (per-call scratch)")
+    (err,) = d.cuMemsetD8Async(dptr, 0, nbytes, on)
+    if int(err):
+        free_scratch(ctx, (0, dptr, on))
+        raise CudaError(int(err), "cuMemsetD8Async (per-call scratch)")
+    return int(dptr), dptr, on
+
+
+def free_scratch(ctx, scratch: tuple) -> None:
+    """Free what zeroed_scratch returned, in stream order after the work queued so far."""
+    d = _cu_module or cu()
+    _, dptr, on = scratch
+    (err,) = (d.cuMemFreeAsync(dptr, on) if getattr(ctx, "memory_pools", False)
+              else d.cuMemFree(dptr))
+    if int(err):
+        raise CudaError(int(err), "cuMemFreeAsync (per-call scratch)")
 
 
 def memcpy_htod(dst: int, src, stream=None) -> None:

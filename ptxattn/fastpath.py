@@ -17,7 +17,7 @@ import numpy as np
 from . import driver, stages, stages_sm100, tensors, tma
 from .choice import registry
 from .errors import CudaError
-from .launch import PERSISTENT_CTAS_ENV, PreparedAttention, slot
+from .launch import COUNTER_BYTES, PERSISTENT_CTAS_ENV, TILE_COUNTER, PreparedAttention, slot
 from .plan import caller_stream
 from .stages import Stage
 from .tensors import BF16, DeviceArray, as_device_array
@@ -42,6 +42,10 @@ from .tensors import BF16, DeviceArray, as_device_array
 # - Per call, as on the full path: the stream handshake (torch's current stream, a
 #   DeviceArray's pending writes, a DLPack producer's own __dlpack__), DeviceArray.used_on,
 #   the output and LSE allocations, the context made current on this thread.
+# - Per-call device state is never kept: a dynamic tile scheduler's counter (stage 15) comes
+#   fresh and zeroed from the stream-ordered pool on the call's stream and is freed there right
+#   after the launch (driver.zeroed_scratch), so calls on streams that run at once never share
+#   it (a remembered counter was one device word that every warm call's CTAs took tiles from).
 # - Nothing the caller owns is kept: an entry holds maps (host structs), packed parameters and
 #   the launch config, never an array, so it pins no memory. A new tensor at a remembered
 #   address with the same geometry reuses that address's maps, which describe it exactly.
@@ -73,8 +77,8 @@ class _Steady:
     """One validated, built and launched call, replayed for arguments with the same key."""
 
     __slots__ = ("ctx", "registry", "function", "config", "attrs", "values", "types",
-                 "o_map", "o_map_slot", "o_ptr_slot", "lse_slot", "out_array", "lse_array",
-                 "keep", "packs", "_lock")
+                 "o_map", "o_map_slot", "o_ptr_slot", "lse_slot", "counter_slot", "out_array",
+                 "lse_array", "keep", "packs", "_lock")
 
     def __init__(self, prepared: PreparedAttention):
         spec = prepared._spec
@@ -90,28 +94,35 @@ class _Steady:
         self.o_map_slot = slot(prepared.abi, "tmap_o")
         self.o_ptr_slot = slot(prepared.abi, "o_ptr")
         self.lse_slot = slot(prepared.abi, "lse_ptr") if want_lse else None
+        # a dynamic scheduler's tile counter: per call, never the first call's (see above)
+        self.counter_slot = slot(prepared.abi, TILE_COUNTER.name) \
+            if prepared.stage.dynamic_tiles else None
         # (bytes, shape, strides, dtype) of a fresh output and LSE, as tensors.empty makes them
         self.out_array = _array_fields(prepared.plan.out_shape, BF16)
         self.lse_array = _array_fields(prepared.plan.lse_shape, np.dtype(np.float32))
-        # the q/k/v maps and a dynamic scheduler's counter (never the caller's arrays)
-        self.keep = tuple(x for x in prepared._keep if not isinstance(x, DeviceArray))
-        self.packs: dict[tuple[int, int], tuple[int, tuple]] = {}
+        # the q/k/v maps (never the caller's arrays, nor the first call's device buffers)
+        self.keep = tuple(x for x in prepared._keep
+                          if not isinstance(x, (DeviceArray, driver.DeviceBuffer)))
+        self.packs: dict[tuple[int, int, int], tuple[int, tuple]] = {}
         self._lock = threading.Lock()
 
-    def pack(self, out_ptr: int, lse_ptr: int) -> tuple[int, tuple]:
-        """The void*[] of the parameters with this O (map and pointer) and LSE pointer: (its
-        address, its holders). The caller keeps the tuple until its launch is queued: another
-        thread may evict it from `packs` meanwhile, and the holders are the array itself."""
+    def pack(self, out_ptr: int, lse_ptr: int, counter_ptr: int) -> tuple[int, tuple]:
+        """The void*[] of the parameters with this O (map and pointer), LSE pointer and tile
+        counter: (its address, its holders). The caller keeps the tuple until its launch is
+        queued: another thread may evict it from `packs` meanwhile, and the holders are the
+        array itself."""
         values = list(self.values)
         values[self.o_map_slot] = tma.encode_qkvo_map(out_ptr, *self.o_map)
         values[self.o_ptr_slot] = out_ptr
         if self.lse_slot is not None:
             values[self.lse_slot] = lse_ptr
+        if self.counter_slot is not None:
+            values[self.counter_slot] = counter_ptr
         packed = driver.pack_params((values, self.types))
         with self._lock:
             if len(self.packs) >= _PACKS_MAX:
                 self.packs.pop(next(iter(self.packs)), None)
-            self.packs[(out_ptr, lse_ptr)] = packed
+            self.packs[(out_ptr, lse_ptr, counter_ptr)] = packed
         return packed
 
 
@@ -289,12 +300,19 @@ def steady_call(q, k, v, out, stage, scale, layout, stream, return_lse, causal, 
     elif return_lse:
         lse = tensors.fresh(*entry.lse_array, ctx.ordinal, handle, stream_object)
         lse_ptr = lse.ptr
+    counter = None
+    counter_ptr = 0
+    if entry.counter_slot is not None:
+        counter = driver.zeroed_scratch(ctx, COUNTER_BYTES, handle)
+        counter_ptr = counter[0]
     # `packed` (the void*[] and what it points at) stays referenced here until the launch is
     # queued: another thread's pack() may evict it from entry.packs at any time
-    packed = entry.packs.get((out_ptr, lse_ptr))
+    packed = entry.packs.get((out_ptr, lse_ptr, counter_ptr))
     if packed is None:
-        packed = entry.pack(out_ptr, lse_ptr)
+        packed = entry.pack(out_ptr, lse_ptr, counter_ptr)
     err = int(driver._cu_module.cuLaunchKernelEx(entry.config, entry.function, packed[0], 0)[0])
+    if counter is not None:
+        driver.free_scratch(ctx, counter)     # in stream order: after the kernel is done
     if err:
         raise CudaError(err, "cuLaunchKernelEx (a remembered attention call)")
     if type(result) is DeviceArray:

@@ -78,6 +78,7 @@ VARLEN_PARAMS: tuple[Param, ...] = (
 )
 # A dynamic tile scheduler's two u32 counters (Stage.dynamic_tiles), after the rest.
 TILE_COUNTER = Param("tile_counter", driver.PTR, ".u64")
+COUNTER_BYTES = 8
 # A traced build's event buffer (PTXATTN_TRACE: the TRACE_PARAM macro), always last; passed by
 # the tool that records it (tools/trace.py) as one of prepare()'s extra_params.
 TRACE_BUF = Param("trace_buf", driver.PTR, ".u64")
@@ -361,9 +362,13 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
         values["walk_section"] = walk_section(plan, stage, ctx, ctas, walk_rule)
     if stage.dynamic_tiles:
         # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
-        # the kernel's last CTA resets them, so every later launch of this object finds zeros
-        counter = driver.DeviceBuffer(8)
-        driver.memset_u8(counter.ptr, 0, 8, stream=stream)
+        # the kernel's last CTA resets them, so every later launch of this object (all on its
+        # stream, in order) finds zeros. This object's own, as its out is: stream-ordered
+        # memory of its stream, freed there. attention()'s remembered calls never reuse it
+        # (fastpath: a fresh counter per call).
+        counter = driver.DeviceBuffer(COUNTER_BYTES, stream=stream,
+                                      stream_owner=plan.stream_object)
+        driver.memset_u8(counter.ptr, 0, COUNTER_BYTES, stream=stream)
         values["tile_counter"] = counter.ptr
         keep.append(counter)
     abi = params_of(stage)

@@ -19,7 +19,7 @@ import numpy as np
 from . import driver, tma
 from .choice import pick_stage
 from .stages import Stage
-from .tensors import BF16, DeviceArray, as_device_array
+from .tensors import BF16, DeviceArray, as_device_array, refuse_masked
 
 LAYOUTS = ("bhld", "bshd")
 _AXES = {"bhld": "(batch, heads, seq, head_dim)", "bshd": "(batch, seq, heads, head_dim)"}
@@ -78,6 +78,7 @@ class Plan:
 def _classify(name: str, obj, stream: int):
     """(is_host, array): NumPy stays on the host, anything else is imported zero-copy."""
     if isinstance(obj, np.ndarray):
+        refuse_masked(name, obj)
         if obj.dtype != BF16 and obj.dtype not in (np.float32, np.float64):
             raise TypeError(f"{name}: expected dtype bfloat16 (ml_dtypes.bfloat16; float32 and "
                             f"float64 are rounded to bfloat16), got {obj.dtype}")
@@ -129,6 +130,7 @@ def _check_out(plan: Plan, out_obj):
         if not isinstance(out_obj, np.ndarray):
             raise ValueError(f"out: q, k, v are NumPy (host) arrays, so out must be a NumPy array "
                              f"too, got {type(out_obj).__name__}")
+        refuse_masked("out", out_obj)
         out = out_obj
         if out.dtype != BF16:
             raise TypeError(f"out: expected dtype bfloat16 (ml_dtypes.bfloat16), got {out.dtype}")
@@ -170,6 +172,7 @@ def _check_lse_out(plan: Plan, lse_obj):
         if not isinstance(lse_obj, np.ndarray):
             raise ValueError(f"lse_out: q, k, v are NumPy (host) arrays, so lse_out must be a "
                              f"NumPy array too, got {type(lse_obj).__name__}")
+        refuse_masked("lse_out", lse_obj)
         lse = lse_obj
         if lse.dtype != np.float32:
             raise TypeError(f"lse_out: expected dtype float32, got {lse.dtype}")
@@ -247,32 +250,50 @@ def caller_stream(arrays):
 DIAGONALS = ("bottom_right", "top_left")
 
 
-def _window(causal, window, diagonal) -> tuple[int, int]:
+def _window(causal, window, diagonal, name: str = "window") -> tuple[int, int]:
     """(left, right) from causal=/window= (FlashAttention's window_size: -1 is unbounded;
-    causal is (-1, 0), or (left, 0) with a window)."""
+    causal is (-1, 0), or (left, 0) with a window). `name`: the caller's name for the window
+    (flash_attn_*'s window_size). A diagonal other than the default places a mask's diagonal,
+    so it is refused without causal= or a window: it would change nothing."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected True or False, got {type(causal).__name__}")
     if diagonal not in DIAGONALS:
         raise ValueError(f"diagonal: expected 'bottom_right' (FlashAttention: query i of Lq sees "
                          f"keys up to i + Lk - Lq) or 'top_left' (PyTorch's is_causal: up to i), "
                          f"got {diagonal!r}")
+    if diagonal != DIAGONALS[0] and not causal and window is None:
+        raise ValueError(f"diagonal: {diagonal!r} places the diagonal of a causal or window "
+                         "mask, and this call has neither (causal=False, window=None), so it "
+                         "would change nothing; pass causal=True or a window, or leave "
+                         "diagonal at its default")
     left, right = -1, -1
     if window is not None:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
-            raise TypeError(f"window: expected a pair (left, right) of ints >= -1, got "
-                            f"{window!r}") from None
-        for name, x in (("left", left), ("right", right)):
+        # a sequence of two (tuple, list, a 1-d array): a set's order is arbitrary, a dict
+        # unpacks its keys, an iterator is used up by reading it
+        pair = isinstance(window, (tuple, list)) or (
+            isinstance(window, np.ndarray) and window.ndim == 1)
+        if not pair or len(window) != 2:
+            raise TypeError(f"{name}: expected a pair (left, right) of ints >= -1 (a tuple or "
+                            f"list), got {_describe(window)}")
+        left, right = window
+        for side, x in (("left", left), ("right", right)):
             if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < -1:
-                raise ValueError(f"window: {name} must be an int >= -1 (-1: unbounded), got {x!r}")
+                raise ValueError(f"{name}: {side} must be an int >= -1 (-1: unbounded), got "
+                                 f"{x!r}")
         left, right = int(left), int(right)
     if causal:
         if right > 0:
-            raise ValueError(f"window: causal=True hides every key past the diagonal, so the "
+            raise ValueError(f"{name}: causal=True hides every key past the diagonal, so the "
                              f"right edge must be 0 or -1, got {right}")
         right = 0
     return left, right
+
+
+def _describe(obj) -> str:
+    """repr for short values, the type for the rest (a generator's repr says nothing)."""
+    text = repr(obj)
+    return text if len(text) <= 60 and not hasattr(obj, "__next__") else \
+        f"a {type(obj).__name__}"
 
 
 def qkv_dims(arrays: dict, layout: str) -> dict:
@@ -288,26 +309,38 @@ def qkv_dims(arrays: dict, layout: str) -> dict:
             raise ValueError(f"k: {label} {mine} does not match q's {label} {theirs} "
                              f"(layout {layout!r}: {_AXES[layout]})")
     # GQA/MQA: each group of heads // heads_kv query heads shares one k/v head
-    if hk != h and (hk == 0 or h % hk):
+    if hk != h and (hk == 0 or hk > h or h % hk):
         raise ValueError(f"k: heads {hk} do not divide q's heads {h}; grouped-query attention "
                          f"needs k/v heads dividing q heads (layout {layout!r}: {_AXES[layout]})")
     return dims
 
 
-def scale_of(scale, head_dim: int) -> float:
-    """`scale` as a float (None: 1/sqrt(D)), or the error naming it (shared with the backward)."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def scale_of(scale, head_dim: int, name: str = "scale") -> float:
+    """`scale` as a float (None: 1/sqrt(D)), or the error naming it (shared with the backward,
+    decode and varlen, whose `name` is softmax_scale). The kernels take it as a float32: a
+    value past float32's range would become inf (or 0) there, so it is refused here."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a real number, got bool {scale!r} (True is not 1.0)")
     try:
         if isinstance(scale, (str, bytes)):
             raise TypeError
         value = float(scale)
     except (TypeError, ValueError):
-        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
+        raise TypeError(f"{name}: expected a real number, got {type(scale).__name__}") from None
     if not math.isfinite(value) or value <= 0:
         # the softmax subtracts the row max of the raw scores: that bounds the exponents
         # only for a positive scale (and -inf masks stay -inf only then)
-        raise ValueError(f"scale: expected a positive finite number, got {value}")
+        raise ValueError(f"{name}: expected a positive finite number, got {value}")
+    if value > FLOAT32_MAX or float(np.float32(value)) == 0.0:
+        raise ValueError(f"{name}: expected a positive number a float32 holds (the kernel's "
+                         f"parameter; up to {FLOAT32_MAX:.7g}, above 0 once rounded), got "
+                         f"{value!r}, which float32 makes "
+                         f"{'inf' if value > FLOAT32_MAX else '0'}")
     return value
 
 

@@ -229,7 +229,22 @@ def as_device_array(obj, *, name: str = "array", stream=None, dtype=BF16) -> "De
     (bfloat16; float32 for the backward's log-sum-exp input), our own DeviceArrays included
     (a float32 log-sum-exp is no q, k, v or out).
     """
-    dtype = np.dtype(dtype)
+    arr = _import(obj, name, stream, np.dtype(dtype))
+    if arr.ptr == 0 and arr.size:
+        raise ValueError(f"{name}: a null device pointer (address 0) for an array of shape "
+                         f"{tuple(arr.shape)}; expected the address of its device memory")
+    return arr
+
+
+def refuse_masked(name: str, obj) -> None:
+    """A NumPy masked array is refused: its data would be used and its mask ignored."""
+    if isinstance(obj, np.ma.MaskedArray):
+        raise TypeError(f"{name}: expected a plain NumPy array, got a masked array "
+                        "(numpy.ma.MaskedArray), whose mask attention would ignore; pass "
+                        "array.filled(value) or array.data to say what masked entries hold")
+
+
+def _import(obj, name: str, stream, dtype: np.dtype) -> "DeviceArray":
     if isinstance(obj, DeviceArray):
         if obj.dtype != dtype:
             wanted = "bfloat16" if dtype == BF16 else str(dtype)

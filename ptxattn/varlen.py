@@ -155,7 +155,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         lengths_k = np.diff(cu_k.host.astype(np.int64)) if cu_k.kind == "host" else None
     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
-    left, right = _window(causal, window_size, "bottom_right")
+    left, right = _window(causal, window_size, "bottom_right", "window_size")
     scale = check_scale(softmax_scale, d)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")

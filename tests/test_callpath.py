@@ -198,7 +198,11 @@ def test_callpath_bench_runs_with_the_pretend_driver(tmp_path, monkeypatch):
     assert calls["attention"] == {"cuLaunchKernelEx": 1.0, "cuMemAllocAsync": 1.0,
                                   "cuMemFreeAsync": 1.0}
     assert calls["launch"] == {}
-    paths = {"attention", "attention_out", "launch"}
+    # stage 15: attention_out's launch plus its own tile counter, allocated, zeroed and freed
+    # per call on the call's stream (issue 28, defect 1)
+    assert calls["stage15_out"] == {"cuLaunchKernelEx": 1.0, "cuMemAllocAsync": 1.0,
+                                    "cuMemsetD8Async": 1.0, "cuMemFreeAsync": 1.0}
+    paths = {"attention", "attention_out", "launch", "stage15_out"}
     torch = sys.modules.get("torch")
     if torch is not None:       # CPU torch tensors passing for CUDA ones: the torch paths too
         paths |= {"torch_attention", "torch_attention_out", "torch_op", "torch_sdpa_wrapper"}

@@ -299,7 +299,7 @@ def test_varlen_argument_errors_name_the_argument(no_driver):
         (dict(seqused_k=np.array([3], np.int32)), ValueError, r"seqused_k: expected shape \(2,\)"),
         (dict(block_table=np.zeros((2, 4), np.int32)), ValueError, "block_table: a paged"),
         (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
-        (dict(window_size=(3, 1), causal=True), ValueError, "window: causal=True"),
+        (dict(window_size=(3, 1), causal=True), ValueError, "window_size: causal=True"),
         (dict(return_lse=1), TypeError, "return_lse"),
     ]
     base = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq,

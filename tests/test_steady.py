@@ -181,6 +181,8 @@ REFUSED = {
     "q_device": (ValueError, "q, k, v: expected arrays on one device"),
     "out_readonly": (ValueError, "out: the device array is exported read-only"),
     "q_dtype": (TypeError, "q: expected dtype bfloat16, got float32"),
+    # the base call has no mask: a diagonal alone would change nothing (issue 28, defect 6)
+    "diagonal": (ValueError, "diagonal: 'top_left' places the diagonal of a causal or window"),
 }
 
 

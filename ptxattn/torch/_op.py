@@ -29,6 +29,7 @@ from ptxattn import tensors, tma
 from ptxattn.api import attention as _attention
 from ptxattn.backward import attention_backward as _attention_backward
 from ptxattn.fastpath import steady_call
+from ptxattn.plan import _window
 from ptxattn.stages import PRODUCTION, PRODUCTION_VARIANTS
 
 LAYOUTS = ("bhld", "bshd")
@@ -290,18 +291,9 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def _mask_arguments(is_causal, window, diagonal):
     """(is_causal, left, right, diagonal) as the op takes them; the library checks the rest
     (a causal window's right edge, the diagonal's name) with its own errors."""
-    if window is None:
-        left, right = -1, -1
-    else:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
-            raise TypeError(f"window: expected a pair (left, right) of ints >= -1, got "
-                            f"{window!r}") from None
-        for name, x in (("left", left), ("right", right)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < -1:
-                raise ValueError(f"window: {name} must be an int >= -1 (-1: unbounded), got "
-                                 f"{x!r}")
+    # the library's reading of a window (a sequence pair of ints >= -1; a set, dict or
+    # iterator is refused), without its causal rules, which the call itself applies
+    left, right = _window(False, window, "bottom_right")
     if diagonal not in ("bottom_right", "top_left"):
         raise ValueError(f"diagonal: expected 'bottom_right' or 'top_left', got {diagonal!r}")
     return bool(is_causal), int(left), int(right), diagonal
