@@ -190,7 +190,7 @@ def test_bench_plot_from_json(tmp_path):
     out = tmp_path / "progression.png"
     result = cli("bench", "--from-json", SYNTHETIC, "--plot", out)
     if importlib.util.find_spec("matplotlib") is None:
-        one_clean_error(result, "pip install 'ptxattn[plot]'")
+        one_clean_error(result, "pip install -e '.[plot]'")      # this is a checkout
     else:
         assert result.exit_code == 0, result.output
         assert out.read_bytes()[:4] == b"\x89PNG"

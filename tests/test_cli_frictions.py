@@ -1,0 +1,168 @@
+"""What a new user hit on the command line, each pinned: one-line errors (usage errors too), a
+bench without a GPU that says one thing, --grep by class name, --from-json refusing options it
+would ignore, `ptxattn guide`, `list` lines a terminal can show, trace totals with a unit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import cli, one_clean_error
+from ptxattn import driver
+from ptxattn.errors import NoGpuError
+from ptxattn.tools import cli as cli_module
+from ptxattn.tools import sass, trace
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTHETIC = Path(__file__).parent / "fixtures" / "bench_synthetic.json"
+FIXTURES = Path(__file__).parent / "fixtures"
+needs_sass = pytest.mark.skipif(
+    sass.locate("ptxas") is None or not (sass.locate("nvdisasm") or sass.locate("cuobjdump")),
+    reason="no ptxas/nvdisasm (pip install 'ptxattn[tools]')")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    def fail():
+        raise NoGpuError("ptxattn: no CUDA GPU available (test)")
+    monkeypatch.setattr(driver, "device_info", fail)
+
+
+def test_bench_without_a_gpu_prints_one_line_and_no_estimate(no_gpu):
+    result = cli("bench")
+    line = one_clean_error(result, "no CUDA GPU")
+    assert result.output.strip() == line, result.output       # no estimate line before it
+    assert "estimate" not in result.output
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--reps", "3"), "--reps"), (("--set", "lineage"), "--set"), (("--estimate",), "--estimate"),
+    (("--rounds", "2"), "--rounds"), (("--no-peer",), "--peer"), (("--seed", "1"), "--seed"),
+    (("--layout", "bshd"), "--layout"), (("--warmup", "1"), "--warmup"),
+])
+def test_bench_from_json_refuses_what_it_would_ignore(argv, named):
+    result = cli("bench", "--from-json", SYNTHETIC, *argv)
+    assert result.exit_code == 2, result.output
+    one_clean_error(result, named, "--from-json")
+
+
+def test_bench_from_json_still_filters_rows():
+    result = cli("bench", "--from-json", SYNTHETIC, "--stages", "1")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("argv", [("sass",), ("nosuchcommand",), ("run", "1", "--layout", "x"),
+                                  ("sass", "1", "--summary", "--json")])
+def test_usage_errors_are_one_line_with_exit_status_2(argv):
+    result = cli(*argv)
+    assert result.exit_code == 2, result.output
+    line = one_clean_error(result)
+    assert result.output.strip() == line, result.output       # no Usage:/Try lines
+    assert "--help" in line and line.split("Error:", 1)[1].strip()
+
+
+def test_usage_error_names_the_missing_argument():
+    one_clean_error(cli("sass"), "STAGE")
+
+
+def test_readme_says_what_the_exit_statuses_are():
+    text = (ROOT / "README.md").read_text()
+    assert "usage errors" in text.lower() and "exit status 2" in text
+
+
+# --------------------------------------------------------------------------- sass --grep
+
+def _tiny():
+    return (FIXTURES / "tiny_sm90a.cuobjdump.sass").read_text()
+
+
+def test_grep_class_name_counts_what_the_summary_counts():
+    text = _tiny()
+    summary = sass.summarize(text, "")
+    for name, count in summary.classes.items():
+        found = sass.grep_pattern(text, name, "sm_90a")
+        assert len(found.lines) == count, (name, count, found.label)
+
+
+def test_grep_class_says_which_opcodes_it_holds():
+    found = sass.grep_pattern(_tiny(), "tma", "sm_90a")
+    assert found.label.startswith("TMA (class: UTMALDG") and not found.unknown
+
+
+def test_grep_unknown_opcode_warns_and_is_unknown():
+    found = sass.grep_pattern(_tiny(), "FOO", "sm_90a")
+    assert found.lines == [] and found.unknown and "FOO" in found.warning
+    assert "HGMMA" in found.warning                  # names what it could have been
+
+
+def test_grep_blackwell_opcode_on_hopper_says_so():
+    found = sass.grep_pattern(_tiny(), "UTCHMMA", "sm_90a")
+    assert found.unknown and "sm_100a" in found.warning and "UTCMMA" in found.warning
+
+
+def test_grep_known_opcode_absent_here_is_a_plain_zero():
+    found = sass.grep_pattern(_tiny(), "LDL", "sm_90a")
+    assert found.lines == [] and not found.unknown
+
+
+@needs_sass
+def test_cli_grep_class_matches_summary_and_unknown_exits_1():
+    summary = json.loads(cli("sass", "14", "--json").output)
+    tma = summary["classes"]["TMA"]
+    result = cli("sass", "14", "--grep", "TMA")
+    assert result.exit_code == 0 and result.output.splitlines()[-1].startswith(f"{tma} x TMA")
+    bad = cli("sass", "14", "--grep", "FOO")
+    assert bad.exit_code == 1 and "warning: FOO" in bad.output
+
+
+@needs_sass
+def test_cli_grep_utcmma_on_blackwell_counts_utchmma():
+    result = cli("sass", "1", "--arch", "sm_100a", "--grep", "UTCMMA")
+    assert result.exit_code == 0, result.output
+    n = int(result.output.splitlines()[-1].split()[0])
+    assert n > 0 and n == sum("UTCHMMA" in line or "UTCQMMA" in line
+                              for line in result.output.splitlines()[:-1])
+
+
+# --------------------------------------------------------------------------- guide, list, trace
+
+def test_guide_is_a_subcommand_and_checks():
+    result = cli("guide", "--check")
+    assert result.exit_code == 0, result.output
+    assert "current" in result.output
+
+
+def test_guide_check_and_sass_are_refused_together():
+    assert cli("guide", "--check", "--sass").exit_code == 2
+
+
+def test_list_lines_fit_a_terminal_unless_wide():
+    narrow = cli("list").output.splitlines()
+    wide = cli("list", "--wide").output.splitlines()
+    assert max(map(len, narrow)) <= 140, max(narrow, key=len)
+    assert max(map(len, wide)) > 140            # the ideas on the row
+    from ptxattn import stages
+    for s in stages.all_kernels():              # every idea is still there, in words
+        first = s.idea.split()[0]
+        assert any(first in line for line in narrow), s.name
+
+
+def test_trace_summary_totals_carry_their_unit():
+    saved = trace.Collection.read_json(ROOT / "bench" / "results" / "trace-stage14.json")
+    text = trace.summary(next(iter(saved.traces.values())))
+    assert " us," in text or text.rstrip().endswith(" us")
+    for line in text.splitlines()[1:]:
+        for part in line.split(": ", 1)[1].split(", "):
+            words = part.split()
+            assert len(words) == 2 or words[-1] in ("us", "kcycles"), part
+
+
+def test_plot_hint_is_the_checkout_command():
+    from ptxattn.tools import pip_extra
+    assert pip_extra("plot").startswith("pip install -e '.[plot]'")
+
+
+def test_no_gpu_message_names_guide():
+    assert "guide" in cli_module.NO_GPU_COMMANDS
