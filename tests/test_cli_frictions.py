@@ -166,3 +166,9 @@ def test_plot_hint_is_the_checkout_command():
 
 def test_no_gpu_message_names_guide():
     assert "guide" in cli_module.NO_GPU_COMMANDS
+
+
+def test_the_readme_run_command_parses_to_the_no_gpu_error(no_gpu):
+    """`ptxattn run production --shape 4k`, the README's first command: valid arguments, so
+    without a GPU it reaches the one-line no-GPU error."""
+    one_clean_error(cli("run", "production", "--shape", "4k"), "no CUDA GPU")

@@ -120,3 +120,39 @@ def test_torch_tensors_go_through_the_custom_op(monkeypatch):
                     "return_lse": False, "deterministic": True}
     with pytest.raises(ValueError, match="out="):
         ptxattn.flash_attn_func(q, q, q, out=q)
+
+
+# --------------------------------------------------------------------------- the README's block
+
+def test_readme_flash_attention_block_runs_on_the_emulator(emulated_gpu):
+    """The README's FlashAttention-style block as written (NumPy in, the emulated H200), and
+    its decode and varlen results against the float64 reference."""
+    from readme_blocks import python_blocks
+    (block,) = python_blocks("## FlashAttention-style calls")
+    scope = {"__name__": "__readme__"}
+    exec(compile(block, "README.md (FlashAttention-style calls)", "exec"), scope)
+    q, k, v = scope["q"], scope["k"], scope["v"]
+    lengths = scope["lengths"]
+    for b, n in enumerate(lengths):
+        ref = ptxattn.attention_reference(q[b:b + 1, -1:], k[b:b + 1, :n], v[b:b + 1, :n],
+                                          layout="bshd")
+        metrics = ptxattn.error_metrics(scope["o1"][b:b + 1], ref)
+        assert ptxattn.passes(metrics), (b, metrics)
+    cu = scope["cu"]
+    for s in range(len(cu) - 1):
+        lo, hi = cu[s], cu[s + 1]
+        ref = ptxattn.attention_reference(q[:1, lo:hi], k[:1, lo:hi], v[:1, lo:hi],
+                                          layout="bshd", causal=True)
+        metrics = ptxattn.error_metrics(scope["o2"][None, lo:hi], ref)
+        assert ptxattn.passes(metrics), (s, metrics)
+    out, lse = scope["out"], scope["lse"]
+    ref = ptxattn.attention_reference(q, k, v, layout="bshd", window=(32, 0))
+    assert ptxattn.passes(ptxattn.error_metrics(out, ref)) and lse.shape == (2, 4, 100)
+
+
+def test_readme_names_every_flash_attention_argument_it_maps():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = text[text.index("| FlashAttention argument |"):]
+    for name, _ in FLASH_ATTN_FUNC[3:]:
+        assert f"`{name}`" in table, name
