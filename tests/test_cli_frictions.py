@@ -5,6 +5,7 @@ would ignore, `ptxattn guide`, `list` lines a terminal can show, trace totals wi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,82 @@ def test_the_readme_run_command_parses_to_the_no_gpu_error(no_gpu):
     """`ptxattn run production --shape 4k`, the README's first command: valid arguments, so
     without a GPU it reaches the one-line no-GPU error."""
     one_clean_error(cli("run", "production", "--shape", "4k"), "no CUDA GPU")
+
+
+def _newest_lineage_run() -> str:
+    runs = sorted(p.name for p in (ROOT / "bench" / "results").glob("*-lineage-run*.json"))
+    return runs[-1]
+
+
+def test_readme_points_at_the_newest_lineage_run():
+    text = (ROOT / "README.md").read_text()
+    newest = _newest_lineage_run()
+    saved = re.findall(r"bench --from-json bench/results/(\S+\.json)", text)
+    assert saved and set(saved) == {newest}, (saved, newest)
+    assert "2026-11-29-h200-run2.json" not in text
+
+
+def test_progression_chart_is_drawn_from_the_newest_lineage_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ptxattn.tools import bench
+    out = bench.plot_progression(ROOT / "bench" / "results" / _newest_lineage_run(),
+                                 tmp_path / "progression.svg")
+    assert out.read_bytes() == (ROOT / "bench" / "progression.svg").read_bytes(), \
+        "bench/progression.svg is not the newest lineage run's chart: regenerate it (README)"
+
+
+# --------------------------------------------------------------------------- the guide's pages
+
+def test_guide_has_a_primer_and_a_production_page_linked_from_its_index():
+    from ptxattn.tools import guide
+    files = guide.build()
+    for name, terms in (("primer.md", ("wgmma", "TMA", "mbarrier", "warpgroup", "setmaxnreg")),
+                        ("production.md", ("HEAD_DIM", "PTXATTN_MASKED", "512"))):
+        assert name in files and f"]({name})" in files["README.md"], name
+        for term in terms:
+            assert term in files[name], (name, term)
+        assert (ROOT / "docs" / "lineage" / name).read_text() == files[name]
+
+
+def test_guide_says_how_many_tiles_cta0_ran():
+    text = (ROOT / "docs" / "lineage" / "14_persistent.md").read_text()
+    assert re.search(r"CTA \(0, 0, 0\) of stage14 ran 2 Q tiles in [\d.]+ µs", text)
+
+
+def test_guide_prose_leaves_out_the_projects_bookkeeping():
+    from ptxattn.tools import guide
+    assert guide.public_prose("Prediction (bench/notes.md, issue 13): x") == \
+        "Prediction (bench/notes.md): x"
+    assert guide.public_prose("```diff\n+// (issue 13)\n```") == "```diff\n+// (issue 13)\n```"
+    for path in (ROOT / "docs").rglob("*.md"):
+        prose = re.sub(r"\]\([^)]*\)", "]", path.read_text())    # link targets: file names
+        assert not re.search(r"\b(session [0-9]|issues? [0-9]|s[0-9]run[0-9]|the lead|"
+                             r"machine starts?)\b", prose), path
+
+
+def test_compare_svg_puts_each_subtitle_below_its_header():
+    svg = (ROOT / "docs" / "lineage" / "img" / "compare-12-13.svg").read_text()
+    heads = re.findall(r'<text x="10" y="([\d.]+)" font-size="13" font-weight="bold">', svg)
+    subs = re.findall(r'<text x="10" y="([\d.]+)" font-size="10" fill="#555">', svg)
+    assert len(heads) == len(subs) == 2
+    for h, s in zip(heads, subs):
+        assert float(s) >= float(h) + 12, (h, s)
+
+
+def test_readme_prose_has_no_internal_words():
+    text = re.sub(r"\]\([^)]*\)", "]", (ROOT / "README.md").read_text())
+    text = re.sub(r"bench/results/\S+", "", text)              # result file names stay
+    found = re.findall(r"\b(session [0-9]|issues? [0-9]+|s[0-9]run[0-9]+|the lead|"
+                       r"machine starts?)\b", text, flags=re.I)
+    assert not found, found
+
+
+def test_readme_feature_matrix_names_every_row():
+    text = (ROOT / "README.md").read_text()
+    matrix = text[text.index("| feature | status |"):].split("\n\n", 1)[0]
+    for row in ("forward", "backward", "decode", "paged", "varlen", "FP8", "causal", "GQA",
+                "head dims", "layouts", "dtypes", "GPUs"):
+        assert f"| {row}" in matrix, row
+    assert 'opt-in, `precision="fp8"`' in matrix and "64, 128, 256" in matrix
+    assert "B200" in matrix and "never run" in matrix
+    assert text.index("## How fast") < text.index("## What it does") < text.index("## Set up")

@@ -658,9 +658,10 @@ def _picture(traces, title: str, subtitle: str, headed: bool, path) -> str:
         if headed:
             parts.append(f'<text x="10" y="{y + 4}" font-size="13" font-weight="bold">'
                          f'{_esc(f"{tr.label} {tr.name}: {_span_text(tr)}")}</text>')
-            parts.append(f'<text x="{_GUTTER}" y="{y + 4}" font-size="10" fill="#555">'
+            # the subtitle on a line of its own: beside a long header it ran into it
+            parts.append(f'<text x="10" y="{y + 18}" font-size="10" fill="#555">'
                          f'{_esc(_subtitle(tr, with_shape=False))}</text>')
-            y += 16
+            y += 30
             y = _draw_lanes(tr, y, x, parts, legend_kinds,
                             lane_title=lambda w, tr=tr: f"{tr.label}: {role(w, tr.threads)}")
             y += 6
