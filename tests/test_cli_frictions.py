@@ -10,25 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import cli, one_clean_error
-from ptxattn import driver
-from ptxattn.errors import NoGpuError
+from cli_helpers import cli, needs_sass, no_gpu, one_clean_error  # noqa: F401 (a fixture)
 from ptxattn.tools import cli as cli_module
 from ptxattn.tools import sass, trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = Path(__file__).parent / "fixtures" / "bench_synthetic.json"
 FIXTURES = Path(__file__).parent / "fixtures"
-needs_sass = pytest.mark.skipif(
-    sass.locate("ptxas") is None or not (sass.locate("nvdisasm") or sass.locate("cuobjdump")),
-    reason="no ptxas/nvdisasm (pip install 'ptxattn[tools]')")
-
-
-@pytest.fixture
-def no_gpu(monkeypatch):
-    def fail():
-        raise NoGpuError("ptxattn: no CUDA GPU available (test)")
-    monkeypatch.setattr(driver, "device_info", fail)
 
 
 def test_bench_without_a_gpu_prints_one_line_and_no_estimate(no_gpu):
@@ -252,3 +240,11 @@ def test_readme_feature_matrix_names_every_row():
     assert 'opt-in, `precision="fp8"`' in matrix and "64, 128, 256" in matrix
     assert "B200" in matrix and "never run" in matrix
     assert text.index("## How fast") < text.index("## What it does") < text.index("## Set up")
+
+
+def test_jit_time_script_measures_every_build_cold_and_warm():
+    import ast
+    text = (ROOT / "bench" / "jit_time.py").read_text()
+    ast.parse(text)
+    assert "CUDA_CACHE_DISABLE" in text and '"disabled", "fill", "warm"' in text
+    assert "python bench/jit_time.py" in (ROOT / "README.md").read_text()
