@@ -248,3 +248,27 @@ def test_jit_time_script_measures_every_build_cold_and_warm():
     ast.parse(text)
     assert "CUDA_CACHE_DISABLE" in text and '"disabled", "fill", "warm"' in text
     assert "python bench/jit_time.py" in (ROOT / "README.md").read_text()
+
+
+def test_readme_python_blocks_use_only_names_they_define():
+    """Every README Python block that is a program (it imports) compiles and reads no name it
+    neither imports nor assigns (the Library snippet used q_t, k_t, v_t from nowhere); blocks
+    without imports are call fragments beside the prose."""
+    import ast
+    import builtins
+    text = (ROOT / "README.md").read_text()
+    for block in re.findall(r"^```python\n(.*?)^```$", text, flags=re.M | re.S):
+        tree = ast.parse(block)
+        if not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body):
+            continue
+        defined = set(dir(builtins))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                defined.add(node.id)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, ast.Load)}
+        assert used <= defined, (sorted(used - defined), block[:80])
