@@ -27,8 +27,13 @@ def emulated_gpu():
     yield None
 
 
-for _name in dir(emu):                          # every emulator case, now on the device
-    if _name.startswith("test_"):
+# the emulator's cases, now on the device, but those that read the emulator's own launch log
+# (the FakeDriver's .launches: how many launches, which kernel) - the device keeps none
+EMULATOR_ONLY = {"test_prefill_plan_runs_layers_with_one_launch_each",
+                 "test_prefill_plan_with_device_offsets_launches_the_tile_kernel",
+                 "test_varlen_persistent_ctas_walk_several_tiles"}
+for _name in dir(emu):
+    if _name.startswith("test_") and _name not in EMULATOR_ONLY:
         globals()[_name] = getattr(emu, _name)
 
 
