@@ -272,3 +272,23 @@ def test_readme_python_blocks_use_only_names_they_define():
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
                 and isinstance(n.ctx, ast.Load)}
         assert used <= defined, (sorted(used - defined), block[:80])
+
+
+def test_readme_command_line_block_names_every_option_of_every_command():
+    from ptxattn.tools.cli import main
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Command line"):]
+    start = section.index("```text")
+    block = section[start:section.index("```\n", start + 5)]
+    missing = []
+    for name, cmd in main.commands.items():
+        assert f"ptxattn {name}" in block, name
+        for p in cmd.params:
+            if p.param_type_name != "option":
+                continue
+            opts = [o for o in p.opts + p.secondary_opts
+                    if o not in ("-v", "--verbose", "-h", "--help")]
+            if opts and not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", block)
+                                for o in opts):
+                missing.append((name, opts))
+    assert not missing, missing
