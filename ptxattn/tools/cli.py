@@ -342,14 +342,13 @@ def list_stages(arch, wide):
         lines[0] += "\n     idea"
     split = 1 + len(hopper) * (1 if wide else 0) + (0 if wide else sum(
         1 + len(textwrap_lines(i, LIST_WIDTH - 5, "")) for i in ideas[:len(hopper)]))
-    heading = (f"\nBlackwell lineage ({_stages.BLACKWELL}): {BLACKWELL_NOTE}; name a stage as "
-               f"sm100_stageNN, or N with --arch {_stages.BLACKWELL}")
+    heading = (f"\nBlackwell lineage ({_stages.BLACKWELL}): {BLACKWELL_NOTE}"
+               f"{'; ' if wide else chr(10)}name a stage as sm100_stageNN, or N with --arch "
+               f"{_stages.BLACKWELL}")
     if not blackwell:
         heading += "\n(no stage registered yet)"
     if wanted == _stages.HOPPER:
         heading = None
-    if heading and not wide:
-        heading = "\n".join(textwrap_lines(heading, LIST_WIDTH))
     click.echo("\n".join(lines[:split] + ([heading] if heading else []) + lines[split:]))
 
 
