@@ -16,6 +16,7 @@ _EXPORTS = {
     "attention": "api",
     "prepare": "api",
     "PreparedAttention": "api",
+    "flash_attn_func": "flash",
     "flash_attn_with_kvcache": "decode",
     "flash_attn_varlen_func": "varlen",
     "plan_varlen": "serving",

@@ -17,6 +17,12 @@ from . import stages, stages_sm100
 from .stages import Stage, by_speed, get_stage
 
 
+# What a GPU ptxattn has no kernel for should use instead (named in the error).
+OTHER_GPUS = ("ptxattn's kernels run on Hopper (an H100/H200, compute capability 9.0); on this "
+              "GPU use torch.nn.functional.scaled_dot_product_attention or flash-attn "
+              "(ptxattn.torch.scaled_dot_product_attention falls back to torch's by itself)")
+
+
 def arch_ok(arch: str, cc: tuple[int, int]) -> bool:
     """sm_90a runs only on compute capability 9.0; plain sm_XY on XY and newer."""
     digits = arch.removeprefix("sm_").rstrip("af")
@@ -132,7 +138,8 @@ def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa
             return s
     if not candidates:
         raise ValueError(f"stage: no registered stage runs on compute capability {cc[0]}.{cc[1]}"
-                         f"{' (no sm_100a stage is registered)' if blackwell else ''}")
+                         f"{' (no sm_100a stage is registered)' if blackwell else ''}; "
+                         f"{OTHER_GPUS}")
     grouped: dict[str, list[str]] = {}
     for s in candidates:
         grouped.setdefault(why_not(s), []).append(s.label)

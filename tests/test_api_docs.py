@@ -224,7 +224,7 @@ def test_setup_names_the_python_it_needs_and_a_virtual_environment():
     assert f"Python {minimum} or newer" in setup
     assert "python3 -m venv .venv && . .venv/bin/activate" in setup
     # the two commands the README promises: install + run, install + tests
-    assert "pip install -e '.[tools]' && ptxattn run stage1 --shape 4k" in setup
+    assert "pip install -e '.[tools]' && ptxattn run production --shape 4k" in setup
     assert "pip install -e '.[test,tools]' && python -m pytest -q" in setup
     for extra in ("tools", "test"):
         assert extra in project["optional-dependencies"]
@@ -262,7 +262,7 @@ def test_no_gpu_quick_start_runs_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "device_info", no_gpu)
     monkeypatch.chdir(ROOT)
     commands = _no_gpu_commands()
-    assert {c[0] for c in commands} == {"list", "ptx", "sass", "diff", "bench", "trace"}
+    assert {c[0] for c in commands} == {"list", "ptx", "sass", "diff", "bench", "trace", "guide"}
     for args in commands:
         if args[0] in ("sass", "diff"):          # ptxas runs: covered by test_cli.py; here the
             for stage in args[1:3]:              # stages they name must exist

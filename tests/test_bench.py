@@ -184,7 +184,7 @@ def test_plot_progression_without_matplotlib(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(bench.MissingExtraError, match=r"pip install 'ptxattn\[plot\]'"):
+    with pytest.raises(bench.MissingExtraError, match=r"pip install -e '\.\[plot\]'"):
         bench.plot_progression(SYNTHETIC, tmp_path / "x.png")
 
 

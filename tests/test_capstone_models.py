@@ -224,3 +224,23 @@ def test_a_run_leaves_diffusers_as_it_found_it(tmp_path, routed):
     before = (_AttentionBackendRegistry._active_backend, diffusers_logging.get_verbosity())
     run("wan", tmp_path, "--backends", "math")
     assert (_AttentionBackendRegistry._active_backend, diffusers_logging.get_verbosity()) == before
+
+
+def test_no_speedup_is_reported_when_ptxattn_ran_no_call(tmp_path):
+    """On the CPU without the routing stand-in every "ptxattn" call falls back to torch: the
+    record must say so instead of a speedup of torch over torch."""
+    report = run("wan", tmp_path)
+    ours = next(r for r in report["results"] if r["backend"] == "ptxattn")
+    assert ours["calls"]["by_path"].get("ptxattn", 0) == 0 and ours["fallbacks"]
+    c = report["comparison"]
+    assert c["speedup_step"] is None and "speedup_by_round" not in c
+    assert "none of the attention calls" in c["no_speedup"]
+
+
+def test_a_plumbing_run_writes_outside_the_results(monkeypatch, tmp_path, routed):
+    """--tiny / --device cpu without --out: the temp directory, never bench/results/models."""
+    import tempfile
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    assert capstone.main(["wan", "--tiny", "--device", "cpu", "--reps", "1", "--warmup", "0"]) == 0
+    assert list((tmp_path / "ptxattn-capstone").glob("wan-tiny-*.json"))

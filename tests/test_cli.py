@@ -11,29 +11,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli_helpers import cli, one_clean_error
+from cli_helpers import cli, needs_sass, no_gpu, one_clean_error  # noqa: F401 (a fixture)
 from ptxattn import driver, stages
 from ptxattn.tools import sass
 from ptxattn.tools.cli import main
-from ptxattn.errors import NoGpuError
 
 SYNTHETIC = Path(__file__).parent / "fixtures" / "bench_synthetic.json"
 FIRST = stages.all_stages()[0]
 LAST = stages.all_stages()[-1]
 
-needs_sass = pytest.mark.skipif(
-    sass.locate("ptxas") is None or not (sass.locate("nvdisasm") or sass.locate("cuobjdump")),
-    reason="no ptxas/nvdisasm (pip install 'ptxattn[tools]')")
-
-
-
-
-@pytest.fixture
-def no_gpu(monkeypatch):
-    """Make the driver say 'no GPU' whatever machine this is."""
-    def fail():
-        raise NoGpuError("ptxattn: no CUDA GPU available (test)")
-    monkeypatch.setattr(driver, "device_info", fail)
 
 
 def test_list_shows_every_stage():
@@ -190,7 +176,7 @@ def test_bench_plot_from_json(tmp_path):
     out = tmp_path / "progression.png"
     result = cli("bench", "--from-json", SYNTHETIC, "--plot", out)
     if importlib.util.find_spec("matplotlib") is None:
-        one_clean_error(result, "pip install 'ptxattn[plot]'")
+        one_clean_error(result, "pip install -e '.[plot]'")      # this is a checkout
     else:
         assert result.exit_code == 0, result.output
         assert out.read_bytes()[:4] == b"\x89PNG"

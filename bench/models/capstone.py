@@ -36,6 +36,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -553,6 +554,13 @@ def compare(results: list[dict], torch_names) -> dict:
         if len(best["_out"]) > 1:
             c["ptxattn_vs_baseline_rel_l2_by_output"] = {
                 k: rel_l2({k: ours["_out"][k]}, {k: best["_out"][k]}) for k in best["_out"]}
+        ran = ours.get("calls", {}).get("by_path", {}).get("ptxattn", 0)
+        if not ran:
+            # every "ptxattn" call fell back to torch: a speedup would compare torch with torch
+            c["speedup_step"] = None
+            c["no_speedup"] = (f"ptxattn ran none of the attention calls (fallbacks "
+                               f"{ours.get('fallbacks')}): no speedup to report")
+            return c
         c["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
         # the same rounds: round r's baseline step over round r's ptxattn step
         ratios = sorted(t / o for t, o in zip(best["step_ms"], ours["step_ms"]))
@@ -582,7 +590,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (plumbing only)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config at a few tokens")
     ap.add_argument("--out", default=None,
-                    help="directory for the JSON ($OUT, else bench/results/models)")
+                    help="directory for the JSON ($OUT, else bench/results/models; a --tiny or "
+                         "--device cpu run: the system's temp directory, never the results)")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 0:
         ap.error(f"--reps: expected >= 1 (and --warmup >= 0), got {args.reps} ({args.warmup})")
@@ -636,8 +645,10 @@ def main(argv=None) -> int:
         "commit": _commit(), "ptxattn_takes_causal": pt.library_takes_causal(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    out_dir = Path(args.out or os.environ.get("OUT")
-                   or Path(__file__).resolve().parents[1] / "results" / "models")
+    plumbing = args.tiny or kind == "cpu"      # not a measurement: kept out of bench/results
+    default_dir = (Path(tempfile.gettempdir()) / "ptxattn-capstone" if plumbing
+                   else Path(__file__).resolve().parents[1] / "results" / "models")
+    out_dir = Path(args.out or os.environ.get("OUT") or default_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.model}{'-tiny' if args.tiny else ''}-{datetime.date.today().isoformat()}"
     path = out_dir / f"{stem}.json"

@@ -16,3 +16,14 @@
 They import the runtime (ptxattn.api, stages, driver, ...); the runtime never imports them
 (tests/test_architecture.py), so `import ptxattn` loads none of this.
 """
+
+from pathlib import Path as _Path
+
+
+def pip_extra(extra: str) -> str:
+    """The pip command that adds an extra: `pip install -e '.[plot]'` when this package is a
+    checkout's (an editable install or run from the tree), else `pip install 'ptxattn[plot]'`."""
+    checkout = _Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "ptx").is_dir():
+        return f"pip install -e '.[{extra}]' (from the checkout, {checkout})"
+    return f"pip install 'ptxattn[{extra}]'"

@@ -1660,8 +1660,8 @@ def plot_progression(result_json, path) -> Path:
     try:
         from matplotlib.figure import Figure   # no pyplot: no GUI backend, no global state
     except ImportError:
-        raise MissingExtraError(
-            "plotting needs matplotlib: pip install 'ptxattn[plot]'") from None
+        from . import pip_extra
+        raise MissingExtraError(f"plotting needs matplotlib: {pip_extra('plot')}") from None
     result = load_results(result_json)
     rows = [r for r in result.get("results", []) if r.get("status") in TIMED and r.get("ms")]
     unchecked = any(_status(r) == UNCHECKED for r in rows)

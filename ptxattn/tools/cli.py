@@ -1,4 +1,4 @@
-"""`ptxattn` / `python -m ptxattn`: info, list, run, ptx, sass, diff, bench, trace.
+"""`ptxattn` / `python -m ptxattn`: info, list, run, ptx, sass, diff, bench, trace, guide.
 
 Every command is a few lines over the library (sass.py, bench.py, ptxattn.api), so what the
 CLI prints a notebook can get from the same functions. Errors print one line, no traceback
@@ -20,7 +20,7 @@ from .. import stages as _stages
 from ..errors import NoGpuError
 
 # What still works on a machine without a GPU; named in the no-GPU error.
-NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, bench --from-json FILE and "
+NO_GPU_COMMANDS = ("list, ptx, sass, diff, info, guide, bench --from-json FILE and "
                    "trace --from-json FILE work without one")
 
 
@@ -76,14 +76,42 @@ class _Command(click.Command):
                                         help="Print errors in full (e.g. JIT logs)."))
 
 
+class _UsageError(click.UsageError):
+    """A usage error on one line, as every other error (`Error: ...  (CMD --help)`), exit 2;
+    click's own prints three (Usage:, Try ..., Error:)."""
+
+    def show(self, file=None):
+        hint = f"  ({self.ctx.command_path} --help)" if self.ctx is not None else ""
+        click.echo(f"Error: {self.format_message()}{hint}", file=file or sys.stderr)
+
+
+def _one_line(exc: click.UsageError) -> _UsageError:
+    short = _UsageError(exc.format_message(), exc.ctx)
+    short.exit_code = exc.exit_code
+    return short
+
+
 class _Group(click.Group):
-    """Turns any library error into click's one-line `Error: ...` and exit code 1."""
+    """Turns any library error into click's one-line `Error: ...` and exit code 1, and usage
+    errors into one line with exit code 2."""
 
     command_class = _Command
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            if isinstance(exc, _UsageError):
+                raise
+            raise _one_line(exc) from None
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            if isinstance(exc, _UsageError):
+                raise
+            raise _one_line(exc) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as exc:
@@ -115,8 +143,8 @@ class _Group(click.Group):
 def main(ctx, verbose):
     """Hand-written PTX FlashAttention kernels, driven from Python through the CUDA driver.
 
-    No GPU? list, ptx, sass, diff and info work offline, and so do bench --from-json and
-    trace --from-json.
+    No GPU? list, ptx, sass, diff, info and guide work offline, and so do bench --from-json
+    and trace --from-json.
     """
     obj = ctx.ensure_object(dict)
     obj["verbose"] = verbose or obj.get("verbose", False)
@@ -276,11 +304,18 @@ def info():
     click.echo(f"stages    {len(all_stages)} registered, PTX under {_stages.ptx_root()}")
 
 
+LIST_WIDTH = 100      # `ptxattn list` puts each idea under its row, folded at this width
+
+
 @main.command(name="list")
 @click.option("--arch", default=None, metavar="ARCH",
               help="Only this lineage: sm_90a (Hopper, with the production kernel) or sm_100a "
                    "(Blackwell). Default: both.")
-def list_stages(arch):
+@click.option("--wide", is_flag=True,
+              help=f"One line per stage with the idea as the last column, however long "
+                   f"(default: the idea on lines of its own under the row, folded at "
+                   f"{LIST_WIDTH} characters).")
+def list_stages(arch, wide):
     """The production kernel (the default), then the lineage: number, name, arch, CTA,
     constraints, idea. Then the Blackwell (sm_100a) lineage, which has never run here."""
     wanted = _stages.lineage(arch)
@@ -288,6 +323,7 @@ def list_stages(arch):
         raise click.BadParameter(f"expected {_stages.HOPPER} or {_stages.BLACKWELL}, got "
                                  f"{arch!r}", param_hint="--arch")
     rows = [("#", "name", "arch", "threads", "tile MxN", "constraints", "idea")]
+    ideas = []
     hopper = _stages.all_kernels() if wanted != _stages.BLACKWELL else ()
     blackwell = _stages.all_kernels(_stages.BLACKWELL) if wanted != _stages.HOPPER else ()
     for s in hopper + blackwell:
@@ -295,16 +331,32 @@ def list_stages(arch):
         threads, tile = _geometry(s)
         rows.append(("-" if s.production else s.number, s.name, s.arch, threads, tile,
                      _constraints(s), s.idea + missing))
+        ideas.append(s.idea + missing)
+    if not wide:          # the idea under its row, folded: lines of ~100 characters, not 300
+        rows = [r[:-1] for r in rows]
     # One table, so both lineages' columns line up; the Blackwell rows under their own heading.
     lines = _table(rows, right={0, 3}).splitlines()
-    split = 1 + len(hopper)
-    heading = (f"\nBlackwell lineage ({_stages.BLACKWELL}): {BLACKWELL_NOTE}; name a stage as "
-               f"sm100_stageNN, or N with --arch {_stages.BLACKWELL}")
+    if not wide:
+        lines = lines[:1] + [entry for line, idea in zip(lines[1:], ideas)
+                             for entry in [line] + textwrap_lines(idea, LIST_WIDTH - 5, "     ")]
+        lines[0] += "\n     idea"
+    split = 1 + len(hopper) * (1 if wide else 0) + (0 if wide else sum(
+        1 + len(textwrap_lines(i, LIST_WIDTH - 5, "")) for i in ideas[:len(hopper)]))
+    heading = (f"\nBlackwell lineage ({_stages.BLACKWELL}): {BLACKWELL_NOTE}"
+               f"{'; ' if wide else chr(10)}name a stage as sm100_stageNN, or N with --arch "
+               f"{_stages.BLACKWELL}")
     if not blackwell:
         heading += "\n(no stage registered yet)"
     if wanted == _stages.HOPPER:
         heading = None
     click.echo("\n".join(lines[:split] + ([heading] if heading else []) + lines[split:]))
+
+
+def textwrap_lines(text: str, width: int, indent: str = "") -> list[str]:
+    """Each line of `text` folded at `width` (a blank line kept), each piece after `indent`."""
+    import textwrap
+    return [indent + w for line in text.splitlines()
+            for w in (textwrap.wrap(line, width, break_on_hyphens=False) or [""])]
 
 
 # --------------------------------------------------------------------------- run
@@ -405,8 +457,10 @@ def _build_title(stage, defines: dict | None) -> str:
 @main.command()
 @click.argument("stage")
 @click.option("--summary", is_flag=True, help="Registers, spills, smem and instruction mix.")
-@click.option("--grep", "opcode", metavar="OPCODE",
-              help="Only instructions OPCODE[.*], e.g. MUFU.EX2.")
+@click.option("--grep", "opcode", metavar="OPCODE|CLASS",
+              help="Only instructions OPCODE[.*] (e.g. MUFU.EX2), or every instruction of a "
+                   "class as --summary names them (e.g. TMA, UTCMMA); an unknown opcode "
+                   "exits 1.")
 @click.option("--json", "as_json", is_flag=True,
               help="The summary as JSON (with --grep: plus the matching lines and their count).")
 @click.option("--arch", default=None, metavar="ARCH", help=_ARCH_HELP)
@@ -426,7 +480,8 @@ def sass(stage, summary, opcode, as_json, arch, defines):
     st, target = _resolve(stage, arch)
     chosen = _defines(defines)
     result = _sass.inspect_stage(st, arch=target, defines=chosen)
-    matches = _sass.grep(result.sass, opcode) if opcode else None
+    found = _sass.grep_pattern(result.sass, opcode, target or st.arch) if opcode else None
+    matches = found.lines if found else None
     if as_json:
         data = {"stage": result.stage.label, "name": result.stage.name, **result.summary.to_dict()}
         click.echo(json.dumps(data, indent=2))
@@ -436,7 +491,11 @@ def sass(stage, summary, opcode, as_json, arch, defines):
     if matches is not None:
         for line in matches:
             click.echo(line)
-        click.echo(f"{len(matches)} x {opcode.upper()}")
+        click.echo(f"{len(matches)} x {found.label}")
+        if found.warning:
+            click.echo(f"warning: {found.warning}", err=True)
+        if found.unknown:
+            raise click.exceptions.Exit(1)
     if not summary and matches is None:
         click.echo(result.sass, nl=False)
 
@@ -471,6 +530,12 @@ def diff(a, b, as_ptx, as_sass, arch):
 
 # --------------------------------------------------------------------------- bench
 
+# bench options that only shape a run (refused with --from-json); their flag where the name
+# does not spell it
+_RUN_ONLY = {"set_name": "--set", "peer": "--peer/--no-peer", "check": "--check/--no-check"}
+_DEFAULT = click.core.ParameterSource.DEFAULT
+
+
 def _split(text: str | None) -> list[str] | None:
     return [t.strip() for t in text.split(",") if t.strip()] if text else None
 
@@ -502,7 +567,7 @@ def _split(text: str | None) -> list[str] | None:
               help="Write <date>-<gpu>[-<set>].json and bench[-<set>].txt here.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
               callback=_suffix_check(".png", ".svg"),
-              help="Progression chart (.png or .svg; needs ptxattn[plot]).")
+              help="Progression chart (.png or .svg; needs the plot extra: matplotlib).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
               multiple=True, help="Saved results instead of running (no GPU); give it twice "
                                   "or more to combine runs into ranges.")
@@ -531,6 +596,16 @@ def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer
         if sustained:
             raise click.UsageError("--sustained runs kernels; with --from-json nothing is run "
                                    "(saved sustained figures show by themselves)")
+        ctx = click.get_current_context()
+        ignored = [f"--{name.replace('_', '-')}" if name not in _RUN_ONLY else _RUN_ONLY[name]
+                   for name in ("set_name", "estimate", "reps", "rounds", "layout", "warmup",
+                                "seed", "peer", "check", "sustained_seconds", "cooldown",
+                                "walk_model")
+                   if ctx.get_parameter_source(name) not in (None, _DEFAULT)]
+        if ignored:
+            raise click.UsageError(f"{', '.join(ignored)}: with --from-json nothing is run, so "
+                                   f"{'they' if len(ignored) > 1 else 'it'} would change "
+                                   f"nothing (--stages and --shapes pick rows of the file)")
         results = [_bench.filter_results(_bench.load_results(f), _split(stage_list),
                                          _split(shapes)) for f in from_json]
         if len(results) > 1:
@@ -559,6 +634,8 @@ def bench(set_name, stage_list, shapes, layout, reps, rounds, warmup, seed, peer
                 click.echo(f"{case.name}: {case.describe()}: {kernels}")
             click.echo(line)
             return
+        from .. import driver
+        driver.device_info()      # no GPU: its one-line error, before the estimate is printed
         click.echo(line, err=True)
         log = lambda msg: click.echo(msg, err=True)   # noqa: E731
         if set_name:
@@ -669,3 +746,32 @@ def trace(stages, shape, batch, heads, seq_len, head_dim, layout, seed, out_file
         click.echo(f"json    {written}")
     if any(r.check is not None and not r.check["pass"] for r in picked):
         raise click.exceptions.Exit(1)
+
+
+# --------------------------------------------------------------------------- guide
+
+@main.command()
+@click.option("--check", is_flag=True,
+              help="Write nothing: list the guide's files that regenerating would change; exit 1 "
+                   "when there are any.")
+@click.option("--sass", "refresh", is_flag=True,
+              help="First refresh the SASS deltas (docs/lineage/sass.json and the backward's) "
+                   "with ptxas, then write.")
+def guide(check, refresh):
+    """Write the lineage guide (docs/lineage/, its backward/ pages) from committed files."""
+    from . import guide as _guide
+    from . import guide_bwd as _guide_bwd
+
+    if check and refresh:
+        raise click.UsageError("--check and --sass: give one (--check writes nothing)")
+    if check:
+        bad = _guide.stale() + [f"backward/{name}" for name in _guide_bwd.stale()]
+        click.echo("\n".join(bad) if bad else "the guide is current")
+        if bad:
+            raise click.exceptions.Exit(1)
+        return
+    if refresh:
+        click.echo(f"wrote {_guide.refresh_sass()}")
+        click.echo(f"wrote {_guide_bwd.refresh_sass()}")
+    written = _guide.write() + _guide_bwd.write()
+    click.echo(f"wrote {len(written)} files under {_guide.DOCS}")

@@ -183,10 +183,12 @@ def _speed_table(rows: dict, runs: list[Path], prev, stage) -> list[str]:
         lines.append(f"| {shape} | " + (f"{pct(before)} | " if prev else "") + f"{pct(me)} | "
                      f"{fmt(me.get('tflops_range'), '', '.0f')} | "
                      f"{fmt(me.get('peer_tflops_range'), '', '.0f')} |")
-    names = ", ".join(f"[{p.name}](../../bench/results/{p.name})" for p in runs)
+    names = ", ".join(f"[{i}](../../bench/results/{p.name})" for i, p in enumerate(runs, 1))
     kind = "range over the runs" if len(runs) >= 2 else "one run"
     return [f"Percent of cuDNN measured in the same run ({kind}: {names}); "
-            f"shapes as in [bench/README.md](../../bench/README.md).", ""] + lines
+            f"shapes as in [bench/README.md](../../bench/README.md). Each figure is the median "
+            f"over rounds of the round's cuDNN time / ours, so it does not follow from the "
+            f"TFLOP/s columns.", ""] + lines
 
 
 # --------------------------------------------------------------------------- timelines
@@ -222,15 +224,32 @@ def _busy(tr: trace.Trace) -> dict:
     return out
 
 
+def tiles_of(tr: trace.Trace) -> int:
+    """How many Q tiles CTA (0, 0, 0) computed in the trace: the epilogues of its busiest lane
+    (a persistent stage's CTA 0 runs several, so its span is not one tile's time)."""
+    counts: dict[int, int] = {}
+    for i in tr.intervals():
+        if i.kind == "epilogue":
+            counts[i.warp] = counts.get(i.warp, 0) + 1
+    return max(counts.values(), default=1)
+
+
+def _tiles_text(tr) -> str:
+    n = tiles_of(tr)
+    return f"{n} Q tiles" if n != 1 else "one Q tile"
+
+
 def _timeline_sentence(prev_tr, tr) -> str:
     b = _busy(tr)
-    me = (f"CTA (0, 0, 0) of {tr.label} ran {b['span_us']:.1f} µs; its consumer lanes spent "
+    me = (f"CTA (0, 0, 0) of {tr.label} ran {_tiles_text(tr)} in {b['span_us']:.1f} µs; its "
+          f"consumer lanes spent "
           f"{b['wait']:.0f}% of that waiting (K/V or the pingpong turn), {b['softmax']:.0f}% in "
           f"the softmax and had a GEMM in flight {b['mma']:.0f}% of the time")
     if prev_tr is None:
         return me + "."
     a = _busy(prev_tr)
-    return (me + f" (in {prev_tr.label}: {a['span_us']:.1f} µs, {a['wait']:.0f}% waiting, "
+    return (me + f" (in {prev_tr.label}: {_tiles_text(prev_tr)} in {a['span_us']:.1f} µs, "
+            f"{a['wait']:.0f}% waiting, "
             f"{a['softmax']:.0f}% softmax, GEMM in flight {a['mma']:.0f}%).")
 
 
@@ -291,11 +310,34 @@ def _index(all_st, speed, runs) -> str:
            "# The Hopper lineage, stage by stage", "",
            "One page per stage: the idea, the heart of its diff against the previous stage, what "
            "it did to the SASS, its measured speed, and one CTA's measured timeline beside its "
-           "predecessor's. Regenerate with `python -m ptxattn.tools.guide`.", "",
+           "predecessor's. Regenerate with `ptxattn guide`.", "",
+           "New to the terms (wgmma, TMA, mbarrier, warpgroup, setmaxnreg)? Read "
+           "[the primer](primer.md) first. What `attention()` runs, grown from stage 14: "
+           "[the production kernel](production.md).", "",
            "| # | stage | idea |", "|---|---|---|"]
     for st in all_st:
         out.append(f"| {st.number} | [{st.name}]({page_name(st)}) | {st.idea} |")
     return "\n".join(out) + "\n"
+
+
+# The project's own bookkeeping (its issue and session numbers) that stage headers cite beside
+# a source: readers of the guide have no use for it, so prose outside code blocks drops it.
+_BOOKKEEPING = re.compile(r",\s*(?:issues?|session)\s+\d+(?:,?\s*(?:items?|run)\s+\d+)?"
+                          r"|\s*\((?:issues?|session)\s+\d+(?:,?\s*(?:items?|run)\s+\d+)?\)"
+                          r"|\b(?:session)\s+\d+(?:\s+run\s+\d+)?,\s*")
+
+
+def public_prose(text: str) -> str:
+    """`text` with ", issue 13" / "(session 4)" left out of every line but a diff's (a diff
+    shows the source as it is)."""
+    out, fence = [], None
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            out.append(line)
+            continue
+        out.append(line if fence == "diff" else _BOOKKEEPING.sub("", line))
+    return "\n".join(out)
 
 
 def build(out: Path = DOCS, results: Path = RESULTS) -> dict[str, str]:
@@ -309,6 +351,8 @@ def build(out: Path = DOCS, results: Path = RESULTS) -> dict[str, str]:
     col = trace.Collection.read_json(tpath) if tpath else None
     img = Path("img")
     files: dict[str, str] = {"README.md": _index(all_st, speed, runs)}
+    from .guide_pages import pages
+    files.update(pages())
     by_number = {st.number: st for st in all_st}
     for i, st in enumerate(all_st):
         # the page diffs a stage against the one it changes (16 and 17 change 14, not 15 or 16)
@@ -318,7 +362,8 @@ def build(out: Path = DOCS, results: Path = RESULTS) -> dict[str, str]:
         files[page_name(st)] = _page(st, prev, nxt, speed, runs, cache, col, img, written)
         for name, svg in written.items():
             files[f"img/{name}"] = svg
-    return files
+    return {rel: public_prose(text) if rel.endswith(".md") else text
+            for rel, text in files.items()}
 
 
 def write(out: Path = DOCS, results: Path = RESULTS) -> list[Path]:

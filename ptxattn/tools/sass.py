@@ -354,6 +354,72 @@ def grep(sass_text: str, opcode: str) -> list[str]:
             if op.upper() == want or op.upper().startswith(want + ".")]
 
 
+def class_of_name(name: str) -> str | None:
+    """The instruction class `name` spells (any case: "tma", "MUFU other"), or None."""
+    want = " ".join(name.split()).upper()
+    return next((c for c in CLASS_NAMES if c.upper() == want), None)
+
+
+def class_opcodes(name: str) -> tuple[str, ...]:
+    """The opcodes (mnemonic prefixes) a class holds; () for "other" (whatever no class takes)."""
+    return next((prefixes for cls, prefixes in CLASSES if cls == name), ())
+
+
+def grep_class(sass_text: str, name: str) -> list[str]:
+    """Instruction lines of one class (classify(mnemonic) == name), e.g. every TMA opcode; NOPs
+    are in no class, as in summarize()'s counts."""
+    return [line for op, line in instructions(sass_text) if op != "NOP" and classify(op) == name]
+
+
+@dataclass(frozen=True)
+class GrepResult:
+    """What `ptxattn sass --grep PATTERN` found: the lines, what PATTERN was read as, and a
+    warning when it matched nothing that this arch's SASS could hold."""
+    lines: list[str]
+    label: str                      # the opcode, or "class TMA (UTMALDG, ...)"
+    warning: str | None = None
+    unknown: bool = False           # neither a class, nor a class's opcode, nor in this SASS
+
+
+def grep_pattern(sass_text: str, pattern: str, arch: str | None = None) -> GrepResult:
+    """--grep's reading of PATTERN: a class name (as the summary prints them: TMA, UTCMMA,
+    "MUFU other") lists every instruction of that class; anything else is an opcode prefix
+    (grep()). An opcode that matches nothing gets a warning: when it is no opcode of this arch's
+    classes and appears nowhere in this SASS (a typo, or a class name of another arch), it is
+    `unknown` (the CLI then exits 1)."""
+    cls = class_of_name(pattern)
+    if cls is not None:
+        opcodes = class_opcodes(cls)
+        held = ", ".join(opcodes) if opcodes else "every opcode no other class takes"
+        lines = grep_class(sass_text, cls)
+        warning = None
+        if cls not in class_names(arch):
+            warning = f"class {cls} is a Blackwell (sm_100a) class: no {arch or 'sm_90a'} SASS holds it"
+        label = cls if opcodes == (cls,) else f"{cls} (class: {held})"
+        return GrepResult(lines, label, warning)
+    want = pattern.strip().upper()
+    lines = grep(sass_text, want)
+    if lines:
+        return GrepResult(lines, want)
+    root = want.split(".", 1)[0]
+    mnemonics = sorted({op.split(".", 1)[0] for op, _ in instructions(sass_text)})
+    in_classes = [c for c, prefixes in CLASSES
+                  if any(p == want or p.startswith(want + ".") or p.split(".", 1)[0] == root
+                         for p in prefixes)]
+    usable = [c for c in in_classes if c in class_names(arch)]
+    if root in mnemonics or usable:
+        note = (f"no {want} in this SASS" + (f" (it has {root}.*: grep {root})"
+                                             if root in mnemonics and root != want else ""))
+        return GrepResult(lines, want, note)
+    if in_classes:
+        return GrepResult(lines, want, f"{want} is an opcode of class {in_classes[0]}, which "
+                          f"only Blackwell (sm_100a) SASS holds; this is {arch or 'sm_90a'}",
+                          unknown=True)
+    return GrepResult(lines, want, (
+        f"{want} is no opcode of this SASS and no instruction class; classes: "
+        f"{', '.join(class_names(arch))}; opcodes here: {', '.join(mnemonics)}"), unknown=True)
+
+
 _FUNC = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
