@@ -22,26 +22,10 @@ import numpy as np
 import pytest
 
 from bwd_checks import check_grads
-from gpu_checks import import_or_skip, skip_or_fail
+from torch_gpu import pt, torch  # noqa: F401  (fixtures)
 from ptxattn.reference import BF16
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def torch():
-    t = import_or_skip("torch")
-    if not t.cuda.is_available():
-        skip_or_fail("torch has no CUDA here (a CPU build, or no device)")
-    return t
-
-
-@pytest.fixture
-def pt(torch):
-    import ptxattn.torch as pt
-    pt.reset_fallback_counts()
-    yield pt
-    pt.reset_fallback_counts()
 
 
 def make(torch, shape, seed, grad=False, dtype=None):

@@ -11,28 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fp8_checks import MODEL_BAR, PEER_FACTOR, PEER_SLACK, check_prequantized, prequantized_inputs
-from gpu_checks import import_or_skip, skip_or_fail
+from torch_gpu import pt, torch  # noqa: F401  (fixtures)
 
 from ptxattn import fp8_reference as model
 from ptxattn.reference import BF16, attention_reference, error_metrics
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def torch():
-    t = import_or_skip("torch")
-    if not t.cuda.is_available():
-        skip_or_fail("torch has no CUDA here (a CPU build, or no device)")
-    return t
-
-
-@pytest.fixture
-def pt(torch):
-    import ptxattn.torch as pt
-    pt.reset_fallback_counts()
-    yield pt
-    pt.reset_fallback_counts()
 
 
 def to_numpy_bf16(torch, x):
