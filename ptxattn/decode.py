@@ -38,7 +38,7 @@ from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKS
                           DecodeCall, Lengths, Paging, bhld_of, bytes_strides, check_bounds_requested,
                           check_host_block_table, check_host_lengths, check_num_splits,
                           check_page_size, check_rows_aligned, check_scale, check_shapes,
-                          overlaps, resolve_splits)
+                          check_out_view, overlaps, resolve_splits)
 from .tensors import DeviceArray
 
 F32 = np.dtype(np.float32)
@@ -210,15 +210,8 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
     out_view = None
     if out is not None:
         out_view = bf16_view("out", out, handle)
-        if tuple(out_view.shape) != tuple(views["q"].shape):
-            raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
-                             f"{tuple(out_view.shape)}")
-        if out_view.readonly:
-            raise ValueError("out: the device array is exported read-only")
+        check_out_view(out_view, views)
         check_rows_aligned(out_view, layout, "out")
-        for name, arr in views.items():
-            if overlaps(out_view, arr):
-                raise ValueError(f"out: overlaps {name}; the output must not alias an input")
         out_strides = bytes_strides(out_view, layout, "out")
     else:
         out_strides = _contiguous_bytes(views["q"].shape, layout)

@@ -288,6 +288,19 @@ def overlaps(a, b) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def check_out_view(out_view, views: dict) -> None:
+    """A caller's out (a bf16 DeviceArray view) for q's rows: q's shape, writable, aliasing
+    none of the call's inputs (flash_attn_with_kvcache and flash_attn_varlen_func alike)."""
+    if tuple(out_view.shape) != tuple(views["q"].shape):
+        raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
+                         f"{tuple(out_view.shape)}")
+    if out_view.readonly:
+        raise ValueError("out: the device array is exported read-only")
+    for name, arr in views.items():
+        if overlaps(out_view, arr):
+            raise ValueError(f"out: overlaps {name}; the output must not alias an input")
+
+
 def check_scale(scale, head_dim: int) -> float:
     """softmax_scale as attention()'s scale is checked (a real positive number a float32
     holds; None: 1/sqrt(D))."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import builds, driver, launch, tensors, tma
 from .choice import specialized
-from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_scale, overlaps
+from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .errors import CudaError
 from .plan import _window
@@ -168,14 +168,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     out_view = None
     if out is not None:
         out_view = bf16_view("out", out, handle)
-        if tuple(out_view.shape) != tuple(views["q"].shape):
-            raise ValueError(f"out: expected q's shape {tuple(views['q'].shape)}, got "
-                             f"{tuple(out_view.shape)}")
-        if out_view.readonly:
-            raise ValueError("out: the device array is exported read-only")
-        for name, arr in views.items():
-            if overlaps(out_view, arr):
-                raise ValueError(f"out: overlaps {name}; the output must not alias an input")
+        check_out_view(out_view, views)
         if total_q:
             _geometry("out", out_view, heads, total_q, d, builds.Q_BOX_ROWS)
     return VarlenCall(q=views["q"], k=views["k"], v=views["v"], out=out_view, out_given=out,
