@@ -20,12 +20,12 @@ inputs (the bf16 path: 0.23%), more where scores spread widely (outlier channels
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import driver, fp8_forward, tensors, tma
+from .plan import scale_of
 from .tensors import BF16, E4M3, DeviceArray
 
 PRECISIONS = ("bf16", "fp8")
@@ -165,20 +165,6 @@ def _check_e4m3_geometry(name: str, arr: DeviceArray, layout: str) -> None:
                              "multiple of 16 bytes, which TMA requires")
 
 
-def _scale_value(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    try:
-        if isinstance(scale, (str, bytes)):
-            raise TypeError
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale: expected a real number, got {type(scale).__name__}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"scale: expected a positive finite number, got {value}")
-    return value
-
-
 def validate(q, k, v, *, precision="fp8", stage=None, scale=None, layout="bhld", out=None,
              stream=None, return_lse=False, causal=False, window=None,
              diagonal="bottom_right", q_descale=None, k_descale=None, v_descale=None,
@@ -254,7 +240,7 @@ def validate(q, k, v, *, precision="fp8", stage=None, scale=None, layout="bhld",
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected True or False, got {type(return_lse).__name__}")
     left, right = bf16_api._window(causal, window, diagonal)
-    scale_value = _scale_value(scale, d)
+    scale_value = scale_of(scale, d)   # the bf16 path's check: bools and past-float32 refused
     table = {name: _descale(name, x, b, hk, host, handle) for name, x in descales.items()}
     if not host:
         for name, arr in arrays.items():

@@ -231,3 +231,12 @@ def test_the_fp8_benchmark_refuses_bad_arguments(capsys):
             module.main(argv)
     assert "unknown" in capsys.readouterr().err
     assert set(module.SHAPES) == {"16k-d128", "16k-d256", "wan"}
+
+
+@pytest.mark.parametrize("scale", [True, 1e39, np.bool_(True)])
+def test_fp8_scale_is_checked_as_the_bf16_path_checks_it(scale):
+    """The FP8 path takes plan.scale_of, not a copy of it: a bool or a value float32 cannot
+    hold is refused before any device work."""
+    q = np.zeros((1, 1, 128, 64), BF16)
+    with pytest.raises((TypeError, ValueError), match="scale"):
+        ptxattn.attention(q, q, q, precision="fp8", scale=scale)
