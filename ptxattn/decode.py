@@ -417,6 +417,11 @@ def run_call(call: DecodeCall, launcher: Launcher, out_obj=None, lse_obj=None):
     launcher.run(call.q.ptr, fresh.out_ptr, fresh.lse_ptr, fresh.ws_ptr, seqlens_ptr,
                  seqlen_const, k_new, v_new, bounds.ptr if bounds is not None else 0,
                  table_ptr)
+    if isinstance(fresh.ws, DeviceArray):
+        # the splits' workspace is this call's alone: its stream-ordered free is queued right
+        # behind the launches that use it (the memory returns once they are done), not left to
+        # a finalizer that may run after the context is gone
+        fresh.ws.free()
     if not call.torch:
         for arr in (fresh.out, fresh.lse):
             if isinstance(arr, DeviceArray):
