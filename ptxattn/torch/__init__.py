@@ -14,7 +14,9 @@
   "ptxattn_fp8" one (ptxattn.torch.fp8: e4m3, ~5% relative error; never the default).
 - `register_transformers()`: `attn_implementation="ptxattn"` for transformers models (decode
   steps on the split-KV decode kernel, with the dynamic and the static cache; training on
-  the forward and backward kernels).
+  the forward and backward kernels), and `"paged|ptxattn"` for its continuous batching
+  (generate_batch: packed sequences on the varlen kernels, a paged cache's decode steps on
+  the paged decode kernel; packed_call_counts() counts them).
 - `flash_attn_with_kvcache(...)`: FlashAttention's KV-cache call as the op
   `ptxattn::flash_attn_with_kvcache` (fake implementation; compile- and graph-safe).
 
@@ -35,8 +37,8 @@ if not hasattr(_torch.library, "custom_op"):  # pragma: no cover
 from ._op import attention, library_takes_causal  # noqa: E402
 from .kvcache import flash_attn_with_kvcache  # noqa: E402
 from . import fp8  # noqa: E402,F401  (registers ptxattn::attention_fp8)
-from .sdpa import (REASONS, fallback_counts, fallback_reason, reset_fallback_counts,  # noqa: E402
-                   scaled_dot_product_attention)
+from .sdpa import (REASONS, fallback_counts, fallback_reason, packed_call_counts,  # noqa: E402
+                   reset_fallback_counts, scaled_dot_product_attention)
 
 
 class MissingModelLibraryError(ImportError):
@@ -67,8 +69,9 @@ def register_diffusers(fp8: bool = False) -> str:
 
 
 def register_transformers() -> str:
-    """Register "ptxattn" with transformers' AttentionInterface; returns its name. Needs
-    transformers (>= 4.56, extra `models`): MissingModelLibraryError otherwise."""
+    """Register "ptxattn" and "paged|ptxattn" (continuous batching: generate_batch and
+    ContinuousBatchingManager) with transformers' AttentionInterface; returns "ptxattn".
+    Needs transformers (>= 4.56, extra `models`): MissingModelLibraryError otherwise."""
     _require("transformers", "4.56", "register_transformers()")
     from .transformers_backend import register
     return register()
@@ -76,5 +79,5 @@ def register_transformers() -> str:
 
 __all__ = ["attention", "flash_attn_with_kvcache", "scaled_dot_product_attention",
            "fallback_counts",
-           "reset_fallback_counts", "fallback_reason", "REASONS", "library_takes_causal",
+           "packed_call_counts", "reset_fallback_counts", "fallback_reason", "REASONS", "library_takes_causal",
            "register_diffusers", "register_transformers", "MissingModelLibraryError"]

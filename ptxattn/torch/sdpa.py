@@ -42,7 +42,12 @@ REASONS = {
     "causal_lengths": "is_causal with Lq != Lk (the kernel has no diagonal offset yet)",
     "causal": "is_causal (the kernel has no causal mask yet)",
     # transformers only: arguments of its attention functions that SDPA has no word for
-    "model_features": "position_bias, softcap or output_attentions (transformers)",
+    "model_features": "position_bias, softcap, attention sinks (s_aux) or output_attentions "
+                      "(transformers)",
+    # transformers' packed calls (continuous batching: "paged|ptxattn")
+    "grad": "packed variable-length tensors that require grad (the varlen and paged kernels "
+            "have no backward)",
+    "page_size": "a paged cache whose page size is no power of two from 16 to 256",
     # transformers' decode masks (static cache, or a few queries with a mask): the decode
     # kernel takes them when they are the plain causal mask of the cache's length
     "mask_padding": "a decode-step mask whose padding hides keys below the query's position "
@@ -54,6 +59,7 @@ REASONS = {
 
 _lock = threading.Lock()
 _counts: collections.Counter = collections.Counter()
+_packed: collections.Counter = collections.Counter()
 _warned: set[str] = set()
 _capability: dict[int, tuple[int, int]] = {}
 
@@ -64,10 +70,27 @@ def fallback_counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def packed_call_counts() -> dict[str, int]:
+    """How many of transformers' packed calls (continuous batching, "paged|ptxattn") ran on
+    ptxattn's kernels since the last reset, per kernel: "varlen" (flash_attn_varlen_func)
+    and "paged" (flash_attn_with_kvcache with a block table). A copy."""
+    with _lock:
+        return dict(_packed)
+
+
+def _note_packed(kernel: str) -> None:
+    if torch.compiler.is_compiling():
+        return
+    with _lock:
+        _packed[kernel] += 1
+
+
 def reset_fallback_counts() -> None:
-    """Zero the counts and re-arm the once-per-reason warnings."""
+    """Zero the counts (fallback_counts() and packed_call_counts()) and re-arm the
+    once-per-reason warnings."""
     with _lock:
         _counts.clear()
+        _packed.clear()
         _warned.clear()
         _TAKEN.clear()
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from . import sdpa
+from . import sdpa, transformers_paged
 
 NAME = "ptxattn"
 _DECODE_MAX_QUERIES = 16         # decode_builds.MAX_QUERIES: calls the decode kernel takes
@@ -55,7 +55,15 @@ def ptxattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               value: torch.Tensor, attention_mask: torch.Tensor | None,
                               dropout: float = 0.0, scaling: float | None = None,
                               is_causal: bool | None = None, **kwargs):
-    """transformers' attention-function signature; returns (output (B, S, H, D), None)."""
+    """transformers' attention-function signature; returns (output (B, S, H, D), None).
+    Packed calls (cu_seq_lens_q and cu_seq_lens_k given: continuous batching under
+    transformers 5.24, which runs "paged|ptxattn" as "ptxattn", or a padding-free batch) go
+    to the varlen path (transformers_paged)."""
+    if transformers_paged.is_packed_call(kwargs):
+        return transformers_paged.paged_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs)
+
     def fallback(reason: str):
         sdpa._note_fallback(reason)
         return _sdpa_forward()(module, query, key, value, attention_mask, dropout=dropout,
@@ -187,10 +195,12 @@ def _sdpa_mask_signature():
 
 
 def register() -> str:
-    """Register "ptxattn" (attention function and mask builder); idempotent."""
+    """Register "ptxattn" (attention function and mask builder) and "paged|ptxattn"
+    (continuous batching, transformers_paged); idempotent."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, ptxattn_attention_forward)
     AttentionMaskInterface.register(NAME, ptxattn_mask)
+    transformers_paged.register()
     return NAME

@@ -1,0 +1,359 @@
+"""attn_implementation="paged|ptxattn": transformers' continuous batching (generate_batch,
+ContinuousBatchingManager) on ptxattn's varlen and paged kernels.
+
+Continuous batching packs every sequence of a step end to end into a batch of one and calls
+the attention function once per layer with:
+- query (1, H, total_q, D), key and value (1, Hkv, total_q, D): the step's new tokens
+  (transposes of their (1, total_q, heads, D) projections);
+- cu_seq_lens_q, cu_seq_lens_k: int32 (B + 1) offsets on the device (cu_seq_lens_k per layer
+  type, "full_attention" / "sliding_attention", in a dict for hybrid models), and
+  max_seqlen_q / max_seqlen_k (5.24: max_length_q / max_length_k), host ints;
+- its paged cache, (pages x block_size, Hkv, D) per layer, addressed two ways:
+  - read_index / write_index (int64 positions, one tensor per layer group): the new keys are
+    written at write_index and the sequences' keys (past and new) gathered at read_index
+    into a packed (total_k, Hkv, D) tensor, which cu_seq_lens_k indexes. transformers 5.17
+    leaves this update to the attention function (its `cache` argument, as
+    integrations/flash_paged.py does); 5.24 does it in the model before the call;
+  - block_table (groups, B, max_blocks), int32 padded with -1: decode-only batches, one new
+    token a sequence, appended in place by flash_attn_with_kvcache. transformers turns this
+    decode path on for implementations named "flash..." only (FlashAttention 2/3), so
+    "paged|ptxattn" does not get it from transformers 5.17 or 5.24; it is handled all the
+    same (5.17 with `cache`, 5.24 with k_cache / v_cache).
+Both paths run on ptxattn, causal (bottom-right: chunked prefill sees its past) with the
+layer's sliding window, if any, as (window - 1, 0), as transformers' flash path:
+- packed keys: ptxattn.flash_attn_varlen_func on views of q, k, v with the device offsets
+  (two launches, no host sync; capturable in a CUDA graph);
+- a block table: ptxattn.flash_attn_with_kvcache(block_table=...), the new keys appended
+  into the pages by the kernel.
+Calls the kernels do not take (not bf16, not on ptxattn's sm_90 device, a head dim outside
+64/128/256 or a value head dim unlike the query's, tensors that require grad, dropout,
+softcap, attention sinks, an explicit mask, output_attentions, a page size that is no power
+of two from 16 to 256) run on the torch reference of the same math (packed_reference.py),
+warned once per reason and counted in ptxattn.torch.fallback_counts(); calls that ran on the
+kernels are counted in ptxattn.torch.packed_call_counts().
+
+transformers 5.24 drops the "paged|" prefix (all but "paged|eager"): a model set to
+"paged|ptxattn" runs as "ptxattn", whose attention function hands packed calls (those with
+cu_seq_lens_q and cu_seq_lens_k) here. Its ContinuousBatchingManager accepts only
+"paged|eager", "sdpa" and flash implementations; register() lets it keep "ptxattn" as it is
+(the one name it widens that check for).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import packed_reference, sdpa
+
+NAME = "paged|ptxattn"
+PAGE_SIZES = (16, 32, 64, 128, 256)        # decode_builds.MIN_PAGE_SIZE .. MAX_PAGE_SIZE
+
+
+@dataclass
+class Varlen:
+    """A flash_attn_varlen_func call: q (Tq, H, D), k and v (Tk, Hkv, D), device offsets."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    window: tuple[int, int]
+    scale: float
+
+
+@dataclass
+class Paged:
+    """A flash_attn_with_kvcache call: q (B, 1, H, D), the layer's pages (num_pages, page,
+    Hkv, D), the new keys k and v (B, 1, Hkv, D), int32 lengths (B,) and table (B, pages)."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor
+    causal: bool
+    window: tuple[int, int]
+    scale: float
+
+
+def is_packed_call(kwargs: dict) -> bool:
+    """Whether transformers called with packed sequences (continuous batching, or a
+    padding-free batch with its offsets)."""
+    return kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
+
+
+# --------------------------------------------------------------------------- the call
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature for a packed call; returns
+    (output (1, total_q, H, D), None)."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    call = _translate(module, query, key, value, kwargs, scale)
+    why = _reason(call, attention_mask, dropout, kwargs)
+    if why is None:
+        if isinstance(call, Varlen):
+            out = _varlen_kernel(call)
+            sdpa._note_packed("varlen")
+        else:
+            out = _paged_kernel(call)
+            sdpa._note_packed("paged")
+    else:
+        sdpa._note_fallback(why)
+        out = _reference(call, attention_mask, dropout, kwargs)
+    return out.reshape(query.shape[0], -1, *out.shape[-2:]), None
+
+
+def _layer_window(module, kwargs) -> int | None:
+    """The layer's sliding window (tokens, the current one included), or None."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        window = getattr(module, "sliding_window", None)
+    return int(window) if window else None
+
+
+def _per_layer(value, window_tokens: int | None):
+    """cu_seq_lens_k / max_seqlen_k of this layer: transformers 5.17 hands dicts per layer
+    type for hybrid models; a layer with a sliding window reads "sliding_attention"."""
+    if not isinstance(value, dict):
+        return value
+    sliding = window_tokens is not None and "sliding_attention" in value
+    return value["sliding_attention" if sliding else "full_attention"]
+
+
+def _as_int(x) -> int:
+    return int(x)                   # a tensor max (padding-free batches) syncs once, here
+
+
+def _translate(module, query, key, value, kwargs, scale: float):
+    """transformers' arguments as a Varlen or Paged call (5.17's cache update done here)."""
+    window_tokens = _layer_window(module, kwargs)
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = _per_layer(kwargs["cu_seq_lens_k"], window_tokens)
+    max_q = kwargs.get("max_seqlen_q", kwargs.get("max_length_q"))
+    max_k = _per_layer(kwargs.get("max_seqlen_k", kwargs.get("max_length_k")), window_tokens)
+    window = (window_tokens - 1, 0) if window_tokens else (-1, -1)
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    cu_k = cu_k.to(torch.int32)
+    cache = kwargs.get("cache")
+    block_table = kwargs.get("block_table")
+    if block_table is not None:
+        return _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table,
+                           window, scale)
+    if cache is not None and kwargs.get("read_index") is not None:
+        # transformers 5.17: write the new keys, gather every sequence's (flash_paged's call)
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                            read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    else:
+        k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (key, value))
+    q = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[-1])
+    return Varlen(q=_readable(q), k=_readable(k), v=_readable(v),
+                  cu_q=cu_q.to(torch.int32).contiguous(), cu_k=cu_k.contiguous(),
+                  max_q=_as_int(max_q if max_q is not None else q.shape[0]),
+                  max_k=_as_int(max_k if max_k is not None else k.shape[0]),
+                  causal=causal, window=window, scale=scale)
+
+
+def _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table, window, scale):
+    """A decode-only batch with a block table: one new token a sequence."""
+    if cache is not None:                       # transformers 5.17
+        group, in_group = cache.layer_index_to_group_indices[module.layer_idx]
+        shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
+        k_cache = cache.key_cache[in_group].view(shape)
+        v_cache = cache.value_cache[in_group].view(shape)
+        table = block_table[group]
+    else:                                       # transformers 5.24: selected by the model
+        k_cache, v_cache, table = kwargs["k_cache"], kwargs["v_cache"], block_table
+    q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))   # (B, 1, heads, D)
+    batch = q.shape[0]
+    lengths = (cu_k[1:batch + 1] - cu_k[:batch] - 1).to(torch.int32)  # before the new token
+    return Paged(q=_readable(q), k_cache=k_cache, v_cache=v_cache, k=_readable(k),
+                 v=_readable(v), cache_seqlens=lengths,
+                 block_table=table.to(torch.int32).contiguous(), causal=True, window=window,
+                 scale=scale)
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it in place (unit last stride, 16-byte aligned
+    rows and base), else a contiguous copy."""
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+    return t if ok else t.contiguous()
+
+
+# --------------------------------------------------------------------------- the decision
+
+def _reason(call, attention_mask, dropout, kwargs) -> str | None:
+    """Why the call runs on the torch reference (a key of sdpa.REASONS), or None."""
+    if (kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            or kwargs.get("output_attentions", False)):
+        return "model_features"
+    if attention_mask is not None:
+        return "attn_mask"
+    if dropout:
+        return "dropout"
+    q, k, v = (call.q, call.k, call.v) if isinstance(call, Varlen) else (
+        call.q, call.k_cache, call.v_cache)
+    why = sdpa._device_reason(q, k, v)
+    if why:
+        return why
+    tensors = (q, k, v) if isinstance(call, Varlen) else (q, k, v, call.k, call.v)
+    if any(t.dtype != torch.bfloat16 for t in tensors):
+        return "dtype"
+    d = q.shape[-1]
+    if d not in _head_dims() or k.shape[-1] != d or v.shape[-1] != d:
+        return "head_dim"
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        return "gqa_heads"
+    if any(t.requires_grad for t in tensors):
+        return "grad"
+    if isinstance(call, Paged) and call.k_cache.shape[1] not in PAGE_SIZES:
+        return "page_size"
+    return None
+
+
+def _head_dims() -> tuple[int, ...]:
+    from ptxattn.stages import PRODUCTION
+    return PRODUCTION.head_dims
+
+
+# --------------------------------------------------------------------------- the kernels
+
+def _varlen_kernel(call: Varlen) -> torch.Tensor:
+    """ptxattn's varlen kernels (a seam the CPU tests replace): the step's PrefillPlan."""
+    if call.q.shape[0] == 0 or call.cu_q.shape[0] < 2:
+        from ptxattn.varlen import flash_attn_varlen_func
+        return flash_attn_varlen_func(call.q, call.k, call.v, call.cu_q, call.cu_k,
+                                      call.max_q, call.max_k, causal=call.causal,
+                                      window_size=call.window, softmax_scale=call.scale)
+    return _plan_of(call).run(call.q, call.k, call.v)
+
+
+# Every layer of a step hands the same offsets tensors (transformers' static buffers) and
+# tensors of the same geometry: one PrefillPlan per such layout validates and builds the
+# launch once, and its run() is the two launches for each layer. A plan built from device
+# offsets reads them on the device at every run (the tile kernel), so a later step whose
+# offsets tensors hold other values at the same addresses, with the same geometry, runs
+# right on the same plan. A plan keeps its offsets tensors alive, so their addresses in the
+# key name them. max_seqlen_q / max_seqlen_k size nothing on ptxattn's side (the kernels
+# size their work from the offsets), so they are not part of the layout.
+_PLANS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_PLANS_MAX = 4                  # a step's layout, and the few before it (a plan keeps its
+                                # first layer's q, k, v alive)
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_of(call: Varlen):
+    from ptxattn.serving import PrefillPlan
+    from ptxattn.tensors import torch_current_stream
+    q, k = call.q, call.k
+    key = (call.cu_q.data_ptr(), call.cu_k.data_ptr(), call.cu_q.shape[0], call.cu_k.shape[0],
+           tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), call.v.stride(),
+           q.get_device(), torch_current_stream(q.get_device()), call.causal, call.window,
+           call.scale)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = PrefillPlan(call.cu_q, call.cu_k, heads=q.shape[1], heads_kv=k.shape[1],
+                       head_dim=q.shape[2], total_q=q.shape[0], total_k=k.shape[0],
+                       max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
+                       window_size=call.window, softmax_scale=call.scale)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget the cached plans (and the offsets tensors they keep alive)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
+def _paged_kernel(call: Paged) -> torch.Tensor:
+    """ptxattn's paged decode (appends k and v into the pages; a seam the CPU tests replace)."""
+    from ptxattn.decode import flash_attn_with_kvcache
+    return flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, k=call.k, v=call.v,
+                                   cache_seqlens=call.cache_seqlens, causal=call.causal,
+                                   window_size=call.window, softmax_scale=call.scale,
+                                   block_table=call.block_table)
+
+
+def _reference(call, attention_mask, dropout, kwargs) -> torch.Tensor:
+    """The same call on the torch reference (the fallback)."""
+    features = dict(causal=call.causal, window=call.window, scale=call.scale,
+                    softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+                    dropout=float(dropout))
+    if isinstance(call, Varlen):
+        return packed_reference.varlen_attention(call.q, call.k, call.v, call.cu_q, call.cu_k,
+                                                 mask=attention_mask, **features)
+    return packed_reference.paged_attention(call.q, call.k_cache, call.v_cache, call.k, call.v,
+                                            call.cache_seqlens, call.block_table, **features)
+
+
+# --------------------------------------------------------------------------- registration
+
+def register() -> str:
+    """Register "paged|ptxattn" with AttentionInterface, and let a ContinuousBatchingManager
+    that checks names against a list keep "ptxattn" (transformers 5.24); idempotent."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(NAME, paged_attention_forward)
+    _let_continuous_batching_keep_ptxattn()
+    return NAME
+
+
+def _let_continuous_batching_keep_ptxattn() -> None:
+    """transformers 5.24's ContinuousBatchingManager.switch_to_cb_friendly_attn raises for a
+    name outside "paged|eager", "sdpa" and flash implementations. Where it does (found by
+    asking it about a stand-in model named "ptxattn", which changes nothing), wrap it so that
+    a model running "ptxattn" is kept as it is: that name's function takes packed calls."""
+    try:
+        from transformers.generation.continuous_batching.continuous_api import (
+            ContinuousBatchingManager)
+    except ImportError:                      # pragma: no cover - a transformers without it
+        return
+    original = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    if getattr(original, "_ptxattn_keeps", False):
+        return
+    if not _refuses_ptxattn(original):
+        return
+
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        if getattr(model.config, "_attn_implementation", None) == "ptxattn":
+            return None
+        return original(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn._ptxattn_keeps = True
+    switch_to_cb_friendly_attn.__wrapped__ = original
+    switch_to_cb_friendly_attn.__doc__ = original.__doc__
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+
+
+def _refuses_ptxattn(switch) -> bool:
+    """Whether `switch` raises ValueError for a model set to "ptxattn" (5.17 sets it to
+    "paged|ptxattn" instead, on the stand-in)."""
+    from types import SimpleNamespace
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="ptxattn"),
+                            _supports_flash_attn=False,
+                            set_attn_implementation=lambda name: None)
+    manager = SimpleNamespace(_original_attn_impl=None)
+    try:
+        switch(manager, model)
+    except ValueError:
+        return True
+    except Exception:                        # noqa: BLE001 - another contract: leave it be
+        return False
+    return False
