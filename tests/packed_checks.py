@@ -19,46 +19,44 @@ def offsets(lengths) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32)
 
 
-def allowed(i: int, lq: int, lk: int, causal: bool, window) -> list[int]:
-    """The keys query i of a sequence (lq queries, lk keys) sees, bottom-right."""
+def allowed(lq: int, lk: int, causal: bool, window) -> torch.Tensor:
+    """(lq, lk) bool: query i of a sequence (lq queries, lk keys) sees key j, bottom-right
+    (its diagonal is i + lk - lq)."""
     left, right = window
-    diag = i + lk - lq
-    keys = []
-    for j in range(lk):
-        if causal and j > diag:
-            continue
-        if left >= 0 and j < diag - left:
-            continue
-        if right >= 0 and not causal and j > diag + right:
-            continue
-        keys.append(j)
-    return keys
-
-
-def _softmax_rows(s: torch.Tensor, sink=None) -> torch.Tensor:
-    if sink is not None:
-        s = torch.cat([s, sink.reshape(1, 1).expand(s.shape[0], 1)], dim=-1)
-    p = torch.softmax(s, dim=-1)
-    return p[:, :-1] if sink is not None else p
+    diag = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        keep &= j <= diag
+    if left >= 0:
+        keep &= j >= diag - left
+    if right >= 0 and not causal:
+        keep &= j <= diag + right
+    return keep
 
 
 def sequence_attention(q, k, v, causal, window, scale, softcap=None, sinks=None):
-    """(Lq, H, D) float64 for one sequence: q (Lq, H, D), k and v (Lk, Hkv, D)."""
+    """(Lq, H, D) float64 for one sequence: q (Lq, H, D), k and v (Lk, Hkv, D); a query that
+    sees no key gets 0; sinks (H,): one more logit per head, dropped after the softmax."""
     lq, h, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
-    out = torch.zeros(lq, h, d, dtype=torch.float64)
-    for head in range(h):
-        kh, vh = k[:, head // (h // hkv)].double(), v[:, head // (h // hkv)].double()
-        for i in range(lq):
-            keys = allowed(i, lq, lk, causal, window)
-            if not keys:
-                continue
-            s = (kh[keys] @ q[i, head].double()) * scale
-            if softcap is not None:
-                s = softcap * torch.tanh(s / softcap)
-            p = _softmax_rows(s[None], None if sinks is None else sinks[head].double())[0]
-            out[i, head] = p @ vh[keys]
-    return out
+    group = h // hkv
+    qh = q.double().transpose(0, 1)                                  # (H, Lq, D)
+    kh = k.double().transpose(0, 1).repeat_interleave(group, dim=0)  # (H, Lk, D)
+    vh = v.double().transpose(0, 1).repeat_interleave(group, dim=0)
+    s = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keep = allowed(lq, lk, causal, window)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().reshape(h, 1, 1).expand(h, lq, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
+    p = torch.nan_to_num(p, nan=0.0)                                 # rows with no key
+    out = torch.matmul(p, vh).transpose(0, 1)
+    return torch.where(keep.any(dim=-1)[:, None, None], out, torch.zeros((), dtype=out.dtype))
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, *, causal=True, window=(-1, -1), scale=None,

@@ -599,3 +599,49 @@ def test_emulator_a_plan_follows_rewritten_device_offsets(emulated_gpu):
         out = plan.run(*(tensors.from_numpy(case[n]) for n in ("q", "k", "v")))
         check_varlen(case, out.to_numpy().astype(np.float32), None, causal=True,
                      window=(-1, -1), what=f"plan, {what}")
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def test_cb_bench_runs_tiny_on_the_cpu(recorded, tmp_path, capsys, monkeypatch):
+    """bench/models/cb_bench.py end to end on a tiny config: both backends timed, the JSON
+    written with the versions, every ptxattn call on the (stand-in) kernels (the torch
+    reference here: the loops are slow and this test checks the plumbing)."""
+    import json
+
+    def fast(call):
+        recorded.calls.append(call)
+        return pr.varlen_attention(call.q, call.k, call.v, call.cu_q, call.cu_k,
+                                   causal=call.causal, window=call.window, scale=call.scale)
+    monkeypatch.setattr(tp, "_varlen_kernel", fast)
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "models"))
+    import cb_bench
+    rc = cb_bench.main(["--tiny", "--device", "cpu", "--rounds", "1", "--requests", "6",
+                        "--out", str(tmp_path)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 0 and line.startswith("cb_bench: transformers"), line
+    (path,) = tmp_path.glob("cb-bench-tiny-*.json")
+    report = json.loads(path.read_text())
+    assert report["transformers"] == transformers.__version__
+    assert set(report["results"]) == {"paged|ptxattn", sdpa_cb_name()}
+    assert report["ptxattn_fallbacks"] == {} and report["ptxattn_kernel_calls"]["varlen"] > 0
+    assert report["ptxattn_kernel_calls"]["varlen"] == report["ptxattn_varlen_host_us"]["calls"]
+    assert len(report["prompt_lengths"]) == 6
+    for r in report["results"].values():
+        assert r["tokens_per_s"] > 0 and r["ttft_median_s"] > 0
+    assert tp._varlen_kernel is fast, "the host timer put the seam back"
+
+
+@pytest.mark.parametrize("argv,word", [(["--rounds", "0"], "--rounds"),
+                                       (["--min-prompt", "9", "--max-prompt", "3"],
+                                        "--min-prompt")])
+def test_cb_bench_refuses_bad_arguments(argv, word, capsys):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "models"))
+    import cb_bench
+    with pytest.raises(SystemExit):
+        cb_bench.main(argv)
+    assert word in capsys.readouterr().err
