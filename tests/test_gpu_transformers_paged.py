@@ -253,3 +253,11 @@ def test_generate_batch_under_cuda_graphs(torch, pt, tp):
     assert pt.fallback_counts() == {}, pt.fallback_counts()
     assert pt.packed_call_counts().get("varlen", 0) > 0, "nothing ran on the kernels"
     compare_runs(graphed, eager, "paged|ptxattn with CUDA graphs vs without")
+
+
+def test_readme_serving_block_runs(torch, pt, tp):
+    """The python block of README "Serving", as written."""
+    from readme_blocks import python_blocks
+    (block,) = python_blocks("## Serving: transformers continuous batching")
+    pt.reset_fallback_counts()
+    exec(compile(block, "README.md", "exec"), {})
