@@ -7,12 +7,15 @@ paged kernels, then generate_batch against transformers' own SDPA path.
   tests/packed_checks.py under DESIGN.md's bar.
 - The per-step plan cache: two layers of one layout share one plan; the same offsets tensors
   rewritten in place (a later step of the same totals) give that step's answer.
-- A block-table decode (page sizes 16, 64, 256, shuffled pages padded with -1): output and the
-  appended keys in the pages.
+- transformers 5.17's decode step on its own pages (page 256, 3001-key and 1-key
+  sequences, NaN in the unused slots): the table read off read_index, the new keys written.
+- A block-table decode (page sizes 16, 64, 256, shuffled pages padded with -1, NaN in every
+  slot no key occupies): output and the appended keys in the pages.
 - generate_batch on a tiny random-weight Llama (4 layers, 8:2 heads, D 128), 16 prompts of
   1..300 tokens, 12 greedy tokens, "paged|ptxattn" against "paged|sdpa" (5.17; "sdpa" on
-  5.24): every attention call of the ptxattn run is checked in the run against the float64
-  reference (the call index, sequence, row and head of the worst error in the message); the
+  5.24): every attention call of the ptxattn run (varlen, and with 5.17 the decode steps on
+  transformers' pages) is checked in the run against the float64 reference (the call index,
+  sequence, row and head of the worst error in the message); the
   tokens agree except at near-ties: up to the first divergence of each request the chosen
   tokens' log-probabilities agree within LOGPROB_TOL (the divergence itself included: a
   flip is only accepted where both backends' choices were about equally likely), and at
@@ -131,6 +134,8 @@ def test_a_block_table_decode_appends_and_attends(torch, pt, tp, page):
     kc = torch.randn(pages, page, 2, 128, generator=gen).bfloat16()
     vc = torch.randn(pages, page, 2, 128, generator=gen).bfloat16()
     table = pc.random_pages(gen, batch, [n + 1 for n in lengths], page, pages, max_pages)
+    for cache in (kc, vc):          # NaN where no key is (a cache from torch.empty may hold it)
+        cpu.poison_unreached(cache, table, lengths)
     q = torch.randn(1, batch, 8, 128, generator=gen).bfloat16().transpose(1, 2)
     k = torch.randn(1, batch, 2, 128, generator=gen).bfloat16().transpose(1, 2)
     v = torch.randn(1, batch, 2, 128, generator=gen).bfloat16().transpose(1, 2)
@@ -151,8 +156,49 @@ def test_a_block_table_decode_appends_and_attends(torch, pt, tp, page):
                     f"paged decode, page {page}")
     for name, got, want in (("k_cache", kc_d.cpu(), expect_call.k_cache),
                             ("v_cache", vc_d.cpu(), expect_call.v_cache)):
-        wrong = (got != want).any(dim=-1).any(dim=-1).nonzero().tolist()
+        same = (got == want) | (got.isnan() & want.isnan())
+        wrong = (~same).any(dim=-1).any(dim=-1).nonzero().tolist()
         assert not wrong, f"{name}: (page, row) differing from the loops' appends: {wrong[:8]}"
+
+
+def test_a_517_decode_step_on_transformers_pages(torch, pt, tp):
+    """transformers 5.17's decode step (its cache handed to the function): the new keys
+    written at write_index, the table read off read_index on the device, the decode kernel
+    on the pages, whose unused slots hold NaN."""
+    import test_transformers_paged as cpu
+    gen = torch.Generator().manual_seed(14)
+    page, pages, batch = 256, 40, 6
+    cache = cpu.FakeCache(gen, pages, page, Hkv=2, D=128)
+    cache.sliding_windows = {0: 1}
+    past = (3000, 0, 255, 256, 1, 700)
+    lengths = [n + 1 for n in past]
+    table = pc.random_pages(gen, batch, lengths, page, pages, 16)
+    for c in (cache.key_cache[0], cache.value_cache[0]):
+        cpu.poison_unreached(c.view(pages, page, 2, 128), table, past)
+    read = cpu.allocator_indices(table, lengths, page)
+    write = torch.tensor([int(table[b, n // page]) * page + n % page
+                          for b, n in enumerate(past)])
+    q = torch.randn(1, batch, 8, 128, generator=gen).bfloat16().transpose(1, 2)
+    k = torch.randn(1, batch, 2, 128, generator=gen).bfloat16().transpose(1, 2)
+    v = torch.randn(1, batch, 2, 128, generator=gen).bfloat16().transpose(1, 2)
+    kc, vc = cache.key_cache[0].clone(), cache.value_cache[0].clone()
+    kc.index_copy_(0, write, k.transpose(1, 2)[0])
+    vc.index_copy_(0, write, v.transpose(1, 2)[0])
+    cu_k = pc.offsets(lengths)
+    expect = pc.varlen_reference(q[0].transpose(0, 1), kc.index_select(0, read),
+                                 vc.index_select(0, read), pc.offsets([1] * batch), cu_k)
+    cache.key_cache = [t.cuda() for t in cache.key_cache]
+    cache.value_cache = [t.cuda() for t in cache.value_cache]
+    out, _ = tp.paged_attention_forward(
+        Module(), q.cuda(), k.cuda(), v.cuda(), None, cache=cache,
+        cu_seq_lens_q=pc.offsets([1] * batch).cuda(), cu_seq_lens_k=cu_k.cuda(),
+        max_seqlen_q=1, max_seqlen_k=max(lengths), read_index=[read.cuda()],
+        write_index=[write.cuda()], block_table=None, scaling=128 ** -0.5)
+    torch.cuda.synchronize()
+    assert cache.updates == [], "the keys were gathered"
+    assert pt.fallback_counts() == {} and pt.packed_call_counts() == {"paged": 1}
+    pc.check_packed(out[0].cpu(), expect, pc.offsets([1] * batch), "5.17 decode on pages")
+    assert torch.equal(cache.key_cache[0].cpu()[write], kc[write]), "the new keys' rows"
 
 
 # --------------------------------------------------------------------------- generate_batch
@@ -233,13 +279,35 @@ def test_generate_batch_matches_sdpa_with_every_call_checked(torch, pt, tp, monk
         report.append((tuple(call.q.shape), tuple(call.k.shape), m))
         return out
 
+    paged_kernel = tp._paged_kernel
+
+    def checked_paged(call):
+        # transformers 5.17's decode steps, on its own pages (the new keys written already)
+        import test_transformers_paged as cpu
+        snap = dataclasses.replace(
+            call, q=call.q.cpu(), k_cache=call.k_cache.cpu(), v_cache=call.v_cache.cpu(),
+            k=None if call.k is None else call.k.cpu(), v=None if call.v is None else call.v.cpu(),
+            cache_seqlens=call.cache_seqlens.cpu(), block_table=call.block_table.cpu())
+        out = paged_kernel(call)
+        batch, _, heads, d = snap.q.shape
+        expect = cpu.paged_independent(snap).reshape(batch, heads, d)
+        one = pc.offsets([1] * batch)
+        try:
+            m = pc.check_packed(out.cpu().reshape(batch, heads, d), expect, one,
+                                f"call {len(report)} (paged)")
+        except AssertionError as e:
+            m = {"error": str(e)}
+        report.append((tuple(call.q.shape), tuple(call.block_table.shape), m))
+        return out
+
     monkeypatch.setattr(tp, "_varlen_kernel", checked)
+    monkeypatch.setattr(tp, "_paged_kernel", checked_paged)
     ours = run_batch(model, "paged|ptxattn", prompts)
     bad = [(i, r) for i, r in enumerate(report) if "error" in r[2]]
-    assert report, "no attention call reached the varlen kernel"
+    assert report, "no attention call reached ptxattn's kernels"
     assert not bad, f"{len(bad)} of {len(report)} calls off the bar: {bad[:4]}"
     assert pt.fallback_counts() == {}, pt.fallback_counts()
-    assert pt.packed_call_counts().get("varlen") == len(report)
+    assert sum(pt.packed_call_counts().values()) == len(report), pt.packed_call_counts()
     assert len(report) % 4 == 0, f"{len(report)} calls for 4 layers"
     compare_runs(ours, theirs, "paged|ptxattn vs transformers' SDPA")
 

@@ -81,20 +81,25 @@ class Recorded:
                                               block_table=call.block_table.clone()))
         return paged_independent(call).to(call.q.dtype)
 
+    def counts(self) -> dict:
+        kinds = ["varlen" if isinstance(c, tp.Varlen) else "paged" for c in self.calls]
+        return {k: kinds.count(k) for k in set(kinds)}
+
 
 def paged_independent(call):
     """The block-table call by loops: append each new key at its position, then attend."""
     batch, lq, h, d = call.q.shape
     page = call.k_cache.shape[1]
     out = torch.zeros(batch, lq, h, d, dtype=torch.float64)
+    new = 0 if call.k is None else call.k.shape[1]
     for b in range(batch):
         n = max(int(call.cache_seqlens[b]), 0)
         row = call.block_table[b]
-        for t in range(call.k.shape[1]):
+        for t in range(new):
             j = n + t
             call.k_cache[int(row[j // page]), j % page] = call.k[b, t]
             call.v_cache[int(row[j // page]), j % page] = call.v[b, t]
-        total = n + call.k.shape[1]
+        total = n + new
         keys = pc.sequence_keys(call.k_cache, row, total)
         values = pc.sequence_keys(call.v_cache, row, total)
         out[b] = pc.sequence_attention(call.q[b], keys, values, call.causal, call.window,
@@ -193,19 +198,75 @@ def test_the_wrapped_manager_keeps_ptxattn_and_leaves_other_names_alone():
 
 # --------------------------------------------------------------------------- routing
 
-def test_generate_batch_routes_every_call_to_the_varlen_kernel(recorded):
+def decode_on_pages() -> bool:
+    """Whether this transformers hands the attention function its cache (5.17), so that
+    decode steps run on its pages (5.24 gathers the keys before the call)."""
+    return sdpa_cb_name() == "paged|sdpa"
+
+
+def check_paged_fields(call, scale):
+    """A decode step on transformers' pages: one query a sequence, the new keys already
+    written (no append), lengths that include them, a table naming pages or -1."""
+    assert isinstance(call, tp.Paged) and call.k is None and call.v is None
+    batch = call.q.shape[0]
+    assert call.q.shape[1] == 1 and call.cache_seqlens.shape == (batch,)
+    assert call.cache_seqlens.dtype == torch.int32 and bool((call.cache_seqlens >= 1).all())
+    assert call.block_table.dtype == torch.int32 and call.block_table.shape[0] == batch
+    pages = call.k_cache.shape[0]
+    reached = -(-call.cache_seqlens.long() // call.k_cache.shape[1])
+    for b in range(batch):
+        row = call.block_table[b]
+        assert bool(((row[:reached[b]] >= 0) & (row[:reached[b]] < pages)).all())
+        assert bool((row[reached[b]:] == -1).all())
+    assert call.causal is True and call.window == (-1, -1)
+    assert call.scale == pytest.approx(scale)
+
+
+def test_generate_batch_routes_every_call_to_ptxattn(recorded):
+    """Prefills and chunks on the varlen kernel; decode steps too (5.24), or on the paged
+    decode kernel over transformers' own pages (5.17, which hands the function its cache)."""
     model = tiny()
     expect = generate(model, sdpa_cb_name())
     got = generate(model, "paged|ptxattn")
     calls = recorded.calls
     assert pt.fallback_counts() == {}, pt.fallback_counts()
-    assert pt.packed_call_counts() == {"varlen": len(calls)} and calls
+    assert pt.packed_call_counts() == recorded.counts() and calls
     assert len(calls) % model.config.num_hidden_layers == 0
     for call in calls:
-        check_call_fields(call, 64 ** -0.5)
-    chunked = [c for c in calls if bool((c.cu_q.diff() < c.cu_k.diff()).any())]
+        if isinstance(call, tp.Varlen):
+            check_call_fields(call, 64 ** -0.5)
+        else:
+            check_paged_fields(call, 64 ** -0.5)
+    assert ("paged" in recorded.counts()) == decode_on_pages(), recorded.counts()
+    chunked = [c for c in calls if isinstance(c, tp.Paged)
+               or bool((c.cu_q.diff() < c.cu_k.diff()).any())]
     assert chunked, "no call had a sequence with past keys (decode or a prefill chunk)"
     assert got == expect, f"tokens differ from {sdpa_cb_name()}: {got} vs {expect}"
+
+
+def test_decode_tables_name_the_positions_transformers_reads(recorded, monkeypatch):
+    """5.17: the block table read off read_index, walked key by key, gives exactly the
+    cache positions transformers' own gather would read (its allocator's layout)."""
+    if not decode_on_pages():
+        pytest.skip("this transformers gathers the keys before the call (5.24)")
+    seen = []
+    derive = tp._decode_on_pages
+
+    def spy(module, query, key, value, kwargs, cache, cu_q, cu_k, *rest):
+        call = derive(module, query, key, value, kwargs, cache, cu_q, cu_k, *rest)
+        if call is not None:
+            group, _ = cache.layer_index_to_group_indices[module.layer_idx]
+            seen.append((call.block_table.clone(), cu_k.clone(),
+                         kwargs["read_index"][group].clone(), cache.block_size))
+        return call
+    monkeypatch.setattr(tp, "_decode_on_pages", spy)
+    generate(tiny(), "paged|ptxattn")
+    assert seen, "no decode step ran on the pages"
+    for table, cu_k, read, block in seen:
+        for b in range(cu_k.numel() - 1):
+            k0, n = int(cu_k[b]), int(cu_k[b + 1] - cu_k[b])
+            walked = [int(table[b, j // block]) * block + j % block for j in range(n)]
+            assert walked == read[k0:k0 + n].tolist(), f"sequence {b}"
 
 
 @pytest.mark.parametrize("kind,extra,windows", [
@@ -219,8 +280,13 @@ def test_sliding_window_layers_get_their_window_and_their_keys(recorded, kind, e
     expect = generate(model, sdpa_cb_name())
     got = generate(model, "paged|ptxattn")
     assert pt.fallback_counts() == {}
-    assert {c.window for c in recorded.calls} == windows
+    varlen = [c for c in recorded.calls if isinstance(c, tp.Varlen)]
+    assert {c.window for c in varlen} == windows
     for call in recorded.calls:
+        if isinstance(call, tp.Paged):            # 5.17's decode steps of a full layer
+            assert (-1, -1) in windows
+            check_paged_fields(call, 64 ** -0.5)
+            continue
         check_call_fields(call, 64 ** -0.5, call.window)
         if call.window != (-1, -1):       # a sliding layer's keys: at most window - 1 past
             assert bool((call.cu_k.diff() - call.cu_q.diff() <= 7).all())
@@ -301,8 +367,11 @@ class FakeCache:
         self.updates.append(layer_idx)
         group, _ = self.layer_index_to_group_indices[layer_idx]
         kc, vc = self.key_cache[0], self.value_cache[0]
-        kc.index_copy_(0, write_index[group], key_states.transpose(1, 2)[0])
-        vc.index_copy_(0, write_index[group], value_states.transpose(1, 2)[0])
+        keys, values = key_states.transpose(1, 2)[0], value_states.transpose(1, 2)[0]
+        kc.index_copy_(0, write_index[group], keys)
+        vc.index_copy_(0, write_index[group], values)
+        if read_index[group].numel() == 0:         # write-only: the new keys are all
+            return keys, values
         return kc.index_select(0, read_index[group]), vc.index_select(0, read_index[group])
 
 
@@ -336,6 +405,76 @@ def test_a_517_call_updates_the_cache_and_reads_its_layer_type(recorded):
         read_index=[read[:12]], write_index=[write], block_table=None)
     (call,) = recorded.calls
     assert torch.equal(call.cu_k, sliding) and call.max_k == 7 and call.window == (7, 0)
+
+
+def allocator_indices(table, lengths, block):
+    """read_index as transformers 5.17's FullAttentionCacheAllocator builds it: each
+    sequence's positions block * block_size + offset, page by page."""
+    read = []
+    for row, n in zip(table.tolist(), lengths):
+        read += [row[j // block] * block + j % block for j in range(n)]
+    return torch.tensor(read, dtype=torch.int64)
+
+
+def test_a_517_decode_step_runs_on_the_pages(recorded):
+    """5.17, one query a sequence, full attention: the new keys written at write_index, the
+    block table read off read_index, the decode kernel on the pages (no gather)."""
+    gen = torch.Generator().manual_seed(12)
+    page, pages = 16, 12
+    cache = FakeCache(gen, pages, page, Hkv=2, D=64)
+    cache.sliding_windows = {0: 1}
+    past = (37, 0, 16)
+    lengths = [n + 1 for n in past]
+    table = pc.random_pages(gen, 3, lengths, page, pages, 4)
+    read = allocator_indices(table, lengths, page)
+    write = torch.tensor([int(table[b, n // page]) * page + n % page
+                          for b, n in enumerate(past)])
+    q, k, v = decode_inputs(gen, 3)
+    cu_k = pc.offsets(lengths)
+    out, _ = tp.paged_attention_forward(
+        Module(), q, k, v, None, scaling=0.125, cache=cache, cu_seq_lens_q=pc.offsets([1] * 3),
+        cu_seq_lens_k=cu_k, max_seqlen_q=1, max_seqlen_k=max(lengths), read_index=[read],
+        write_index=[write], block_table=None)
+    (call,) = recorded.calls
+    assert isinstance(call, tp.Paged) and call.k is None, "no append: written already"
+    assert cache.updates == [], "no gather"
+    assert call.cache_seqlens.tolist() == lengths
+    reached = [-(-n // page) for n in lengths]
+    for b in range(3):
+        assert call.block_table[b, :reached[b]].tolist() == table[b, :reached[b]].tolist()
+        assert (call.block_table[b, reached[b]:] == -1).all()
+    kc = cache.key_cache[0]
+    for b in range(3):
+        assert torch.equal(kc[int(write[b])], k[0, :, b]), f"sequence {b}'s new key"
+    gathered = kc.index_select(0, read), cache.value_cache[0].index_select(0, read)
+    expect = pc.varlen_reference(q[0].transpose(0, 1), *gathered, pc.offsets([1] * 3), cu_k,
+                                 scale=0.125)
+    pc.check_packed(out[0], expect, pc.offsets([1] * 3), "5.17 decode on the pages")
+
+
+@pytest.mark.parametrize("case", ["prefill", "sliding", "padded", "no_past"])
+def test_other_517_steps_gather_as_transformers_does(recorded, case):
+    gen = torch.Generator().manual_seed(13)
+    cache = FakeCache(gen, 12, 16, Hkv=2, D=64)
+    cache.sliding_windows = {0: 8 if case == "sliding" else 1}
+    lengths = [5, 20]
+    table = pc.random_pages(gen, 2, lengths, 16, 12, 4)
+    read = allocator_indices(table, lengths, 16)
+    q, k, v = decode_inputs(gen, 2)
+    write = torch.tensor([int(read[4]), int(read[-1])])
+    kw = dict(cu_seq_lens_q=pc.offsets([1, 1]), cu_seq_lens_k=pc.offsets(lengths),
+              max_seqlen_q=1, max_seqlen_k=20, read_index=[read], write_index=[write])
+    if case == "prefill":
+        kw["max_seqlen_q"] = 2                   # another step's query lengths
+    elif case == "padded":
+        q, k, v = decode_inputs(gen, 3)           # a padded row beyond the sequences
+        kw["write_index"] = [torch.cat([write, torch.tensor([191])])]
+    elif case == "no_past":                       # two fresh one-token prompts: write-only
+        kw.update(read_index=[read[:0]], cu_seq_lens_k=pc.offsets([1, 1]), max_seqlen_k=1)
+    module = Module(sliding_window=8) if case == "sliding" else Module()
+    tp.paged_attention_forward(module, q, k, v, None, cache=cache, block_table=None, **kw)
+    (call,) = recorded.calls
+    assert isinstance(call, tp.Varlen), case
 
 
 def decode_inputs(gen, batch, H=4, Hkv=2, D=64):
@@ -471,12 +610,23 @@ def test_the_varlen_reference_matches_the_loops(lens_q, lens_k, causal, window, 
     gen = torch.Generator().manual_seed(sum(lens_q) + sum(lens_k))
     tq, tk = sum(lens_q), sum(lens_k)
     q = torch.randn(tq + 3, H, 64, generator=gen)          # 3 padding rows past cu_q[-1]
-    k, v = (torch.randn(tk, Hkv, 64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(tk + 2, Hkv, 64, generator=gen) for _ in range(2))
+    k[tk:], v[tk:] = float("nan"), float("nan")             # rows past cu_k[-1]: garbage
     cu_q, cu_k = pc.offsets(lens_q), pc.offsets(lens_k)
     got = pr.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, window=window)
     expect = pc.varlen_reference(q, k, v, cu_q, cu_k, causal=causal, window=window)
     torch.testing.assert_close(got.double(), expect, rtol=1e-4, atol=1e-5)
     assert (got[tq:] == 0).all(), "padding rows"
+
+
+def poison_unreached(cache, table, reach):
+    """NaN in every page slot no sequence reaches (what a cache from torch.empty may hold)."""
+    page = cache.shape[1]
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for row, n in zip(table.tolist(), reach):
+        for j in range(n):
+            keep[row[j // page], j % page] = True
+    cache[~keep] = float("nan")
 
 
 def test_the_paged_reference_matches_the_loops():
@@ -485,6 +635,8 @@ def test_the_paged_reference_matches_the_loops():
     kc, vc = (torch.randn(pages, page, 2, 64, generator=gen) for _ in range(2))
     lengths = (30, 0, 16)
     table = pc.random_pages(gen, 3, [n + 2 for n in lengths], page, pages, 3)
+    for cache in (kc, vc):
+        poison_unreached(cache, table, [n + 2 for n in lengths])
     q = torch.randn(3, 2, 4, 64, generator=gen)
     k, v = (torch.randn(3, 2, 2, 64, generator=gen) for _ in range(2))
     call = tp.Paged(q=q, k_cache=kc.clone(), v_cache=vc.clone(), k=k, v=v,
@@ -493,9 +645,10 @@ def test_the_paged_reference_matches_the_loops():
     expect = paged_independent(call)
     got = pr.paged_attention(q, kc, vc, k, v, call.cache_seqlens, table, causal=True,
                              window=(9, 0), scale=0.1)
+    assert torch.isfinite(got).all(), "a NaN in a slot no query sees leaked in"
     torch.testing.assert_close(got.double(), expect, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(kc, call.k_cache)           # the same appends
-    torch.testing.assert_close(vc, call.v_cache)
+    torch.testing.assert_close(kc, call.k_cache, equal_nan=True)      # the same appends
+    torch.testing.assert_close(vc, call.v_cache, equal_nan=True)
 
 
 # --------------------------------------------------------------------------- the emulator
@@ -627,11 +780,13 @@ def test_cb_bench_runs_tiny_on_the_cpu(recorded, tmp_path, capsys, monkeypatch):
     assert report["transformers"] == transformers.__version__
     assert set(report["results"]) == {"paged|ptxattn", sdpa_cb_name()}
     assert report["ptxattn_fallbacks"] == {} and report["ptxattn_kernel_calls"]["varlen"] > 0
-    assert report["ptxattn_kernel_calls"]["varlen"] == report["ptxattn_varlen_host_us"]["calls"]
+    for kind, n in report["ptxattn_kernel_calls"].items():
+        assert report["ptxattn_host_us"][kind]["calls"] == n, kind
     assert len(report["prompt_lengths"]) == 6
     for r in report["results"].values():
         assert r["tokens_per_s"] > 0 and r["ttft_median_s"] > 0
-    assert tp._varlen_kernel is fast, "the host timer put the seam back"
+    assert tp._varlen_kernel is fast and tp._paged_kernel == recorded.paged, \
+        "the host timer put the seams back"
 
 
 @pytest.mark.parametrize("argv,word", [(["--rounds", "0"], "--rounds"),

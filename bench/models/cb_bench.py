@@ -22,9 +22,9 @@ timestamp - its creation: queueing behind the other prompts included, as a serve
 median and p90. The figure per backend is the median over rounds; the speedup is the median of
 the per-round ratios with a 95% bootstrap interval. Also recorded: how many attention calls
 ran on ptxattn's kernels and its fallbacks (a fallback would time torch: none expected), the
-host time of ptxattn's varlen calls, whether the greedy tokens agree between the backends
-(random weights: near-ties may flip a token; informational), the transformers and torch
-versions. --eager adds "paged|eager" (slow: it materializes the scores).
+host time of ptxattn's kernel calls (varlen; with transformers 5.17 also the decode steps on
+its pages), whether the greedy tokens agree between the backends (random weights: near-ties
+may flip a token; informational), the transformers and torch versions. --eager adds "paged|eager" (slow: it materializes the scores).
 
 Writes cb-bench[-tiny]-<date>.json into --out (or $OUT, or bench/results/models/) and prints
 one summary line, with the elapsed time of each phase. On the H200 the default run (model
@@ -149,23 +149,33 @@ class Runner:
 
 
 class HostTimer:
-    """Times ptxattn's varlen calls on the host while active (the seam transformers_paged
-    calls: validation, plan, launches; the GPU is not waited for)."""
+    """Times ptxattn's kernel calls on the host while active, per kernel (the seams
+    transformers_paged calls: plan, launches; the GPU is not waited for)."""
+
+    SEAMS = {"varlen": "_varlen_kernel", "paged": "_paged_kernel"}
 
     def __init__(self, tp):
-        self.tp, self.kernel, self.spent = tp, tp._varlen_kernel, []
+        self.tp = tp
+        self.kernels = {kind: getattr(tp, seam) for kind, seam in self.SEAMS.items()}
+        self.spent = {kind: [] for kind in self.SEAMS}
 
     def __enter__(self):
-        def timed(call):
-            t0 = time.perf_counter()
-            out = self.kernel(call)
-            self.spent.append(time.perf_counter() - t0)
-            return out
-        self.tp._varlen_kernel = timed
+        for kind, seam in self.SEAMS.items():
+            setattr(self.tp, seam, self._timed(self.kernels[kind], self.spent[kind]))
         return self.spent
 
+    @staticmethod
+    def _timed(kernel, spent):
+        def timed(call):
+            t0 = time.perf_counter()
+            out = kernel(call)
+            spent.append(time.perf_counter() - t0)
+            return out
+        return timed
+
     def __exit__(self, *exc):
-        self.tp._varlen_kernel = self.kernel
+        for kind, seam in self.SEAMS.items():
+            setattr(self.tp, seam, self.kernels[kind])
 
 
 def main(argv=None) -> int:
@@ -262,8 +272,8 @@ def main(argv=None) -> int:
                                 "ci95": list(bootstrap_ci(ttft_ratios))},
         "identical_requests": {"count": same, "of": len(ours)},
         "ptxattn_kernel_calls": kernel_calls, "ptxattn_fallbacks": fallbacks,
-        "ptxattn_varlen_host_us": {"median": statistics.median(host) * 1e6 if host else None,
-                                   "calls": len(host)},
+        "ptxattn_host_us": {kind: {"median": statistics.median(t) * 1e6 if t else None,
+                                   "calls": len(t)} for kind, t in host.items()},
         "elapsed_s": {"build": runner.build_s, "warmup": warmup_s,
                       "total": time.perf_counter() - t_start},
         "transformers": transformers.__version__, "torch": torch.__version__,

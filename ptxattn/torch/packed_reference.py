@@ -72,6 +72,11 @@ def _attend(q, k, v, keep, scale, softcap=None, sinks=None, dropout=0.0):
     probabilities, as SDPA's dropout_p."""
     groups = q.shape[1] // k.shape[1]
     seen = keep.any(dim=-1, keepdim=True)
+    # keys no query sees (past a sequence's length in its last page, padding rows) may hold
+    # anything, NaN included, which a 0 weight would still carry into the output: zero them
+    used = keep.any(dim=-2).any(dim=1)[:, None, :, None]                 # (N, 1, Lk, 1)
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    k, v = torch.where(used, k, zero), torch.where(used, v, zero)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
                                              dropout_p=dropout, enable_gqa=groups > 1)

@@ -22,9 +22,14 @@ the attention function once per layer with:
 Both paths run on ptxattn, causal (bottom-right: chunked prefill sees its past) with the
 layer's sliding window, if any, as (window - 1, 0), as transformers' flash path:
 - packed keys: ptxattn.flash_attn_varlen_func on views of q, k, v with the device offsets
-  (two launches, no host sync; capturable in a CUDA graph);
+  (two launches, no host sync; capturable in a CUDA graph); the layers of a step share one
+  PrefillPlan (_plan_of);
 - a block table: ptxattn.flash_attn_with_kvcache(block_table=...), the new keys appended
-  into the pages by the kernel.
+  into the pages by the kernel;
+- transformers 5.17, a decode-only step (one query a sequence, no padding) of a
+  full-attention layer: instead of gathering every sequence's keys, the new keys are written
+  at write_index and the decode kernel reads transformers' pages in place, through a block
+  table read off read_index on the device (_decode_on_pages).
 Calls the kernels do not take (not bf16, not on ptxattn's sm_90 device, a head dim outside
 64/128/256 or a value head dim unlike the query's, tensors that require grad, dropout,
 softcap, attention sinks, an explicit mask, output_attentions, a page size that is no power
@@ -71,12 +76,13 @@ class Varlen:
 @dataclass
 class Paged:
     """A flash_attn_with_kvcache call: q (B, 1, H, D), the layer's pages (num_pages, page,
-    Hkv, D), the new keys k and v (B, 1, Hkv, D), int32 lengths (B,) and table (B, pages)."""
+    Hkv, D), the new keys k and v (B, 1, Hkv, D) to append (None: already in the pages),
+    int32 lengths (B,) before the append and the table (B, pages)."""
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     cache_seqlens: torch.Tensor
     block_table: torch.Tensor
     causal: bool
@@ -151,6 +157,10 @@ def _translate(module, query, key, value, kwargs, scale: float):
         return _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table,
                            window, scale)
     if cache is not None and kwargs.get("read_index") is not None:
+        on_pages = _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k,
+                                    max_q, max_k, window, scale)
+        if on_pages is not None:
+            return on_pages
         # transformers 5.17: write the new keys, gather every sequence's (flash_paged's call)
         k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                             read_index=kwargs["read_index"], write_index=kwargs["write_index"])
@@ -183,6 +193,44 @@ def _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table, win
                  scale=scale)
 
 
+def _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k, max_q, max_k,
+                     window, scale):
+    """transformers 5.17, a decode-only step (one query a sequence) of a full-attention layer:
+    a Paged call on transformers' own pages instead of gathering every sequence's keys.
+
+    The new keys are written where transformers writes them (its write_index, as
+    cache.update does), and the block table is read off its read_index on the device: a full
+    attention layer's read indices are its blocks' positions in order (block * block_size +
+    offset, FullAttentionCacheAllocator.get_read_indices), so the first index of a
+    sequence's page p, at cu_seq_lens_k[b] + p * block_size, names the block. The decode
+    kernel then reads the pages in place (split-KV, packed GQA). None when the step is not
+    such a step (a prefill, padding, a sliding layer, a page size the kernel lacks)."""
+    layer = module.layer_idx
+    block = getattr(cache, "block_size", None)
+    if (max_q != 1 or query.shape[0] != 1 or query.shape[2] != cu_q.shape[0] - 1
+            or window != (-1, -1) or block not in PAGE_SIZES
+            or getattr(cache, "sliding_windows", {}).get(layer) != 1):
+        return None
+    group, in_group = cache.layer_index_to_group_indices[layer]
+    read, write = kwargs["read_index"][group], kwargs["write_index"][group]
+    if read.numel() == 0 or write.numel() != query.shape[2]:
+        return None
+    k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+    k_cache.index_copy_(0, write, key.transpose(1, 2)[0])
+    v_cache.index_copy_(0, write, value.transpose(1, 2)[0])
+    starts = cu_k[:-1].to(torch.int64)
+    lengths = cu_k[1:] - cu_k[:-1]
+    offsets = torch.arange(-(-int(max_k) // block), device=read.device) * block
+    inside = offsets[None, :] < lengths[:, None]
+    first = read[(starts[:, None] + offsets[None, :]).clamp(0, read.numel() - 1)]
+    table = torch.where(inside, first // block, -1).to(torch.int32)
+    shape = (-1, block, cache.num_key_value_heads, cache.head_dim)
+    return Paged(q=_readable(query.permute(2, 0, 1, 3)), k_cache=k_cache.view(shape),
+                 v_cache=v_cache.view(shape), k=None, v=None,
+                 cache_seqlens=lengths.to(torch.int32), block_table=table, causal=True,
+                 window=window, scale=scale)
+
+
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit last stride, 16-byte aligned
     rows and base), else a contiguous copy."""
@@ -207,7 +255,8 @@ def _reason(call, attention_mask, dropout, kwargs) -> str | None:
     why = sdpa._device_reason(q, k, v)
     if why:
         return why
-    tensors = (q, k, v) if isinstance(call, Varlen) else (q, k, v, call.k, call.v)
+    tensors = (q, k, v) if isinstance(call, Varlen) else tuple(
+        t for t in (q, k, v, call.k, call.v) if t is not None)
     if any(t.dtype != torch.bfloat16 for t in tensors):
         return "dtype"
     d = q.shape[-1]
