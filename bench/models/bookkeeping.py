@@ -10,6 +10,8 @@ and hands the list to summarize_calls(). figure.py and the CPU tests read the sa
 from __future__ import annotations
 
 import re
+import subprocess
+from pathlib import Path
 
 LAYOUTS = ("bhld", "bshd")
 
@@ -101,3 +103,12 @@ def missing_fields(report: dict) -> list[str]:
                      "ptxattn_vs_baseline_rel_l2", "speedup_step", "speedup_by_round")
                     if f not in comparison]
     return missing
+
+
+def commit() -> str:
+    """The checkout's HEAD commit ("" without git), for the scripts' JSON records."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""

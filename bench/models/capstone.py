@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -642,7 +641,7 @@ def main(argv=None) -> int:
         "comparison": comparison, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if kind == "cuda" else (platform.processor() or "cpu"),
         "cudnn": torch.backends.cudnn.version() if kind == "cuda" else None,
-        "commit": _commit(), "ptxattn_takes_causal": pt.library_takes_causal(),
+        "commit": bk.commit(), "ptxattn_takes_causal": pt.library_takes_causal(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     plumbing = args.tiny or kind == "cpu"      # not a measurement: kept out of bench/results
@@ -669,13 +668,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

@@ -38,13 +38,14 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bookkeeping import commit  # noqa: E402  (beside this script)
 
 # the published Llama-3-8B config (meta-llama/Meta-Llama-3-8B config.json)
 LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
                       "total": time.perf_counter() - t_start},
         "transformers": transformers.__version__, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     out_dir = Path(args.out or os.environ.get("OUT")
                    or Path(__file__).resolve().parents[1] / "results" / "models")
@@ -297,13 +298,6 @@ def main(argv=None) -> int:
           f"{report['elapsed_s']['total']:.0f} s in all; wrote {path}")
     return 0 if not fallbacks and kernel_calls.get("varlen") else 1
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

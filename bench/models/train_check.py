@@ -26,7 +26,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bookkeeping import commit  # noqa: E402  (beside this script)
 import train_curves  # noqa: E402  (beside this script; torch-free, tested on its own)
 
 TINY = dict(vocab=64, hidden=128, heads=2, kv_heads=1, layers=2, seq=32, batch=4)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     (out_dir / f"{stem}.svg").write_text(train_curves.svg(runs, title, window=args.window))
     report = {"args": vars(args), "runs": runs, "info": info, "check": check,
               "log_vocab": math.log(args.vocab), "torch": torch.__version__,
-              "transformers": transformers.__version__, "gpu": gpu, "commit": _commit(),
+              "transformers": transformers.__version__, "gpu": gpu, "commit": commit(),
               "date": datetime.datetime.now().isoformat(timespec="seconds")}
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     for name in runs:
@@ -158,13 +158,6 @@ def main(argv=None) -> int:
     print(f"wrote {out_dir / stem}.json and .svg")
     return 0 if check["pass"] else 1
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bookkeeping import commit  # noqa: E402  (beside this script)
 
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=64)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     report = {"config": cfg, "layers": depth, "layers_reduced": bool(args.layers),
               "tiny": args.tiny, "args": vars(args), "results": results, "errors": errors,
               "ptxattn_fallbacks": fallbacks, "torch": torch.__version__,
-              "transformers": transformers.__version__, "commit": _commit(),
+              "transformers": transformers.__version__, "commit": commit(),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "date": datetime.datetime.now().isoformat(timespec="seconds")}
     torch_running = [b for b in running if b != "ptxattn"]
@@ -206,13 +206,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0 if not fallbacks and "ptxattn" in running else 1
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":
