@@ -99,6 +99,22 @@ def test_packed_calls_meet_the_bar(torch, pt, tp, lens_q, lens_k, H, Hkv, D, win
                     f"varlen {lens_q} / {lens_k}, {H}:{Hkv} heads, D {D}, window {window}")
 
 
+def test_heads_outermost_inputs_are_read_in_place(torch, pt, tp):
+    """(1, heads, S, D) contiguous q, k, v (what RoPE's arithmetic or a cache may leave):
+    views with a head stride of S x D, read in place."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens_q, lens_k = (129, 1, 64), (129, 300, 640)
+    q, k, v, cu_q, cu_k = packed(torch, gen, lens_q, lens_k, 8, 2, 128)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out, _ = tp.paged_attention_forward(Module(), q, k, v, None, cu_seq_lens_q=cu_q,
+                                        cu_seq_lens_k=cu_k, max_length_q=129,
+                                        max_length_k=640)
+    torch.cuda.synchronize()
+    assert pt.fallback_counts() == {} and pt.packed_call_counts() == {"varlen": 1}
+    pc.check_packed(out[0].cpu(), reference_of(q, k, v, cu_q, cu_k), cu_q.cpu(),
+                    "heads-outermost q, k, v")
+
+
 def test_one_plan_serves_the_layers_and_follows_rewritten_offsets(torch, pt, tp):
     gen = torch.Generator(device="cuda").manual_seed(3)
     lens_q, lens_k = (40, 1, 90), (300, 77, 90)

@@ -654,9 +654,18 @@ def test_the_paged_reference_matches_the_loops():
 # --------------------------------------------------------------------------- the emulator
 
 def _to_device(t):
+    """An emulated device copy of t with t's strides (its memory order kept: a transposed
+    view stays transposed, as the kernels see transformers' tensors)."""
     from ml_dtypes import bfloat16
     from ptxattn import tensors
-    return tensors.from_numpy(t.contiguous().view(torch.int16).numpy().view(bfloat16))
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))   # outermost first
+    dense = t.permute(order).contiguous()
+    dev = tensors.from_numpy(dense.view(torch.int16).numpy().view(bfloat16))
+    strides = [0] * t.dim()
+    for position, d in enumerate(order):
+        strides[d] = dense.stride(position)
+    return tensors.DeviceArray(dev.ptr, tuple(t.shape), tuple(strides), device=dev.device,
+                               owner=dev)
 
 
 def _from_device(arr):
@@ -687,13 +696,18 @@ def _emulated_paged(call):
     return _from_device(out)
 
 
-def test_emulator_runs_a_translated_chunked_prefill(emulated_gpu, monkeypatch):
+@pytest.mark.parametrize("layout", ["projection", "heads_outermost"])
+def test_emulator_runs_a_translated_chunked_prefill(emulated_gpu, monkeypatch, layout):
+    """q, k, v as views: the projection's transpose, or (1, heads, S, D) contiguous (what
+    RoPE's arithmetic may leave), read in place by the kernels either way."""
     pytest.importorskip("ptxattn.tools.emulator")
     monkeypatch.setattr(sdpa, "_device_reason", lambda q, k, v: None)
     monkeypatch.setattr(tp, "_varlen_kernel", _emulated_varlen)
     gen = torch.Generator().manual_seed(9)
     lens_q, lens_k = (3, 70, 1), (40, 70, 129)
     q, k, v, cu_q, cu_k = packed_inputs(gen, lens_q, lens_k, H=2, Hkv=1)
+    if layout == "heads_outermost":
+        q, k, v = (x.contiguous() for x in (q, k, v))
     pt.reset_fallback_counts()
     out, _ = tp.paged_attention_forward(Module(sliding_window=50), q, k, v, None,
                                         scaling=0.11, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,

@@ -165,8 +165,8 @@ def _translate(module, query, key, value, kwargs, scale: float):
         k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                             read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     else:
-        k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]) for x in (key, value))
-    q = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[-1])
+        k, v = _rows(key), _rows(value)
+    q = _rows(query)
     return Varlen(q=_readable(q), k=_readable(k), v=_readable(v),
                   cu_q=cu_q.to(torch.int32).contiguous(), cu_k=cu_k.contiguous(),
                   max_q=_as_int(max_q if max_q is not None else q.shape[0]),
@@ -229,6 +229,15 @@ def _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k, max_q
                  v_cache=v_cache.view(shape), k=None, v=None,
                  cache_seqlens=lengths.to(torch.int32), block_table=table, causal=True,
                  window=window, scale=scale)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, heads, S, D) as packed rows (B * S, heads, D): for a batch of one (continuous
+    batching) a view whatever the layout (the projection's transpose, or a contiguous
+    (1, heads, S, D) that RoPE or the cache left); a copy only for B > 1 that cannot view."""
+    if x.shape[0] == 1:
+        return x[0].transpose(0, 1)
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1])
 
 
 def _readable(t: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,10 @@ H200 = {
     "driver_version": 13000,
 }
 _DEFAULT_SMEM = 48 * 1024
+# the runtime's caches of driver state (a Launcher keeps the driver's launch call and its
+# functions' handles: one kept from an earlier emulator would launch on that emulator's memory)
 _CACHE_NAMES = ("_KERNELS", "_STEADY", "_MODULES", "_CONFIGS", "_MAPS", "_RESULTS", "_METRICS",
-                "_CONSTANTS")
+                "_CONSTANTS", "_LAUNCHERS", "_TILES_FN", "_FUNCTIONS")
 
 
 class FakeModule:
