@@ -89,7 +89,9 @@ def row(report: dict) -> dict:
 
 
 def _block_h(r: dict) -> int:
-    return len(r.get("bars", ())) * (BAR_H + 4) + 54 if "bars" in r else 2 * BAR_H + 62
+    if "bars" not in r:
+        return 2 * BAR_H + 62
+    return len(r["bars"]) * (BAR_H + 4) + 54 + (14 if r.get("fp8") else 0)
 
 
 def _depth(report: dict):
@@ -164,13 +166,15 @@ def render(reports: list[dict]) -> str:
         if r.get("fallbacks"):
             tail.append("fallbacks per step " + ", ".join(f"{k} {v}" for k, v in
                                                          sorted(r["fallbacks"].items())))
+        lines = ["; ".join(tail)]
         fp8 = r.get("fp8") or {}
         if fp8.get("speedup_vs_baseline"):
-            tail.append(f"FP8: {fp8['speedup_vs_baseline']:.3f}x the baseline, "
-                        f"{fp8.get('speedup_vs_ptxattn_bf16') or 0:.3f}x ptxattn bf16, "
-                        f"rel. diff {fp8['vs_baseline_rel_l2']:.2e}")
-        parts.append(f'<text x="{LEFT}" y="{y + 38 + len(r["bars"]) * (BAR_H + 4) + 12}" '
-                     f'fill="#444">{escape("; ".join(tail))}</text>')
+            lines.append(f"FP8: {fp8['speedup_vs_baseline']:.3f}x the baseline, "
+                         f"{fp8.get('speedup_vs_ptxattn_bf16') or 0:.3f}x ptxattn bf16; its "
+                         f"output rel. diff vs baseline {fp8['vs_baseline_rel_l2']:.2e}")
+        for j, line in enumerate(lines):
+            parts.append(f'<text x="{LEFT}" y="{y + 38 + len(r["bars"]) * (BAR_H + 4) + 12 + 14 * j}" '
+                         f'fill="#444">{escape(line)}</text>')
         y += _block_h(r)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
