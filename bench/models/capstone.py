@@ -571,12 +571,19 @@ def compare(results: list[dict], torch_names) -> dict:
                                f"{ours.get('fallbacks')}): no speedup to report")
             return c
         c["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
-        # the same rounds: round r's baseline step over round r's ptxattn step
-        ratios = sorted(t / o for t, o in zip(best["step_ms"], ours["step_ms"]))
-        if ratios:
-            c["speedup_by_round"] = {"median": statistics.median(ratios), "min": ratios[0],
-                                     "max": ratios[-1], "rounds": len(ratios)}
+        by_round = speedup_by_round(best, ours)
+        if by_round:
+            c["speedup_by_round"] = by_round
     return c
+
+
+def speedup_by_round(base: dict, mine: dict) -> dict | None:
+    """The same rounds: round r's `base` step over round r's `mine` step (median, range)."""
+    ratios = sorted(t / o for t, o in zip(base["step_ms"], mine["step_ms"]))
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+            "rounds": len(ratios)}
 
 
 def compare_fp8(fp8: dict, best: dict, bf16: dict | None, yardstick) -> dict:
@@ -595,12 +602,10 @@ def compare_fp8(fp8: dict, best: dict, bf16: dict | None, yardstick) -> dict:
     for name, other in (("baseline", best), ("ptxattn_bf16", bf16)):
         if other is None:
             continue
-        ratios = sorted(t / o for t, o in zip(other["step_ms"], fp8["step_ms"]))
         out[f"speedup_vs_{name}"] = other["step_ms_median"] / fp8["step_ms_median"]
-        if ratios:
-            out[f"speedup_vs_{name}_by_round"] = {
-                "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
-                "rounds": len(ratios)}
+        by_round = speedup_by_round(other, fp8)
+        if by_round:
+            out[f"speedup_vs_{name}_by_round"] = by_round
     return out
 
 
