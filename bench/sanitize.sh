@@ -16,7 +16,9 @@
 # masked build (causal), a sliding and a two-sided window, a masked persistent walk, GQA, MQA,
 # ragged tails (Lq, Lk not tile multiples, Lq < Lk and Lq > Lk), the top-left diagonal, and the
 # LSE written. Decode (flash_attn_with_kvcache: three splits and the combine, with device
-# lengths out of range) once per head dim. New kernels (paged, varlen, FP8) add rows there; the
+# lengths out of range) once per head dim; paged decode at pages 16, 64 and 256 (shuffled pages,
+# a planted bad table entry); varlen prefill over sequences of 0..300 tokens (causal, a window,
+# GQA/MQA, the LSE); the FP8 forward with its quantizer (checked against the FP8 model). The
 # backward has its own runner (bench/sanitize_bwd.sh).
 #
 # Device time (H200, compute-sanitizer 2025.3, 16 cores): one invocation takes 3-8 s (racecheck

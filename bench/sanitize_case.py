@@ -32,8 +32,9 @@ the other features). Then decode (flash_attn_with_kvcache, DECODE_ROWS, one per 
 Lq = 2 causal queries against caches of L positions (H / 4 K/V heads), two new keys appended,
 lengths planted on the device at -5, L + 1000 and L // 2 (clamped by the kernels: memcheck must
 see no access outside the caches, the lengths array or the workspace), three splits and the
-combine, checked against the clamped reference. New kernels (paged, varlen, backward, FP8) add
-rows the same way, and a runner in RUNNERS when their call is not attention()'s.
+combine, checked against the clamped reference. Then paged decode (PAGED_ROWS), varlen prefill
+(VARLEN_ROWS) and the FP8 forward with its quantizer (FP8_ROWS), each with its runner in
+RUNNERS; the backward has its own script (bench/sanitize_bwd_case.py).
 
 Negative controls (CONTROLS): stage 1 built with -D PTXATTN_PLANT_HAZARD=1 (the bar.sync
 between the P stores and the PV wgmma dropped, plus an ordinary ld.shared of a word another
@@ -74,6 +75,7 @@ class Case:
     lse: bool = False
     ctas: int = 0
     define: str | None = None
+    page: int = 0                  # paged:D cases: the page size
 
     @property
     def lk(self) -> int:
@@ -101,6 +103,8 @@ class Case:
             out.append("--lse")
         if self.define:
             out += ["-D", self.define]
+        if self.page:
+            out += ["--page", str(self.page)]
         return out
 
     def name(self) -> str:
@@ -121,6 +125,8 @@ class Case:
             words.append(f"ctas={self.ctas}")
         if self.define:
             words.append(self.define)
+        if self.page:
+            words.append(f"page={self.page}")
         return " ".join(words)
 
     def line(self) -> str:
@@ -169,6 +175,23 @@ def production_rows(head_dims) -> list[Case]:
 
 # flash_attn_with_kvcache (see the docstring): B H L are the caches' batch, heads and length
 DECODE_ROWS = tuple(Case(f"{DECODE_KEY}:{d}", batch=3, heads=8, seq_q=600) for d in (64, 128, 256))
+# paged decode (run_paged): B H L as decode's, the page size below a K/V tile (a box per page)
+# and above it (a box per tile), with shuffled pages, a -1-padded table and one planted bad
+# entry in a reached page (its keys read as zeros, nothing outside the caches)
+PAGED_KEY, VARLEN_KEY, FP8_KEY = "paged", "varlen", "fp8"
+PAGED_ROWS = tuple(Case(f"{PAGED_KEY}:{d}", batch=3, heads=8, seq_q=600, page=page)
+                   for d, page in ((64, 16), (128, 16), (128, 256), (256, 64)))
+# varlen prefill (run_varlen): H:Hkv, and sequences of 0, 1, 129, 300 and 77 tokens (an empty
+# one, a ragged tile, Lq = Lk); causal on the D 128 row, a window on the D 64 row
+VARLEN_ROWS = (Case(f"{VARLEN_KEY}:128", heads=4, heads_kv=2, causal=True, lse=True),
+               Case(f"{VARLEN_KEY}:64", heads=4, heads_kv=1, window=(40, 8)),
+               Case(f"{VARLEN_KEY}:256", heads=2, heads_kv=2))
+# the FP8 forward (run_fp8: the quantizer's kernel, then the FP8 build), checked against the
+# float64 reference on the bf16 inputs under the FP8 bar
+FP8_ROWS = (Case(f"{FP8_KEY}:128", seq_q=300, seq_k=333, causal=True, lse=True),
+            Case(f"{FP8_KEY}:64", heads=4, heads_kv=2, layout="bshd"),
+            Case(f"{FP8_KEY}:256", seq_q=200, window=(64, 0)))
+NEW_KERNEL_ROWS = {PAGED_KEY: PAGED_ROWS, VARLEN_KEY: VARLEN_ROWS, FP8_KEY: FP8_ROWS}
 
 
 def cases(stage_filter=None) -> list[Case]:
@@ -184,6 +207,9 @@ def cases(stage_filter=None) -> list[Case]:
                  if int(c.kernel.partition(":")[2]) in stages.PRODUCTION.head_dims]
     if not stage_filter or DECODE_KEY in stage_filter:
         rows += DECODE_ROWS
+    for key, extra in NEW_KERNEL_ROWS.items():
+        if not stage_filter or key in stage_filter:
+            rows += extra
     return rows
 
 
@@ -203,11 +229,12 @@ def stage_and_head_dim(key: str) -> tuple[str, int]:
 
 
 def parse_stages(text: str) -> set | None:
-    """--stages "1,14,production,decode" -> {1, 14, 0, "decode"}; empty -> None (all)."""
+    """--stages "1,14,production,decode,paged" -> {1, 14, 0, "decode", "paged"}; empty -> None
+    (all). The new kernels' keys: decode, paged, varlen, fp8."""
     wanted = set()
     for word in text.replace(",", " ").split():
         wanted.add(PRODUCTION_NUMBER if word == PRODUCTION_KEY else
-                   DECODE_KEY if word == DECODE_KEY else int(word))
+                   word if word in (DECODE_KEY, *NEW_KERNEL_ROWS) else int(word))
     return wanted or None
 
 
@@ -285,12 +312,69 @@ def run_attention(case: Case, seed: int, defines=None) -> bool:
     for array in (qd, kd, vd, out):
         array.free()
     del prepared, qd, kd, vd, out
+    release_context()
+    return ok
+
+
+def release_context() -> None:
+    """End the primary context once every buffer is freed, so that memcheck's leak check sees
+    what the call left allocated."""
+    from ptxattn import driver
     gc.collect()
     ctx = driver.context()
     driver.synchronize()
     ctx.alive = False                           # later destructors must not call the driver
     driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
-    return ok
+
+
+class DeviceInt32:
+    """An int32 device vector or table offered through __cuda_array_interface__ (the library's
+    DeviceArray holds bf16 and float32 only); closed explicitly, like every buffer here."""
+
+    def __init__(self, values):
+        import numpy as np
+
+        from ptxattn import driver
+        values = np.ascontiguousarray(values, dtype=np.int32)
+        self.buffer = driver.DeviceBuffer(max(values.nbytes, 4))
+        driver.memcpy_htod(self.buffer.ptr, values)
+        self.__cuda_array_interface__ = {"shape": values.shape, "typestr": "<i4",
+                                         "data": (self.buffer.ptr, False), "strides": None,
+                                         "version": 3}
+
+    def close(self):
+        self.buffer.close()
+
+
+def _bf16(rng, *shape):
+    import numpy as np
+
+    from ptxattn import reference
+    return rng.standard_normal(shape, dtype=np.float32).astype(reference.BF16)
+
+
+def _poisoned(shape, dtype=None):
+    """A NaN-filled output (bf16 by default, float32 for an LSE)."""
+    import numpy as np
+
+    from ptxattn import driver, tensors
+    if dtype is None:
+        out = tensors.empty(shape)
+        out.fill_u16(0xFFFF)
+        return out
+    out = tensors.empty(shape, dtype=np.float32)
+    driver.memset_u16(out.ptr, 0xFFFF, 2 * out.size)
+    return out
+
+
+def _lse_check(got, want, tol):
+    """-inf exactly where no key is seen, elsewhere within tol; (ok, max error)."""
+    import numpy as np
+    empty = np.isneginf(want)
+    if np.isnan(got).any() or (np.isneginf(got) != empty).any():
+        return False, float("nan")
+    err = float(np.abs(got[~empty] - want[~empty]).max(initial=0.0))
+    return err <= tol, err
 
 
 def run_decode(head_dim, b, h, length, seed) -> bool:
@@ -302,25 +386,14 @@ def run_decode(head_dim, b, h, length, seed) -> bool:
 
     rng = np.random.default_rng(seed)
     hkv, lq, new = max(1, h // 4), 2, 2
-
-    def bf16(*shape):
-        return rng.standard_normal(shape, dtype=np.float32).astype(reference.BF16)
-    q, kc, vc = bf16(b, lq, h, head_dim), bf16(b, length, hkv, head_dim), bf16(b, length, hkv,
-                                                                           head_dim)
-    kn, vn = bf16(b, new, hkv, head_dim), bf16(b, new, hkv, head_dim)
+    q = _bf16(rng, b, lq, h, head_dim)
+    kc, vc = _bf16(rng, b, length, hkv, head_dim), _bf16(rng, b, length, hkv, head_dim)
+    kn, vn = _bf16(rng, b, new, hkv, head_dim), _bf16(rng, b, new, hkv, head_dim)
     raw = np.array(([-5, length + 1000, length // 2] * b)[:b], np.int32)
     devs = [tensors.from_numpy(x) for x in (q, kc, vc, kn, vn)]
-    lens = driver.DeviceBuffer(raw.nbytes)
-    driver.memcpy_htod(lens.ptr, raw)
-
-    class Lengths:
-        __cuda_array_interface__ = {"shape": (b,), "typestr": "<i4", "data": (lens.ptr, False),
-                                    "strides": None, "version": 3}
-    out = tensors.empty(q.shape)
-    out.fill_u16(0xFFFF)
-    lse = tensors.empty((b, h, lq), dtype=np.float32)
-    driver.memset_u16(lse.ptr, 0xFFFF, 2 * lse.size)
-    ptxattn.flash_attn_with_kvcache(*devs[:3], k=devs[3], v=devs[4], cache_seqlens=Lengths(),
+    lens = DeviceInt32(raw)
+    out, lse = _poisoned(q.shape), _poisoned((b, h, lq), np.float32)
+    ptxattn.flash_attn_with_kvcache(*devs[:3], k=devs[3], v=devs[4], cache_seqlens=lens,
                                     causal=True, num_splits=3, return_lse=True, out=out,
                                     lse_out=lse)
     driver.synchronize()
@@ -329,9 +402,7 @@ def run_decode(head_dim, b, h, length, seed) -> bool:
     eff = decode_reference.clamped_lengths(raw, new, length)
     ref, ref_lse = decode_reference.kvcache_reference(q, kc2, vc2, eff, causal=True)
     m = reference.error_metrics(got, ref)
-    fin = np.isfinite(ref_lse)
-    lse_ok = bool((np.isneginf(got_lse) == ~fin).all()
-                  and np.abs(got_lse[fin] - ref_lse[fin]).max(initial=0) <= 2e-3)
+    lse_ok = _lse_check(got_lse, ref_lse, 2e-3)[0]
     ok = reference.passes(m) and lse_ok
     print(f"case decode:{head_dim} B={b} H={h}:{hkv} L={length} lengths={raw.tolist()} "
           f"splits=3 append={new}: rel_l2={m['rel_l2']:.2e} max_abs={m['max_abs']:.2e} "
@@ -340,11 +411,7 @@ def run_decode(head_dim, b, h, length, seed) -> bool:
     for x in (*devs, out, lse):
         x.free()
     lens.close()
-    gc.collect()
-    ctx = driver.context()
-    driver.synchronize()
-    ctx.alive = False
-    driver.check(driver.cu().cuDevicePrimaryCtxRelease(ctx.device), "cuDevicePrimaryCtxRelease")
+    release_context()
     return ok
 
 
@@ -353,9 +420,154 @@ def run_decode_case(case: Case, seed: int, defines=None) -> bool:
                       seed)
 
 
+def run_paged_case(case: Case, seed: int, defines=None) -> bool:
+    """One paged flash_attn_with_kvcache call (see PAGED_ROWS): lengths L, L // 2 + 3 and 1
+    from the device, two causal queries, three splits and the combine, pages shuffled, the
+    table padded with -1 and a bad entry planted in a reached page of sequence 0."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import decode_reference, driver, reference
+
+    d, page = stage_and_head_dim(case.kernel)[1], case.page
+    rng = np.random.default_rng(seed)
+    b, h, hkv, lq = case.batch, case.heads, max(1, case.heads // 4), 2
+    lengths = np.array(([case.seq_q, case.seq_q // 2 + 3, 1] * b)[:b], np.int64)
+    need = -(-lengths // page)
+    num_pages = int(need.sum()) + 3
+    table = np.full((b, int(need.max()) + 1), -1, np.int32)
+    pool, at = rng.permutation(num_pages), 0
+    for i in range(b):
+        table[i, :need[i]] = pool[at:at + need[i]]
+        at += need[i]
+    table[0, need[0] // 2] = num_pages + 7           # read as zeros, never out of bounds
+    q = _bf16(rng, b, lq, h, d)
+    k_pages, v_pages = _bf16(rng, num_pages, page, hkv, d), _bf16(rng, num_pages, page, hkv, d)
+    from ptxattn import tensors
+    devs = [tensors.from_numpy(x) for x in (q, k_pages, v_pages)]
+    lens_dev, table_dev = DeviceInt32(lengths), DeviceInt32(table)
+    out, lse = _poisoned(q.shape), _poisoned((b, h, lq), np.float32)
+    ptxattn.flash_attn_with_kvcache(*devs, cache_seqlens=lens_dev, block_table=table_dev,
+                                    causal=True, num_splits=3, return_lse=True, out=out,
+                                    lse_out=lse)
+    driver.synchronize()
+    got, got_lse = out.to_numpy(), lse.to_numpy()
+    kc, vc = decode_reference.contiguous_from_pages(k_pages, v_pages, table, lengths)
+    ref, ref_lse = decode_reference.kvcache_reference(q, kc, vc, lengths, causal=True)
+    m = reference.error_metrics(got, ref)
+    lse_ok, lse_err = _lse_check(got_lse, ref_lse, 2e-3)
+    ok = reference.passes(m) and lse_ok
+    print(f"case {case.name()} B={b} H={h}:{hkv} lengths={lengths.tolist()} pages={num_pages} "
+          f"planted=table[0,{need[0] // 2}]={num_pages + 7} splits=3: rel_l2={m['rel_l2']:.2e} "
+          f"max_abs={m['max_abs']:.2e} nan={m['nan_count']} lse_max_abs={lse_err:.2e} "
+          f"{'PASS' if ok else 'FAIL'}", flush=True)
+    for x in (*devs, out, lse, lens_dev, table_dev):
+        (x.close if isinstance(x, DeviceInt32) else x.free)()
+    release_context()
+    return ok
+
+
+VARLEN_LENGTHS = (0, 1, 129, 300, 77)
+
+
+def run_varlen_case(case: Case, seed: int, defines=None) -> bool:
+    """One flash_attn_varlen_func call over VARLEN_LENGTHS packed end to end, offsets on the
+    device, every sequence against the float64 reference (and its LSE with --lse)."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import driver, reference, tensors
+
+    d = stage_and_head_dim(case.kernel)[1]
+    rng = np.random.default_rng(seed)
+    lens = np.array(VARLEN_LENGTHS, np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(cu[-1])
+    q = _bf16(rng, total, case.heads, d)
+    k, v = _bf16(rng, total, case.hkv, d), _bf16(rng, total, case.hkv, d)
+    devs = [tensors.from_numpy(x) for x in (q, k, v)]
+    cu_q, cu_k = DeviceInt32(cu), DeviceInt32(cu)
+    out = _poisoned(q.shape)
+    window = case.window or (-1, -1)
+    res = ptxattn.flash_attn_varlen_func(*devs, cu_q, cu_k, int(lens.max()), int(lens.max()),
+                                         causal=case.causal, window_size=window,
+                                         return_lse=case.lse, out=out)
+    driver.synchronize()
+    got = out.to_numpy()
+    got_lse = res[1].to_numpy() if case.lse else None
+    ok, worst, lse_err = True, 0.0, 0.0
+    bhld = (lambda x: x.transpose(1, 0, 2)[None])
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        ref, ref_lse = reference.attention_reference(
+            bhld(q[s]), bhld(k[s]), bhld(v[s]), causal=case.causal, window=case.window,
+            return_lse=True)
+        m = reference.error_metrics(got[s], ref[0].transpose(1, 0, 2))
+        ok = ok and (reference.passes(m) if np.abs(ref).max() > 0 else m["max_abs"] == 0)
+        worst = max(worst, m["rel_l2"] if m["nan_count"] == 0 else float("inf"))
+        if got_lse is not None:
+            good, err = _lse_check(got_lse[:, s], ref_lse[0], 2e-3)
+            ok, lse_err = ok and good, max(lse_err, err)
+    print(f"case {case.name()} lengths={lens.tolist()}: worst rel_l2={worst:.2e}"
+          f"{f' lse_max_abs={lse_err:.2e}' if case.lse else ''} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+    for x in (*devs, out, cu_q, cu_k):
+        (x.close if isinstance(x, DeviceInt32) else x.free)()
+    if case.lse:
+        res[1].free()
+    release_context()
+    return ok
+
+
+FP8_MODEL_BAR, FP8_LSE_TOL = 1e-2, 2e-2     # against the FP8 model (tests/fp8_checks.py's)
+
+
+def run_fp8_case(case: Case, seed: int, defines=None) -> bool:
+    """One attention(precision="fp8") call (the quantizer's launch, then the FP8 build) on
+    random normal bf16 inputs, against the NumPy model of the FP8 path on the same inputs
+    (ptxattn/fp8_reference.py: rel L2 <= 1e-2, LSE within 2e-2); the float64 reference's error
+    is printed beside it (e4m3 rounding alone costs ~5% there: bench/notes.md)."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import driver, fp8_reference, reference, tensors
+
+    d = stage_and_head_dim(case.kernel)[1]
+    q, k, v = _inputs(case, d, seed)
+    devs = [tensors.from_numpy(x) for x in (q, k, v)]
+    out = _poisoned(q.shape)
+    masks = dict(causal=case.causal, window=case.window, diagonal=case.diagonal)
+    res = ptxattn.attention(*devs, layout=case.layout, out=out, return_lse=case.lse,
+                            precision="fp8", **masks)
+    driver.synchronize()
+    got = out.to_numpy()
+    ref = reference.attention_reference(q, k, v, layout=case.layout, **masks)
+    want, want_lse = fp8_reference.fp8_attention_model(
+        fp8_reference.quantize_inputs(q, k, v, case.layout), return_lse=True, **masks)
+    if case.layout == "bshd":
+        want = want.transpose(0, 2, 1, 3)
+    m, vs_ref = reference.error_metrics(got, want), reference.error_metrics(got, ref)
+    ok = m["nan_count"] == 0 and m["rel_l2"] <= FP8_MODEL_BAR
+    lse_note = ""
+    if case.lse:
+        good, err = _lse_check(res[1].to_numpy(), want_lse, FP8_LSE_TOL)
+        ok, lse_note = ok and good, f" lse_max_abs={err:.2e}"
+        res[1].free()
+    print(f"case {case.name()}: vs the FP8 model rel_l2={m['rel_l2']:.2e} (bar {FP8_MODEL_BAR}) "
+          f"nan={m['nan_count']}{lse_note}; vs float64 rel_l2={vs_ref['rel_l2']:.2e} "
+          f"{'PASS' if ok else 'FAIL'}", flush=True)
+    for x in (*devs, out):
+        x.free()
+    release_context()
+    return ok
+
+
 # KIND (the part of --stage before ":"; lineage stages have none) -> how a case of it runs.
-# Kernels with another call (paged, varlen, backward) add theirs.
-RUNNERS = {PRODUCTION_KEY: run_attention, DECODE_KEY: run_decode_case}
+# The backward has its own runner (bench/sanitize_bwd_case.py).
+RUNNERS = {PRODUCTION_KEY: run_attention, DECODE_KEY: run_decode_case, PAGED_KEY: run_paged_case,
+           VARLEN_KEY: run_varlen_case, FP8_KEY: run_fp8_case}
 
 
 def run(case: Case, seed: int = 0, defines=None) -> bool:
@@ -390,6 +602,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diagonal", default="bottom_right", choices=("bottom_right", "top_left"))
     ap.add_argument("--lse", action="store_true", help="also write and check the LSE")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page", type=int, default=0, help="paged:D cases: the page size")
     ap.add_argument("-D", "--define", action="append", type=parse_define, default=[],
                     help="a build variant's preprocessor define, NAME=VALUE")
     args = ap.parse_args(argv)
@@ -405,7 +618,8 @@ def main(argv=None) -> int:
         ap.error("--stage is required (or --list)")
     case = Case(args.stage, batch=args.batch, heads=args.heads, seq_q=args.seq_len,
                 seq_k=args.seq_k, heads_kv=args.heads_kv, layout=args.layout,
-                causal=args.causal, window=args.window, diagonal=args.diagonal, lse=args.lse)
+                causal=args.causal, window=args.window, diagonal=args.diagonal, lse=args.lse,
+                page=args.page)
     return 0 if run(case, args.seed, dict(args.define)) else 1
 
 

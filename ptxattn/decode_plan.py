@@ -39,6 +39,8 @@ def check_bounds_requested() -> bool:
 
 # --------------------------------------------------------------------------- the split count
 
+WAVE_FILL = 0.95      # the share of the best wave efficiency a split count must reach
+
 def choose_splits(batch: int, heads_kv: int, m_tiles: int, cache_len: int, block_n: int,
                   sm_count: int, ctas_per_sm: int = 1, max_splits: int = MAX_SPLITS) -> int:
     """How many CTAs share one (batch, K/V head, M tile)'s keys: split-KV's split count.
@@ -53,9 +55,11 @@ def choose_splits(batch: int, heads_kv: int, m_tiles: int, cache_len: int, block
       partials' traffic and a combine: 1.
     - A cache of <= 4 K/V tiles is too short to split usefully: 1.
     - Otherwise the wave efficiency of s splits is waves / ceil(waves), waves = CTAs * s /
-      slots: how full the last wave is. Take the fewest splits that reach 85% of the best
-      efficiency over s = 1 .. min(max_splits, slots, tiles): fewer splits, fewer partials to
-      write and combine.
+      slots: how full the last wave is. Take the fewest splits that reach WAVE_FILL (95%) of
+      the best efficiency over s = 1 .. min(max_splits, slots, tiles). A split costs little
+      here (its partial O and LSE, a few KB, and the combine's read of them), while an idle SM
+      is bandwidth not drawn: FlashAttention-3's 85% (a rule for compute-bound tiles) left
+      B = 1 at 14 splits of 8 heads, 112 of 132 SMs.
     - Only split counts that change a split's share are considered (FlashAttention-2's
       rule): with 64 tiles, 13 to 15 splits all give some split 5 tiles, so 14 and 15 would
       add CTAs without shortening the longest one.
@@ -77,7 +81,7 @@ def choose_splits(batch: int, heads_kv: int, m_tiles: int, cache_len: int, block
 
     eligible = [s for s in range(1, cap + 1) if s == 1 or share(s) != share(s - 1)]
     best = max(efficiency(s) for s in eligible)
-    return next(s for s in eligible if efficiency(s) >= 0.85 * best)
+    return next(s for s in eligible if efficiency(s) >= WAVE_FILL * best)
 
 
 def m_tiles_of(group: int, seq_q: int) -> int:

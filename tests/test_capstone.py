@@ -242,3 +242,40 @@ def test_committed_results_are_readable_by_the_figure():
 
 if __name__ == "__main__":                               # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_figure_draws_the_fp8_backend_as_a_third_bar_with_its_speedups():
+    r = report("wan2.1-t2v-1.3b", "2026-12-02", 500.0, 400.0)
+    r["results"].append(result("ptxattn_fp8", 320.0, 0.25))
+    r["comparison"]["fp8"] = {"vs_baseline_rel_l2": 0.041, "speedup_vs_baseline": 500 / 320,
+                              "speedup_vs_ptxattn_bf16": 400 / 320}
+    svg = figure.render([r])
+    b = bars(svg)
+    assert len(b) == 6
+    assert b[4] == (pytest.approx(0.64 * figure.BAR_W, abs=0.1), figure.REST_FP8)
+    assert b[5] == (pytest.approx(0.25 * 0.64 * figure.BAR_W, abs=0.1), figure.ATTN_FP8)
+    assert "FP8: 1.562x the baseline, 1.250x ptxattn bf16; its output rel. diff vs baseline " \
+        "4.10e-02" in svg
+    # the README's table keeps its two columns of steps (the FP8 bar is the figure's)
+    assert figure.table([r]).count("|") == figure.table([report(
+        "wan2.1-t2v-1.3b", "2026-12-02", 500.0, 400.0)]).count("|")
+
+
+def test_capstone_compares_fp8_only_when_its_kernel_ran():
+    torch = pytest.importorskip("torch")        # capstone.py imports torch and diffusers
+    cap = load("capstone")
+
+    def res(backend, ms, ran):
+        return {"backend": backend, "step_ms_median": ms, "step_ms": [ms, ms * 1.01],
+                "calls": {"by_path": {backend: 4} if ran else {"torch": 4}},
+                "fallbacks": {} if ran else {"cpu": 4},
+                "_out": {"video": torch.full((4,), float(ms))}}
+    ran = cap.compare([res("cudnn", 500, True), res("ptxattn", 400, True),
+                       res("ptxattn_fp8", 320, True)], ["cudnn"])
+    assert ran["fp8"]["speedup_vs_baseline"] == pytest.approx(500 / 320)
+    assert ran["fp8"]["speedup_vs_ptxattn_bf16"] == pytest.approx(400 / 320)
+    assert ran["fp8"]["vs_baseline_rel_l2"] == pytest.approx(180 / 500)
+    fell_back = cap.compare([res("cudnn", 500, True), res("ptxattn", 400, True),
+                             res("ptxattn_fp8", 320, False)], ["cudnn"])
+    assert fell_back["fp8"]["speedup_step"] is None and "no speedup" in fell_back["fp8"]["no_speedup"]
+    assert "speedup_vs_baseline" not in fell_back["fp8"]

@@ -180,14 +180,14 @@ def test_combine_and_append_assemble(d):
 HEURISTIC = [
     ((64, 8, 1, 4, 8192, 128, 132), 1),       # 512 CTAs fill the SMs already
     ((8, 8, 1, 4, 32768, 128, 132), 2),       # 64 CTAs: 2 splits = 128 of 132 slots (97%)
-    ((1, 8, 1, 4, 131072, 128, 132), 14),     # 8 CTAs: 14 splits, 112 slots (85% of the best)
+    ((1, 8, 1, 4, 131072, 128, 132), 16),     # 8 CTAs: 16 splits, 128 of 132 slots (97%)
     ((1, 8, 1, 4, 8192, 128, 132), 16),       # 64 tiles: 13-15 splits give 5 a split, 16 give 4
     ((16, 8, 8, 4, 8192, 128, 132), 1),       # speculative: 128 CTAs of 32 packed rows
     ((1, 8, 1, 4, 512, 128, 132), 1),         # 4 K/V tiles: too short to split
     ((1, 8, 1, 4, 640, 128, 132), 5),         # 5 tiles: one a split, 40 CTAs
-    ((2, 1, 16, 32, 65536, 128, 132), 7),     # MQA, 8 M tiles a sequence: 16 x 7 = 112 CTAs
-    ((1, 1, 1, 1, 1 << 20, 128, 132), 110),   # one head of a million keys: 109 is no new share
-    ((4, 8, 1, 4, 8192, 64, 132), 7),         # D = 64: two CTAs an SM, 224 of 264 slots
+    ((2, 1, 16, 32, 65536, 128, 132), 8),     # MQA, 8 M tiles a sequence: 16 x 8 = 128 CTAs
+    ((1, 1, 1, 1, 1 << 20, 128, 132), 123),   # one head of a million keys: 123 of 132 SMs
+    ((4, 8, 1, 4, 8192, 64, 132), 8),         # D = 64: two CTAs an SM, 256 of 264 slots
 ]
 
 

@@ -383,7 +383,7 @@ def test_decode_plan_splits_follow_the_host_lengths(no_driver):
     full = ptxattn.plan_decode(batch=1, heads=32, heads_kv=8, head_dim=128, cache_len=131072,
                                sm_count=132)
     assert short.splits == choose_splits(1, 8, 1, 600, 128, 132) == 5
-    assert full.splits == 14
+    assert full.splits == 16
     forced = ptxattn.plan_decode(batch=1, heads=32, heads_kv=8, head_dim=128, cache_len=131072,
                                  host_lengths=np.array([600], np.int32), num_splits=64)
     assert forced.splits == 5, "never more splits than the longest sequence has tiles"

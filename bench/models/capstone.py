@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ptxattn.torch as pt
+from ptxattn.torch import fp8_sdpa as pt_fp8_sdpa
 from ptxattn.torch import sdpa as pt_sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,6 +120,7 @@ TINY = {
                   tokens=32),
 }
 
+OURS = ("ptxattn", "ptxattn_fp8")       # ptxattn's paths: bf16, and FP8 with --fp8 (diffusers)
 BACKENDS = {
     "cuda": {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION},
@@ -151,7 +153,8 @@ class DiffusersCase(Case):
         if not hasattr(self, "_found_active"):
             from diffusers.models.attention_dispatch import _AttentionBackendRegistry
             self._found_active = _AttentionBackendRegistry._active_backend
-        self.model.set_attention_backend("ptxattn" if backend == "ptxattn" else "native")
+        # "ptxattn" and the opt-in "ptxattn_fp8" are diffusers backends of their own names
+        self.model.set_attention_backend(backend if backend in OURS else "native")
 
     def restore(self):
         # set_attention_backend also sets diffusers' process-wide active backend, which
@@ -390,13 +393,14 @@ def attention_hook(record: list, model: torch.nn.Module | None = None, clock: Ca
     attention module that made it (its role), shapes, layout, causal, and with `clock` a
     time pair around it (read after the pass: clock.elapsed_ms)."""
     real_sdpa, real_kernel = F.scaled_dot_product_attention, pt_sdpa._kernel
+    real_fp8 = pt_fp8_sdpa._kernel
     modules: list[str] = []                    # the attention modules being run, innermost last
 
     def wrap(fn, kind):
         def call(*a, **kw):
             q = _arg(a, kw, 0, "query", "q")
             k = _arg(a, kw, 1, "key", "k")
-            if kind == "ptxattn":                # _kernel(q, k, v, is_causal, scale, layout)
+            if kind in OURS:                     # _kernel(q, k, v, is_causal, scale, layout)
                 causal = _arg(a, kw, 3, "is_causal", default=False)
                 layout = _arg(a, kw, 5, "layout", default="bhld")
             else:                                # F.sdpa(q, k, v, attn_mask, dropout_p, is_causal)
@@ -425,10 +429,12 @@ def attention_hook(record: list, model: torch.nn.Module | None = None, clock: Ca
                 handles.append(m.register_forward_hook(_pop_module(modules)))
     F.scaled_dot_product_attention = wrap(real_sdpa, "torch")
     pt_sdpa._kernel = wrap(real_kernel, "ptxattn")
+    pt_fp8_sdpa._kernel = wrap(real_fp8, "ptxattn_fp8")
     try:
         yield
     finally:
         F.scaled_dot_product_attention, pt_sdpa._kernel = real_sdpa, real_kernel
+        pt_fp8_sdpa._kernel = real_fp8
         for h in handles:
             h.remove()
 
@@ -440,7 +446,7 @@ def _pop_module(modules: list):
 
 
 def backend_ctx(backend: str, device: str):
-    """torch's SDPA limited to `backend` (cudnn, flash, ...); ptxattn: no limit (its
+    """torch's SDPA limited to `backend` (cudnn, flash, ...); ptxattn's paths: no limit (their
     fallbacks take torch's default choice)."""
     torch_backends = BACKENDS[device.split(":")[0]]
     return sdpa_kernel([torch_backends[backend]]) if backend in torch_backends else nullctx()
@@ -448,7 +454,7 @@ def backend_ctx(backend: str, device: str):
 
 def one_step(case: Case, backend: str, device: str) -> float:
     """One step on `backend`, in ms (host clock between syncs: the whole step)."""
-    case.use("ptxattn" if backend == "ptxattn" else "torch")
+    case.use(backend if backend in OURS else "torch")
     with backend_ctx(backend, device), torch.no_grad():
         sync(device)
         t0 = time.perf_counter()
@@ -461,7 +467,7 @@ def hooked_step(case: Case, backend: str, device: str) -> tuple[list, dict, Call
     """One step with every attention call recorded and timed (after the timed rounds: events
     around a cold call span the host's compile time too, which made the first run report
     attention at 14x the step); fallbacks are counted on this step alone, like the calls."""
-    case.use("ptxattn" if backend == "ptxattn" else "torch")
+    case.use(backend if backend in OURS else "torch")
     clock, record = CallClock(device), []
     pt.reset_fallback_counts()
     with backend_ctx(backend, device), torch.no_grad():
@@ -548,6 +554,9 @@ def compare(results: list[dict], torch_names) -> dict:
              r["backend"]: rel_l2(r["_out"], best["_out"]) for r in torch_ok if r is not best}}
     yard = list(c["torch_backends_vs_baseline_rel_l2"].values())
     c["yardstick_rel_l2"] = max(yard) if yard else None
+    fp8 = next((r for r in ok if r["backend"] == "ptxattn_fp8"), None)
+    if fp8 is not None:
+        c["fp8"] = compare_fp8(fp8, best, ours, c["yardstick_rel_l2"])
     if ours is not None:
         c["ptxattn_vs_baseline_rel_l2"] = rel_l2(ours["_out"], best["_out"])
         if len(best["_out"]) > 1:
@@ -561,12 +570,42 @@ def compare(results: list[dict], torch_names) -> dict:
                                f"{ours.get('fallbacks')}): no speedup to report")
             return c
         c["speedup_step"] = best["step_ms_median"] / ours["step_ms_median"]
-        # the same rounds: round r's baseline step over round r's ptxattn step
-        ratios = sorted(t / o for t, o in zip(best["step_ms"], ours["step_ms"]))
-        if ratios:
-            c["speedup_by_round"] = {"median": statistics.median(ratios), "min": ratios[0],
-                                     "max": ratios[-1], "rounds": len(ratios)}
+        by_round = speedup_by_round(best, ours)
+        if by_round:
+            c["speedup_by_round"] = by_round
     return c
+
+
+def speedup_by_round(base: dict, mine: dict) -> dict | None:
+    """The same rounds: round r's `base` step over round r's `mine` step (median, range)."""
+    ratios = sorted(t / o for t, o in zip(base["step_ms"], mine["step_ms"]))
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+            "rounds": len(ratios)}
+
+
+def compare_fp8(fp8: dict, best: dict, bf16: dict | None, yardstick) -> dict:
+    """The FP8 backend against the fastest torch backend (bf16) and against ptxattn's bf16
+    path: step speedups (median and same-round ratios) and output differences, beside the
+    yardstick (torch's backends among themselves)."""
+    out = {"vs_baseline_rel_l2": rel_l2(fp8["_out"], best["_out"]), "yardstick_rel_l2": yardstick}
+    if bf16 is not None:
+        out["vs_ptxattn_bf16_rel_l2"] = rel_l2(fp8["_out"], bf16["_out"])
+    ran = fp8.get("calls", {}).get("by_path", {}).get("ptxattn_fp8", 0)
+    if not ran:
+        out["speedup_step"] = None
+        out["no_speedup"] = (f"the FP8 path ran none of the attention calls (fallbacks "
+                             f"{fp8.get('fallbacks')}): no speedup to report")
+        return out
+    for name, other in (("baseline", best), ("ptxattn_bf16", bf16)):
+        if other is None:
+            continue
+        out[f"speedup_vs_{name}"] = other["step_ms_median"] / fp8["step_ms_median"]
+        by_round = speedup_by_round(other, fp8)
+        if by_round:
+            out[f"speedup_vs_{name}_by_round"] = by_round
+    return out
 
 
 def main(argv=None) -> int:
@@ -588,6 +627,8 @@ def main(argv=None) -> int:
                     "device has: cudnn,flash,efficient on cuda; math,flash on cpu)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (plumbing only)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config at a few tokens")
+    ap.add_argument("--fp8", action="store_true", help="video models: also time the opt-in "
+                    "FP8 backend (ptxattn_fp8), against the same baseline and ptxattn's bf16")
     ap.add_argument("--out", default=None,
                     help="directory for the JSON ($OUT, else bench/results/models; a --tiny or "
                          "--device cpu run: the system's temp directory, never the results)")
@@ -613,7 +654,14 @@ def main(argv=None) -> int:
     args.frames, args.height, args.width = args.frames or f, args.height or h, args.width or w
     args.text_tokens, args.tokens = args.text_tokens or text, args.tokens or tokens
 
-    pt.register_transformers() if args.model == "llama" else pt.register_diffusers()
+    if args.fp8 and args.model == "llama":
+        ap.error("--fp8: the FP8 backend is a diffusers backend (wan, ltx, ltx2), not llama's")
+    if args.model == "llama":
+        pt.register_transformers()
+    else:
+        pt.register_diffusers()
+        if args.fp8:
+            pt.register_diffusers(fp8=True)
     case = BUILDERS[args.model](args)
     case.model.eval()
     if isinstance(case, DiffusersCase):
@@ -627,7 +675,8 @@ def main(argv=None) -> int:
           + (" (reduced by --layers from the published depth)" if args.layers else "")
           + (", tiny config" if args.tiny else "") + f", {args.device}", flush=True)
     try:
-        results = measure(case, [*names, "ptxattn"], args.reps, args.device, args.warmup)
+        ours = ["ptxattn", "ptxattn_fp8"] if args.fp8 else ["ptxattn"]
+        results = measure(case, [*names, *ours], args.reps, args.device, args.warmup)
     finally:
         case.restore()
     comparison = compare(results, names)
@@ -649,7 +698,8 @@ def main(argv=None) -> int:
                    else Path(__file__).resolve().parents[1] / "results" / "models")
     out_dir = Path(args.out or os.environ.get("OUT") or default_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.model}{'-tiny' if args.tiny else ''}-{datetime.date.today().isoformat()}"
+    stem = (f"{args.model}{'-tiny' if args.tiny else ''}{'-fp8' if args.fp8 else ''}-"
+            f"{datetime.date.today().isoformat()}")
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
     for r in results:

@@ -26,6 +26,8 @@ MODEL_ORDER = ("ltx-2", "ltx-video", "wan", "llama")
 WIDTH, LEFT, BAR_W, BAR_H = 920, 170, 520, 22
 ATTN, REST = "#c2410c", "#fdba74"          # attention, the rest of the step (baseline)
 ATTN_US, REST_US = "#1d4ed8", "#93c5fd"    # the same for ptxattn
+ATTN_FP8, REST_FP8 = "#15803d", "#86efac"  # and for its opt-in FP8 path (capstone.py --fp8)
+COLORS = ((ATTN, REST), (ATTN_US, REST_US), (ATTN_FP8, REST_FP8))
 
 
 def load_reports(results_dir: Path, include_tiny: bool = False) -> list[dict]:
@@ -79,7 +81,17 @@ def row(report: dict) -> dict:
         torch_diffs = list((comparison.get("torch_backends_vs_baseline_rel_l2") or {}).values())
         out["yardstick"] = max(torch_diffs) if torch_diffs else None
     out["fallbacks"] = ours.get("fallbacks") or {}
+    fp8 = results.get("ptxattn_fp8")
+    if fp8 is not None and "error" not in fp8:
+        out["bars"].append(("ptxattn FP8", fp8))
+        out["fp8"] = comparison.get("fp8") or {}
     return out
+
+
+def _block_h(r: dict) -> int:
+    if "bars" not in r:
+        return 2 * BAR_H + 62
+    return len(r["bars"]) * (BAR_H + 4) + 54 + (14 if r.get("fp8") else 0)
 
 
 def _depth(report: dict):
@@ -94,8 +106,7 @@ def _fmt_ms(ms: float) -> str:
 def render(reports: list[dict]) -> str:
     """The SVG text for these records."""
     rows = [row(r) for r in reports]
-    block_h = 2 * BAR_H + 62
-    height = 96 + block_h * max(len(rows), 1) + 30
+    height = 96 + sum(_block_h(r) for r in rows) + (0 if rows else 2 * BAR_H + 62) + 30
     gpus = sorted({r["gpu"] for r in rows if r["gpu"]})
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
              f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">',
@@ -106,11 +117,14 @@ def render(reports: list[dict]) -> str:
              'bf16; each model on its own scale; bar = time per step, dark part = attention '
              '(CUDA events, warm pass)</text>']
     lx = 20
-    for color, label in ((ATTN, "attention (SDPA)"), (REST, "rest of the step (SDPA)"),
-                         (ATTN_US, "attention (ptxattn)"), (REST_US, "rest of the step (ptxattn)")):
+    legend = [(ATTN, "attention (SDPA)"), (REST, "rest of the step (SDPA)"),
+              (ATTN_US, "attention (ptxattn)"), (REST_US, "rest of the step (ptxattn)")]
+    if any("fp8" in r for r in rows):
+        legend.append((ATTN_FP8, "ptxattn FP8 (same split)"))
+    for color, label in legend:
         parts.append(f'<rect x="{lx}" y="60" width="12" height="12" fill="{color}"/>'
                      f'<text x="{lx + 16}" y="70">{escape(label)}</text>')
-        lx += 200
+        lx += 200 if len(legend) == 4 else 178
     if not rows:
         parts.append('<text x="20" y="110">no capstone results found</text>')
     y = 96
@@ -127,7 +141,7 @@ def render(reports: list[dict]) -> str:
         if "missing" in r:
             parts.append(f'<text x="{LEFT}" y="{y + 54}" fill="#b91c1c">'
                          f'{escape(r["missing"][:110])}</text>')
-            y += block_h
+            y += _block_h(r)
             continue
         scale = BAR_W / max(b["step_ms_median"] for _, b in r["bars"])
         for i, (label, b) in enumerate(r["bars"]):
@@ -135,7 +149,7 @@ def render(reports: list[dict]) -> str:
             step = b["step_ms_median"]
             share = b.get("attention_share") or 0.0
             attn_w = min(max(share, 0.0), 1.0) * step * scale
-            dark, light = (ATTN, REST) if i == 0 else (ATTN_US, REST_US)
+            dark, light = COLORS[min(i, len(COLORS) - 1)]
             parts.append(f'<text x="{LEFT - 8}" y="{by + 15}" text-anchor="end">'
                          f'{escape(label)}</text>')
             parts.append(f'<rect x="{LEFT}" y="{by}" width="{step * scale:.1f}" '
@@ -152,9 +166,16 @@ def render(reports: list[dict]) -> str:
         if r.get("fallbacks"):
             tail.append("fallbacks per step " + ", ".join(f"{k} {v}" for k, v in
                                                          sorted(r["fallbacks"].items())))
-        parts.append(f'<text x="{LEFT}" y="{y + 38 + 2 * (BAR_H + 4) + 12}" fill="#444">'
-                     f'{escape("; ".join(tail))}</text>')
-        y += block_h
+        lines = ["; ".join(tail)]
+        fp8 = r.get("fp8") or {}
+        if fp8.get("speedup_vs_baseline"):
+            lines.append(f"FP8: {fp8['speedup_vs_baseline']:.3f}x the baseline, "
+                         f"{fp8.get('speedup_vs_ptxattn_bf16') or 0:.3f}x ptxattn bf16; its "
+                         f"output rel. diff vs baseline {fp8['vs_baseline_rel_l2']:.2e}")
+        for j, line in enumerate(lines):
+            parts.append(f'<text x="{LEFT}" y="{y + 38 + len(r["bars"]) * (BAR_H + 4) + 12 + 14 * j}" '
+                         f'fill="#444">{escape(line)}</text>')
+        y += _block_h(r)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
@@ -172,7 +193,7 @@ def table(reports: list[dict]) -> str:
         if "missing" in r:
             lines.append(f"| {name} | {r['missing'][:80]} | | | | |")
             continue
-        (base_label, base), (_, ours) = r["bars"]
+        (base_label, base), (_, ours) = r["bars"][:2]
         speedup = f"{r['speedup']:.3f}x"
         if r.get("by_round"):
             speedup += f" ({r['by_round']['min']:.3f}-{r['by_round']['max']:.3f})"
