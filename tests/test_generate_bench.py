@@ -191,3 +191,35 @@ def test_tiny_with_the_kernels_routed_sees_every_decode_step(routed, tmp_path, c
     assert static and all(c["k_cache"][1] == batch["static_max_len"] for c in static)
     assert "x math" in out or "x flash" in out
     assert "every decode step on the decode kernel" in out
+
+
+def test_the_device_script_runs_the_tests_then_the_benchmark_with_its_switches(tmp_path):
+    """bench/generate_device.sh with a stand-in python3 that logs its arguments."""
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    for f in stub.iterdir():
+        f.chmod(0o755)
+
+    def run(**env):
+        log.write_text("")
+        proc = subprocess.run(["bash", str(root / "bench" / "generate_device.sh")], cwd=root,
+                              capture_output=True, text=True, timeout=60,
+                              env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "o"),
+                                   **env})
+        return proc, [x for x in log.read_text().splitlines() if not x.startswith("-m pip")]
+
+    proc, calls = run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(calls) == 2 and calls[0].startswith("-m pytest"), calls
+    assert "tests/test_gpu_generate.py" in calls[0] and "static_cache" in calls[0]
+    assert calls[1] == f"bench/models/generate_bench.py --out {tmp_path / 'o'} --budget-s 240"
+    proc, calls = run(SKIP_TESTS="1", BATCHES="8", CACHES="static", LAYERS="16",
+                      BUDGET="420", STATIC_SDPA="all")
+    assert calls == [f"bench/models/generate_bench.py --out {tmp_path / 'o'} --budget-s 420 "
+                     "--batches 8 --caches static --layers 16 --static-sdpa all"]
