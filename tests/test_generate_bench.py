@@ -195,24 +195,8 @@ def test_tiny_with_the_kernels_routed_sees_every_decode_step(routed, tmp_path, c
 
 def test_the_device_script_runs_the_tests_then_the_benchmark_with_its_switches(tmp_path):
     """bench/generate_device.sh with a stand-in python3 that logs its arguments."""
-    import subprocess
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    log = tmp_path / "calls.txt"
-    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
-    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
-    for f in stub.iterdir():
-        f.chmod(0o755)
-
     def run(**env):
-        log.write_text("")
-        proc = subprocess.run(["bash", str(root / "bench" / "generate_device.sh")], cwd=root,
-                              capture_output=True, text=True, timeout=60,
-                              env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "o"),
-                                   **env})
-        return proc, [x for x in log.read_text().splitlines() if not x.startswith("-m pip")]
+        return bench_modules.run_with_stub_python("bench/generate_device.sh", tmp_path, **env)
 
     proc, calls = run()
     assert proc.returncode == 0, proc.stdout + proc.stderr

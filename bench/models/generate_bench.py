@@ -67,7 +67,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -724,6 +723,7 @@ def main(argv=None) -> int:
     import transformers
 
     import ptxattn.torch as pt
+    from ptxattn.tools.bench import source_id
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA GPU (--tiny for the CPU plumbing)")
     available = SDPA_ON["cuda" if args.device.startswith("cuda") else "cpu"]
@@ -743,9 +743,9 @@ def main(argv=None) -> int:
           f"{args.new_tokens} new tokens, batches {batches}, caches {args.caches}, "
           f"{args.device}", flush=True)
     report = {"config": cfg, "layers": depth, "layers_reduced": bool(args.layers),
-              "tiny": args.tiny, "args": {k: v for k, v in vars(args).items()},
+              "tiny": args.tiny, "args": dict(vars(args)), "source": source_id(ROOT),
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "batches": []}
     out_dir = Path(args.out or os.environ.get("OUT")
@@ -770,14 +770,6 @@ def main(argv=None) -> int:
     ok = ours and all(r.get("verified") for r in ours) and all(
         "error" not in rec for rec in report["batches"])
     return 0 if ok else 1
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=ROOT).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":
