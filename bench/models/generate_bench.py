@@ -48,13 +48,15 @@ they differ (per sequence, and the smallest), SDPA's backends against each other
 against each: the yardstick. One run per figure (a 32k prefill at batch 8 takes seconds), not
 DESIGN.md's rounds: step times are given with their spread.
 
-Device time (H200, full depth, estimates): model ~10 s; batch 8: calls ~10 s, prefills ~35 s
+Device time (H200, full depth, estimates): model ~10 s; batch 8: calls ~5 s, prefills ~35 s
 (cuDNN, flash, ptxattn ~10-13 s each; efficient refuses GQA), dynamic decode ~6 s a backend
 (transformers' DynamicCache copies the whole cache every step), static ~40-60 s a backend
-(compile) + ~2 s; batch 1 ~1/8 of that, compiles as long. --budget-s (240) bounds it: a
-static-cache run that would end past the budget is skipped and says so (run it alone with
---caches static --batches N). Memory at batch 8: 16 GB weights, 34 GB for the kept cache,
-34 GB for a run's copy, ~35 GB of prefill activations.
+(the compile) + ~2 s; batch 1 ~1/8 of that, its compiles as long. --budget-s (240) bounds
+it: a static-cache run that would end past the budget (guessed from the compiles seen so
+far) is skipped and says so, most likely the batch-1 pair at full depth; --budget-s 420 runs
+everything (~5-6 minutes), or run it alone: --batches 1 --caches static (~2-3 minutes).
+Memory at batch 8: 16 GB of weights, 34 GB for the kept cache, 34 GB for a run's copy, ~35 GB
+of prefill activations.
 Writes generate-<date>.json (generate-tiny-... for --tiny) into --out, $OUT, or
 bench/results/models/; exit status 0 when every ptxattn run was verified.
 """
