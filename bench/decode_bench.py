@@ -11,7 +11,9 @@ rounds, ours and cuDNN alternating launch by launch in a random order each round
 around every call and the host never waiting between them; the ratio is the median over rounds
 of cuDNN time / our time with a 95% bootstrap interval. Twice: plain calls, and each call
 captured once into a torch.cuda.CUDAGraph and replayed. Then the host time per call with the
-queue full (a long kernel queued first so no call waits; perf_counter over N calls).
+queue full (a long kernel queued first so no call waits; perf_counter over N calls): ours
+(flash_attn_with_kvcache), a DecodePlan's run() on the same call (checked against it first) and
+cuDNN's SDPA.
 
 Figures: K+V bytes = 2 x B x Hkv x L x D x 2 (every cached key and value read once: what a
 decode step must read) per second, against the H200's 4.8 TB/s; the speculative case also in
@@ -44,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import ptxattn  # noqa: E402
 from ptxattn import driver  # noqa: E402
 from ptxattn.tools.bench import (bootstrap_ci, environment, gpu_clocks, median,  # noqa: E402
-                           source_id, time_interleaved, write_results)
+                                 restrict_sdpa, source_id, time_interleaved, write_results)
 from ptxattn.decode import plan_splits  # noqa: E402
 from ptxattn.decode_reference import kvcache_reference  # noqa: E402
 from ptxattn.reference import error_metrics, passes, passes_against_peer, peer_bound  # noqa: E402
@@ -103,20 +105,7 @@ def only_cudnn(torch):
     """SDPA's backends restricted to cuDNN for the whole run (global flags rather than an
     sdpa_kernel context around every call, whose own host time would count against SDPA);
     returns a function that restores the previous flags."""
-    cuda = torch.backends.cuda
-    saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-             cuda.cudnn_sdp_enabled())
-    cuda.enable_flash_sdp(False)
-    cuda.enable_mem_efficient_sdp(False)
-    cuda.enable_math_sdp(False)
-    cuda.enable_cudnn_sdp(True)
-
-    def restore():
-        cuda.enable_flash_sdp(saved[0])
-        cuda.enable_mem_efficient_sdp(saved[1])
-        cuda.enable_math_sdp(saved[2])
-        cuda.enable_cudnn_sdp(saved[3])
-    return restore
+    return restrict_sdpa(torch, "cudnn")
 
 
 def _peer_launcher(torch, q, kh, vh, causal, where):
@@ -212,6 +201,25 @@ def host_us(torch, fn, calls=50, repeats=7):
             "max_us": max(per_call), "calls": calls, "repeats": repeats}
 
 
+def plan_launcher(q, kc, vc, lens, causal, expect, seqs):
+    """A DecodePlan's run() on the same call (the engine's path: the host work done once, one
+    call per layer), checked against the plain call's output on the checked sequences;
+    (launch or None, record)."""
+    b, lq, h, _ = q.shape
+    plan = ptxattn.plan_decode(batch=b, heads=h, heads_kv=kc.shape[2], head_dim=D, seq_q=lq,
+                               cache_seqlens=lens, cache_len=kc.shape[1], causal=causal)
+
+    def launch():
+        return plan.run(q, kc, vc)
+    err = error_metrics(launch()[seqs].float().cpu().numpy(),
+                        expect[seqs].float().cpu().numpy())
+    record = {"splits": plan.splits, "vs_plain_call": err}
+    if not err["rel_l2"] <= 4e-3 or err["nan_count"]:
+        record["status"] = "differs from the plain call (not timed)"
+        return None, record
+    return launch, record
+
+
 def figures(ms_rounds, peer_rounds, nbytes, flops, seed):
     row = {"ms_rounds": ms_rounds, "ms": median(ms_rounds)}
     row["tbs"] = nbytes / (row["ms"] * 1e-3) / 1e12
@@ -284,6 +292,13 @@ def run_case(torch, name, rounds, reps, seed, sweep=()):
     graphed = timed_rounds(graphs, rounds, reps, rng)
     record["graph"] = figures(graphed["ours"], graphed.get("cudnn"), nbytes, flops, seed)
     record["host_us"] = {label: host_us(torch, fn) for label, fn in fns.items()}
+    try:                          # an error here costs the plan's line, not the case's
+        plan_run, record["plan"] = plan_launcher(q, kc, vc, lens, causal, out,
+                                                 record["check"]["sequences"])
+        if plan_run is not None:
+            record["host_us"]["ours_plan"] = host_us(torch, plan_run)
+    except Exception as exc:                            # noqa: BLE001
+        record["plan"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     record["status"] = "ok"
     del keep
     return record
@@ -298,7 +313,8 @@ def line(rec) -> str:
     return (f"{rec['name']:<12} splits {rec['splits']:>3}  plain {p['tbs']:.2f} TB/s "
             f"({p['pct_of_hbm_peak']:.0f}% peak, {p['tflops']:.0f} TFLOP/s), {peer}; graph "
             f"{g['tbs']:.2f} TB/s ratio {g.get('ratio', float('nan')):.3f}; host us ours "
-            f"{hu['ours']['median_us']:.1f} cuDNN "
+            f"{hu['ours']['median_us']:.1f} (DecodePlan.run "
+            f"{hu.get('ours_plan', {}).get('median_us', float('nan')):.1f}) cuDNN "
             f"{hu.get('cudnn', {}).get('median_us', float('nan')):.1f}")
 
 

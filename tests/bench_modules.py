@@ -22,3 +22,23 @@ def bench_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_with_stub_python(script, tmp_path, **env):
+    """bash `script` (a device script of bench/) with stand-in python3 and nvidia-smi on PATH,
+    python3 logging its arguments: (the process, python3's calls but pip's), OUT=tmp_path/o."""
+    import subprocess
+    root = MODELS.parents[1]
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    log = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    for f in stub.iterdir():
+        f.chmod(0o755)
+    log.write_text("")
+    proc = subprocess.run(["bash", str(root / script)], cwd=root, capture_output=True,
+                          text=True, timeout=60,
+                          env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "o"),
+                               **env})
+    return proc, [x for x in log.read_text().splitlines() if not x.startswith("-m pip")]

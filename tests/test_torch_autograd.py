@@ -117,6 +117,57 @@ def test_opcheck_flash_attn_with_kvcache(monkeypatch, append):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
+def test_opcheck_kvcache_attention(monkeypatch):
+    """The read-only KV-cache op (calls without new keys): its fake, and that it mutates
+    nothing."""
+    from ptxattn.torch import kvcache
+    monkeypatch.setattr(kvcache._decode, "flash_attn_with_kvcache", torch_refs.kvcache)
+    q = tensor((2, 1, 4, 64), 1)
+    kc, vc = tensor((2, 20, 2, 64), 2), tensor((2, 20, 2, 64), 3)
+    lengths = torch.tensor([5, 20], dtype=torch.int32)
+    args = (q, kc, vc, lengths, -1, False, -1, -1, 0.125, 0, "bshd")
+    result = torch.library.opcheck(torch.ops.ptxattn.kvcache_attention.default, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_traced_decode_copies_no_cache_unless_it_appends(monkeypatch, append):
+    """Traced through AOT (the graph any backend gets), a call without new keys is the
+    read-only op, with no auto_functionalized around the caches (which a backend that does
+    not re-inplace runs as a clone of both caches and a copy back, every layer of every
+    step); a call that appends stays the mutating op. The answers are the eager ones."""
+    from torch._dynamo.backends.common import aot_autograd
+    from ptxattn.torch import kvcache
+    monkeypatch.setattr(kvcache._decode, "flash_attn_with_kvcache", torch_refs.kvcache)
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm.code)
+        return gm
+    q = tensor((2, 1, 4, 64), 1)
+    kc, vc = tensor((2, 20, 2, 64), 2), tensor((2, 20, 2, 64), 3)
+    new = (tensor((2, 1, 2, 64), 4), tensor((2, 1, 2, 64), 5)) if append else (None, None)
+    lengths = torch.tensor([5, 11], dtype=torch.int32)
+
+    def step(q, kc, vc, lengths, k=None, v=None):
+        return pt.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths) * 2
+    eager = step(q, kc.clone(), vc.clone(), lengths, *new)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(step, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(
+            q, kc, vc, lengths, *new)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, graphs
+    code = graphs[0]
+    if append:
+        assert "ptxattn.flash_attn_with_kvcache" in code, code
+    else:
+        assert "ptxattn.kvcache_attention" in code and "auto_functionalized" not in code \
+            and "copy_" not in code, code
+    assert torch.equal(got, eager)
+
+
 def test_fakes_give_the_real_shapes_strides_and_dtypes_on_meta():
     q, k, v = (t.detach().to("meta") for t in qkv(layout="bshd", lq=7, lk=9))
     out, lse = OP(q, k, v, 0.1, "bshd", True, True, -1, -1, "bottom_right", False)

@@ -83,6 +83,24 @@ def test_a_mask_built_while_compiling_is_unverified():
         torch._dynamo.reset()
 
 
+def test_the_verdict_survives_generates_contiguous_copy():
+    """Without a padding mask, a batch's decode mask is an expanded view (batch stride 0);
+    generate() (transformers >= 5.2x) passes mask.contiguous() on: the builder's mask is
+    contiguous already, so that is the same object, verdict and all (a refusal too)."""
+    kw = dict(batch_size=3, q_length=1, kv_length=24, q_offset=torch.tensor(6),
+              mask_function=causal_mask_function, attention_mask=None,
+              allow_is_causal_skip=False)
+    assert not sdpa_mask(**kw).is_contiguous()             # what the builder starts from
+    mask = tb.ptxattn_mask(**kw)
+    assert mask.is_contiguous() and mask.contiguous() is mask
+    assert getattr(mask.contiguous(), tb.CACHE_SEQLENS).tolist() == [7, 7, 7]
+    assert torch.equal(mask, sdpa_mask(**kw))
+    left = torch.ones(3, 7, dtype=torch.bool)
+    left[2, 0] = False
+    refused = tb.ptxattn_mask(**dict(kw, attention_mask=left))
+    assert getattr(refused.contiguous(), tb.MASK_REASON) == "mask_padding"
+
+
 def test_the_builder_returns_transformers_mask_with_its_verdict():
     kw = dict(batch_size=2, q_length=1, kv_length=24, q_offset=torch.tensor(6),
               mask_function=causal_mask_function,
@@ -178,10 +196,13 @@ def test_static_cache_left_padding_falls_back_counted(routed):
         assert torch.equal(g, e)                                # transformers' own function
 
 
-def test_static_cache_generate_matches_sdpa(routed):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_cache_generate_matches_sdpa(routed, batch):
     """generate(cache_implementation="static") on the CPU (no auto-compile there): the same
-    greedy tokens as "sdpa", every decode step on the decode kernel."""
-    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    greedy tokens as "sdpa", every decode step on the decode kernel. Batch 2: the mask is an
+    expanded view, which newer transformers' generate() copies with .contiguous() (a copy
+    that would lose the verdict the builder attached)."""
+    ids = torch.randint(0, 64, (batch, 12), generator=torch.Generator().manual_seed(3))
     tokens = {}
     for impl in ("sdpa", "ptxattn"):
         model = tiny_llama(impl)
@@ -194,7 +215,7 @@ def test_static_cache_generate_matches_sdpa(routed):
     assert [(c["q"][1], c["seqlens"]) for c in calls[:2]] == [(12, 12)] * 2, calls[:2]
     decode = calls[2:]
     assert len(decode) == 2 * 4, decode                         # 4 decode steps x 2 layers
-    assert [c["seqlens"] for c in decode[::2]] == [[13], [14], [15], [16]]
+    assert [c["seqlens"] for c in decode[::2]] == [[n] * batch for n in (13, 14, 15, 16)]
     assert torch.equal(tokens["ptxattn"], tokens["sdpa"]), tokens
     assert pt.fallback_counts() == {}
 

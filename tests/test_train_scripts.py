@@ -121,24 +121,10 @@ def test_readme_training_block_compiles_and_uses_this_api():
 def test_train_device_script_runs_each_part_with_its_switches(tmp_path):
     """bench/train_device.sh with a stand-in python3 that logs its arguments: the kernel tests,
     the training tests, the check and the step benchmark, each with its switches."""
-    import subprocess
-    root = Path(__file__).resolve().parents[1]
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    log = tmp_path / "calls.txt"
-    (stub / "python3").write_text(f'#!/bin/bash\necho "$*" >> {log}\n')
-    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
-    for f in stub.iterdir():
-        f.chmod(0o755)
+    from bench_modules import run_with_stub_python
 
     def run(**env):
-        log.write_text("")
-        proc = subprocess.run(["bash", str(root / "bench" / "train_device.sh")], cwd=root,
-                              capture_output=True, text=True, timeout=60,
-                              env={"PATH": f"{stub}:/usr/bin:/bin", "OUT": str(tmp_path / "o"),
-                                   **env})
-        calls = [x for x in log.read_text().splitlines() if not x.startswith("-m pip")]
-        return proc, calls
+        return run_with_stub_python("bench/train_device.sh", tmp_path, **env)
 
     proc, calls = run()
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -696,6 +696,32 @@ def source_id(root=None) -> dict:
     return out
 
 
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
+
+
+def restrict_sdpa(torch, backend: str | None):
+    """torch's SDPA restricted to one backend (a name of SDPA_BACKENDS; None: all of them, torch's
+    own choice) through the global flags, for a whole run rather than an sdpa_kernel context
+    around every call (whose own host time would count against SDPA). A call the backend does
+    not take then raises, instead of running another backend unseen. Returns a function that
+    restores the flags as they were."""
+    if backend is not None and backend not in SDPA_BACKENDS:
+        raise ValueError(f"backend: expected one of {SDPA_BACKENDS} or None, got {backend!r}")
+    cuda = torch.backends.cuda
+    flags = {"flash": (cuda.flash_sdp_enabled, cuda.enable_flash_sdp),
+             "efficient": (cuda.mem_efficient_sdp_enabled, cuda.enable_mem_efficient_sdp),
+             "math": (cuda.math_sdp_enabled, cuda.enable_math_sdp),
+             "cudnn": (cuda.cudnn_sdp_enabled, cuda.enable_cudnn_sdp)}
+    saved = {name: get() for name, (get, _) in flags.items()}
+    for name, (_, put) in flags.items():
+        put(True if backend is None else name == backend)
+
+    def restore():
+        for name, (_, put) in flags.items():
+            put(saved[name])
+    return restore
+
+
 def environment(info: dict, torch=None) -> dict:
     env = {
         "gpu": info.get("name"),

@@ -3,7 +3,9 @@ decode step of transformers' attention function.
 
 - `ptxattn::flash_attn_with_kvcache` (torch.library.custom_op, mutates k_cache and v_cache:
   new keys are appended in place): torch.compile(fullgraph=True) traces it as one opaque node;
-  CUDA graphs capture it (the library allocates with torch.empty and never syncs).
+  CUDA graphs capture it (the library allocates with torch.empty and never syncs). A call
+  without new keys is `ptxattn::kvcache_attention`, the same call as an op that mutates
+  nothing, so a traced graph needs no copy of the caches around it.
   `flash_attn_with_kvcache(...)` below has FlashAttention's signature and calls the library
   directly in plain eager mode (the dispatcher adds nothing there: _op._eager's rule), the op
   otherwise.
@@ -43,15 +45,43 @@ kvcache_op = torch.library.custom_op("ptxattn::flash_attn_with_kvcache", _impl,
                                      mutates_args=("k_cache", "v_cache"))
 
 
-@kvcache_op.register_fake
-def _fake(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, causal, window_left, window_right,
-          softmax_scale, num_splits, layout):
+def _read_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: Optional[torch.Tensor], seqlen: int, causal: bool,
+               window_left: int, window_right: int, softmax_scale: float, num_splits: int,
+               layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call without new keys: the caches are only read."""
+    return _impl(q, k_cache, v_cache, None, None, cache_seqlens, seqlen, causal, window_left,
+                 window_right, softmax_scale, num_splits, layout)
+
+
+# The same call without appends, as an op that mutates nothing. A traced graph holds a
+# mutating op as auto_functionalized over the whole caches, which a backend that does not
+# re-inplace (anything but inductor) runs as a clone of both caches and a copy back: every
+# layer of every decode step would copy the KV cache. transformers' decode steps never append
+# (the model writes its cache itself), so they go here.
+read_op = torch.library.custom_op("ptxattn::kvcache_attention", _read_impl, mutates_args=())
+
+
+def _out_and_lse(q, layout):
     b, x, y, _ = q.shape
     heads, seq = (y, x) if layout == "bshd" else (x, y)
     return q.new_empty(q.shape), q.new_empty((b, heads, seq), dtype=torch.float32)
 
 
+@kvcache_op.register_fake
+def _fake(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, causal, window_left, window_right,
+          softmax_scale, num_splits, layout):
+    return _out_and_lse(q, layout)
+
+
+@read_op.register_fake
+def _read_fake(q, k_cache, v_cache, cache_seqlens, seqlen, causal, window_left, window_right,
+               softmax_scale, num_splits, layout):
+    return _out_and_lse(q, layout)
+
+
 _OP = torch.ops.ptxattn.flash_attn_with_kvcache.default
+_READ_OP = torch.ops.ptxattn.kvcache_attention.default
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
@@ -71,8 +101,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     elif cache_seqlens is not None:
         seqlen = int(cache_seqlens)
     left, right = (int(x) for x in window_size)
-    out, lse = _OP(q, k_cache, v_cache, k, v, tensor_lengths, seqlen, bool(causal), left, right,
-                   scale, int(num_splits), layout)
+    if k is None and v is None:
+        out, lse = _READ_OP(q, k_cache, v_cache, tensor_lengths, seqlen, bool(causal), left,
+                            right, scale, int(num_splits), layout)
+    else:
+        out, lse = _OP(q, k_cache, v_cache, k, v, tensor_lengths, seqlen, bool(causal), left,
+                       right, scale, int(num_splits), layout)
     return (out, lse) if return_lse else out
 
 

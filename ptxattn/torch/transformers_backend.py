@@ -176,6 +176,11 @@ def ptxattn_mask(*args, **kwargs):
     lengths, reason = decode_verdict(a["q_length"], a["kv_length"], a["q_offset"],
                                      a["kv_offset"], a["mask_function"], a["attention_mask"],
                                      a["local_size"], a["batch_size"], mask.device)
+    if lengths is not None or reason is not None:
+        # generate() (transformers >= 5.2x) hands the model mask.contiguous(), a copy without
+        # the verdict when the mask is an expanded view (batch > 1). A decode-step mask is
+        # small (B x q x L booleans, q <= 16): contiguous here, that call returns it as it is.
+        mask = mask.contiguous()
     if lengths is not None:
         setattr(mask, CACHE_SEQLENS, lengths)
     elif reason is not None:
