@@ -182,3 +182,46 @@ def test_the_split_factor_applies_below_a_tile_only():
     assert decode_plan.scaled_paged_splits(2, None, 128, 256) == 2
     assert decode_plan.scaled_paged_splits(100, p16, 128, 256) == decode_plan.MAX_SPLITS
     assert decode_plan.scaled_paged_splits(3, p16, 128, 5) == 5      # at most the tiles
+
+
+# ---- bench/serving_bench.py --variants: its bookkeeping (the timing runs on the H200) ----------
+
+def _serving_bench():
+    from bench_modules import bench_script
+    return bench_script("serving_bench")
+
+
+def test_the_benchmark_times_todays_build_first_and_names_unknown_variants():
+    sb = _serving_bench()
+    names = sb.variant_names("all")
+    assert names[0] == "today" and sorted(names) == sorted(PAGED_VARIANTS)
+    assert sb.variant_names("rowgroup, today") == ["today", "rowgroup"]
+    with pytest.raises(SystemExit, match="--variants: fastest not among"):
+        sb.variant_names("fastest")
+    assert sb.VARIANT_PAGES == (16, 32, 64)
+
+
+def test_variant_ratios_are_per_round_against_contiguous_and_today():
+    sb = _serving_bench()
+    import statistics
+
+    class DB:
+        median = staticmethod(statistics.median)
+
+        @staticmethod
+        def bootstrap_ci(xs, seed=0):
+            return min(xs), max(xs)
+    rounds = {"contiguous": [1.0, 1.0, 1.0], "today": [1.5, 1.4, 1.6],
+              "rowgroup": [1.0, 1.1, 1.05]}
+    rows = sb._variant_rows(DB, rounds, 1e9, 0, "today")
+    assert rows["today"]["over_contiguous"]["median"] == pytest.approx(1 / 1.5)
+    assert "over_today" not in rows["today"]
+    assert rows["rowgroup"]["over_contiguous"]["median"] == pytest.approx(1 / 1.05)
+    # per round, then the median: 1.5 / 1.0, 1.4 / 1.1, 1.6 / 1.05
+    assert rows["rowgroup"]["over_today"]["median"] == pytest.approx(1.5)
+    assert rows["rowgroup"]["over_today"]["ci"] == [pytest.approx(1.4 / 1.1),
+                                                     pytest.approx(1.6 / 1.05)]
+    assert rows["contiguous"]["tbs"] == pytest.approx(1.0)    # 1 GB in 1 ms
+    rec = {"name": "b64_8k_page16_variants", "status": "ok", "plain": rows, "graph": rows,
+           "variants": {"today": {"status": "ok"}, "rowgroup": {"status": "ok"}}}
+    sb.print_variant_table(rec)                               # no crash on a full record
