@@ -30,7 +30,8 @@ with a 95% bootstrap interval; plain calls and CUDA-graph replays):
           flash_attn_varlen_func on the same arguments. Target: run() <= 10 µs per layer.
           --fake: a pretend driver (bench/callpath.py's; CPU torch tensors or DLPack producers
           stand in), the Python side only, on this machine's CPU.
-Results: <out>/<date>-<gpu>-serving.json (or serving-host-fake.json).
+Results: <out>/<date>-<gpu>-serving.json (-serving-variants.json with --variants; or
+serving-host-fake.json).
 """
 
 from __future__ import annotations
@@ -477,6 +478,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fake", action="store_true", help="host part only, a pretend driver")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    variants = variant_names(args.variants) if args.variants else None
     result = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "set": "serving",
               "source": source_id(ROOT), "fake_driver": args.fake,
               "protocol": {"rounds": args.rounds, "reps": args.reps}}
@@ -495,7 +497,6 @@ def main(argv=None) -> int:
     info = driver.device_info()
     result.update(env=environment(info, torch), clocks_before=gpu_clocks(), cases=[])
     ok = True
-    variants = variant_names(args.variants) if args.variants else None
     pages = args.pages or ",".join(map(str, VARIANT_PAGES if variants else PAGE_SIZES))
     if "paged" in parts and variants:
         from ptxattn.decode_builds import PAGED_VARIANT_ENV
@@ -544,7 +545,8 @@ def main(argv=None) -> int:
     result["clocks_after"] = gpu_clocks()
     gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()
     slug = "-".join(part for part in gpu.replace("_", " ").split() if part) or "gpu"
-    path = Path(args.out) / f"{result['date'][:10]}-{slug}-serving.json"
+    kind = "serving-variants" if variants and "paged" in parts else "serving"
+    path = Path(args.out) / f"{result['date'][:10]}-{slug}-{kind}.json"
     write_results(result, path)
     print(f"wrote {path}")
     return 0 if ok else 1

@@ -280,15 +280,16 @@ PAGED_RAW = "\n".join([
     '"2","ptxattn_decode","520,000","1,700,000,000","2,147,483,648","87.0","20.5","30","6"',
     ""])
 PAGED_SOURCE = "\n".join([
-    '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb"',
-    '"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ","500","0"',
-    '"0x20","EXIT","0","0"',
-    '"0x30","LDG.E.CONSTANT R4, desc[UR58][R4.64]","40","38"',
-    '"0x40","R2UR UR8, R4","90","80"',
-    '"0x50","UTMALDG.5D [UR8], [UR4]","60","0"',
-    '"0x60","@P0 BRA.U.ANY `(.L_x_47)","20","0"',
-    '"0x70","EXIT","0","0"',
-    '"0x80","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R4","300","0"', ""])
+    '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb",'
+    '"Instructions Executed"',
+    '"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ","500","0","64"',
+    '"0x20","EXIT","0","0","1"',
+    '"0x30","LDG.E.CONSTANT R4, desc[UR58][R4.64]","40","38","8"',
+    '"0x40","R2UR UR8, R4","90","80","8"',
+    '"0x50","UTMALDG.5D [UR8], [UR4]","60","0","16"',
+    '"0x60","@P0 BRA.U.ANY `(.L_x_47)","20","0","16"',
+    '"0x70","EXIT","0","0","1"',
+    '"0x80","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R4","300","0","4"', ""])
 
 
 @pytest.fixture
@@ -315,6 +316,7 @@ def test_ncu_paged_reads_three_launches_and_the_producer(ncu_paged):
     assert s["kernel_samples"] == 1010
     assert s["by_opcode"]["R2UR"] == 90 and s["by_opcode"]["BRA"] == 20
     assert s["by_reason"] == {"stall_long_sb": 118.0}
+    assert s["producer_executed"] == 49 and s["executed_by_opcode"]["UTMALDG"] == 16
     assert s["top"][0][1].startswith("R2UR")
     assert "error" in ncu_paged.producer_summary(["Address", "Source"], srows)
 

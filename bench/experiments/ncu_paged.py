@@ -222,12 +222,21 @@ def producer_summary(head, rows, top: int = 12) -> dict:
         by_op[op] = by_op.get(op, 0.0) + n(r)
     reasons = {head[c]: sum(n(r, c) for r in region) for c in range(len(head))
                if c not in sample_cols and c != src and head[c].lower().startswith("stall")}
+    executed = next((i for i, h in enumerate(head) if h == "Instructions Executed"), None)
+    issued = {}
+    if executed is not None:                 # warp-level instructions the producer executed
+        for r in region:
+            words = [w for w in r[src].split() if not w.startswith("@")]
+            op = words[0].split(".")[0] if words else "?"
+            issued[op] = issued.get(op, 0.0) + n(r, executed)
     worst = sorted(region, key=lambda r: -n(r))[:top]
     return {"samples_column": head[samples], "kernel_samples": total,
             "producer_samples": sum(n(r) for r in region),
             "producer_instructions": len(region),
             "by_opcode": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10]),
             "by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:8]),
+            "producer_executed": sum(issued.values()),
+            "executed_by_opcode": dict(sorted(issued.items(), key=lambda kv: -kv[1])[:10]),
             "top": [(r[head.index("Address")] if "Address" in head else "", r[src], n(r))
                     for r in worst]}
 
@@ -290,6 +299,10 @@ def profile(args, *, run=subprocess.run, which=shutil.which) -> int:
             if "error" not in summary:
                 print("  by opcode: " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                   summary["by_opcode"].items()))
+                if summary["executed_by_opcode"]:
+                    print(f"  executed: {summary['producer_executed']:.0f} warp instructions: "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in
+                                      summary["executed_by_opcode"].items()))
                 if summary["by_reason"]:
                     print("  by reason: " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                       summary["by_reason"].items()))
