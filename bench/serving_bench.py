@@ -4,6 +4,7 @@
     python bench/serving_bench.py --out bench/results                 # GPU: every part, ~6 min
     python bench/serving_bench.py --out /tmp/s --parts paged --pages 16,64
     python bench/serving_bench.py --out /tmp/s --parts host --fake     # no GPU: host time only
+    python bench/serving_bench.py --out /tmp/s --parts paged --variants all   # ~1.5 min
 
 Parts (DESIGN.md's protocol: every case checked before it is timed, then rounds of
 interleaved launches with CUDA events, the host never waiting; ratios are medians over rounds
@@ -13,6 +14,11 @@ with a 95% bootstrap interval; plain calls and CUDA-graph replays):
           its output must equal the contiguous call's): (64, 32:8, 1, 8192) and
           (8, 32:8, 1, 32768) at page sizes 16, 64, 256. K+V TB/s, paged / contiguous.
           Targets: >= 0.95 at page 16, >= 0.98 at >= 64.
+          --variants all|NAME,...: instead, contiguous and every named paged build variant
+          (ptxattn/decode_builds.PAGED_VARIANTS, today's always first) at pages 16, 32, 64
+          (or --pages), interleaved in one process: each variant's TB/s and its ratio to
+          contiguous and to today's, plain and graphed. A variant is checked before it is
+          timed (bit for bit against contiguous at the same split count, else the reference).
   varlen  flash_attn_varlen_func on 8 sequences of 512 to 16k (64k tokens, causal, 32:8 heads,
           D 128) against the production kernel on an equal-length causal batch of the same
           FLOPs (B' sequences of 8192), TFLOP/s over the unmasked pairs; and against the
@@ -24,7 +30,8 @@ with a 95% bootstrap interval; plain calls and CUDA-graph replays):
           flash_attn_varlen_func on the same arguments. Target: run() <= 10 µs per layer.
           --fake: a pretend driver (bench/callpath.py's; CPU torch tensors or DLPack producers
           stand in), the Python side only, on this machine's CPU.
-Results: <out>/<date>-<gpu>-serving.json (or serving-host-fake.json).
+Results: <out>/<date>-<gpu>-serving.json (-serving-variants.json with --variants; or
+serving-host-fake.json).
 """
 
 from __future__ import annotations
@@ -122,6 +129,139 @@ def run_paged(torch, db, name, page, rounds, reps, seed):
     rec["graph"] = _ratio_rows(db, db.timed_rounds(graphs, rounds, reps, rng), nbytes, seed)
     rec["status"] = "ok"
     return rec
+
+
+# ---- the paged build's variants (decode_builds.PAGED_VARIANTS), one process, same run ---------
+
+VARIANT_PAGES = (16, 32, 64)
+
+
+def variant_names(spec: str) -> list[str]:
+    """--variants: "all" or names of decode_builds.PAGED_VARIANTS (today's first, always)."""
+    from ptxattn.decode_builds import DEFAULT_PAGED_VARIANT, PAGED_VARIANTS
+    names = list(PAGED_VARIANTS) if spec.strip() == "all" else \
+        [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PAGED_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: {', '.join(unknown)} not among "
+                         f"{', '.join(PAGED_VARIANTS)}")
+    first = "today" if "today" in PAGED_VARIANTS else DEFAULT_PAGED_VARIANT
+    return [first] + [n for n in names if n != first]
+
+
+@contextlib.contextmanager
+def _restored_env(name: str):
+    import os
+    saved = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def run_paged_variants(torch, db, name, page, variants, rounds, reps, seed):
+    """Contiguous decode and every variant of the paged one on the same data (the pages a
+    shuffled copy of the contiguous cache), timed interleaved in one process: per variant
+    TB/s, its ratio to contiguous and to today's paged build, each a median over rounds with
+    a 95% bootstrap interval, plain calls and CUDA-graph replays. Each variant is checked
+    first: bit for bit equal to the contiguous call when its split count is the same (its
+    tiles arrive differently, the math is the same), else against the reference."""
+    import os
+    from ptxattn.decode_builds import PAGED_VARIANT_ENV, PAGED_VARIANTS
+    b, h, hkv, length = PAGED_CASES[name]
+    q, kc, vc, lens = db.make_case(torch, b, h, hkv, 1, length, seed)
+    kp, vp, table = shuffled_pages(torch, kc, vc, page, seed)
+    nbytes = db.kv_bytes(b, hkv, length)
+    rec = {"name": f"{name}_page{page}_variants", "shape": {"B": b, "H": h, "Hkv": hkv,
+                                                             "L": length, "D": D, "page": page},
+           "kv_bytes": nbytes, "variants": {}, "target": f">= {PAGED_TARGET.get(page, 0.98)} "
+                                                         "x contiguous"}
+
+    def contiguous():
+        return ptxattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+    def paged_under(variant):
+        def call():
+            os.environ[PAGED_VARIANT_ENV] = variant
+            return ptxattn.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                   block_table=table)
+        return call
+
+    want = contiguous()
+    torch.cuda.synchronize()
+    fns = {"contiguous": contiguous}
+    for variant in variants:
+        fn = paged_under(variant)
+        got = fn()
+        torch.cuda.synchronize()
+        diff = float((want.float() - got.float()).abs().max())
+        same_splits = PAGED_VARIANTS[variant].split_factor == 1 or page >= 128
+        check = {"paged_vs_contiguous_max_abs": diff, "bitwise_expected": same_splits}
+        if variant == variants[0] or not same_splits:
+            check.update(db.check(torch, q, kc, vc, length, False, got, None, False, seed))
+        ok = (diff == 0 if same_splits else True) and check.get("pass", True)
+        rec["variants"][variant] = {"check": check, "status": "ok" if ok else
+                                    f"FAILED (not timed): differs from contiguous by {diff:.3g}"
+                                    + ("" if check.get("pass", True) else "; fails the bar")}
+        if ok:
+            fns[variant] = fn
+    if len(fns) < 2:
+        rec["status"] = "FAILED: no variant passed its check"
+        return rec
+    rng = np.random.default_rng(seed)
+    rec["plain"] = _variant_rows(db, db.timed_rounds(fns, rounds, reps, rng), nbytes, seed,
+                                 variants[0])
+    graphs, keep = {}, []
+    for label, fn in fns.items():
+        replay, g = db.graph_of(torch, fn)
+        graphs[label] = replay
+        keep.append(g)
+    rec["graph"] = _variant_rows(db, db.timed_rounds(graphs, rounds, reps, rng), nbytes, seed,
+                                 variants[0])
+    rec["status"] = "ok" if all(v["status"] == "ok" for v in rec["variants"].values()) \
+        else "some variants failed their check"
+    return rec
+
+
+def _variant_rows(db, rounds_ms, nbytes, seed, today):
+    """TB/s of each label; each variant over contiguous and over today's (time ratios
+    contiguous / variant and today / variant, per round) with 95% intervals."""
+    row = {label: {"ms": db.median(ms), "tbs": nbytes / (db.median(ms) * 1e-3) / 1e12,
+                   "ms_rounds": ms} for label, ms in rounds_ms.items()}
+    for label, ms in rounds_ms.items():
+        if label == "contiguous":
+            continue
+        for ref, key in (("contiguous", "over_contiguous"), (today, "over_today")):
+            if ref not in rounds_ms or ref == label:
+                continue
+            ratios = [r / t for r, t in zip(rounds_ms[ref], ms)]
+            lo, hi = db.bootstrap_ci(ratios, seed=seed)
+            row[label][key] = {"median": db.median(ratios), "ci": [lo, hi]}
+    return row
+
+
+def print_variant_table(rec) -> None:
+    print(f"{rec['name']}: {rec.get('status')}", flush=True)
+    plain, graph = rec.get("plain", {}), rec.get("graph", {})
+    for label, v in rec.get("variants", {}).items():
+        p, g = plain.get(label, {}), graph.get(label, {})
+        oc, ot = p.get("over_contiguous", {}), p.get("over_today", {})
+        goc = g.get("over_contiguous", {})
+        print(f"  {label:<22} {v['status'] if v['status'] != 'ok' else ''}"
+              f"{p.get('tbs', float('nan')):6.2f} TB/s  /contig plain "
+              f"{oc.get('median', float('nan')):.3f} {_ci(oc)}  graph "
+              f"{goc.get('median', float('nan')):.3f} {_ci(goc)}  /today "
+              f"{ot.get('median', float('nan')):.3f} {_ci(ot)}", flush=True)
+    c = plain.get("contiguous", {})
+    print(f"  {'contiguous':<22} {c.get('tbs', float('nan')):6.2f} TB/s", flush=True)
+
+
+def _ci(r) -> str:
+    ci = r.get("ci")
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "[-]"
 
 
 def _ratio_rows(db, rounds_ms, nbytes, seed):
@@ -322,7 +462,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="paged,varlen,host")
-    ap.add_argument("--pages", default=",".join(map(str, PAGE_SIZES)))
+    ap.add_argument("--pages", default=None,
+                    help=f"page sizes (default {','.join(map(str, PAGE_SIZES))}; with "
+                         f"--variants {','.join(map(str, VARIANT_PAGES))})")
+    ap.add_argument("--variants", default=None,
+                    help="paged part: time these paged build variants (all, or names of "
+                         "decode_builds.PAGED_VARIANTS; today's always) against contiguous "
+                         "in one process")
     ap.add_argument("--cases", default=",".join(PAGED_CASES))
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=20)
@@ -332,6 +478,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fake", action="store_true", help="host part only, a pretend driver")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    variants = variant_names(args.variants) if args.variants else None
     result = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "set": "serving",
               "source": source_id(ROOT), "fake_driver": args.fake,
               "protocol": {"rounds": args.rounds, "reps": args.reps}}
@@ -350,9 +497,26 @@ def main(argv=None) -> int:
     info = driver.device_info()
     result.update(env=environment(info, torch), clocks_before=gpu_clocks(), cases=[])
     ok = True
-    if "paged" in parts:
+    pages = args.pages or ",".join(map(str, VARIANT_PAGES if variants else PAGE_SIZES))
+    if "paged" in parts and variants:
+        from ptxattn.decode_builds import PAGED_VARIANT_ENV
+        result["variants"] = variants
+        with _restored_env(PAGED_VARIANT_ENV):
+            for name in [c for c in args.cases.split(",") if c]:
+                for page in [int(p) for p in pages.split(",") if p]:
+                    try:
+                        rec = run_paged_variants(torch, db, name, page, variants,
+                                                 args.rounds, args.reps, args.seed)
+                    except Exception as exc:               # noqa: BLE001
+                        rec = {"name": f"{name}_page{page}_variants",
+                               "status": f"error: {exc!r}"}
+                    result["cases"].append(rec)
+                    ok &= rec.get("status") == "ok"
+                    print_variant_table(rec)
+                    torch.cuda.empty_cache()
+    elif "paged" in parts:
         for name in [c for c in args.cases.split(",") if c]:
-            for page in [int(p) for p in args.pages.split(",") if p]:
+            for page in [int(p) for p in pages.split(",") if p]:
                 try:
                     rec = run_paged(torch, db, name, page, args.rounds, args.reps, args.seed)
                 except Exception as exc:                   # noqa: BLE001
@@ -381,7 +545,8 @@ def main(argv=None) -> int:
     result["clocks_after"] = gpu_clocks()
     gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()
     slug = "-".join(part for part in gpu.replace("_", " ").split() if part) or "gpu"
-    path = Path(args.out) / f"{result['date'][:10]}-{slug}-serving.json"
+    kind = "serving-variants" if variants and "paged" in parts else "serving"
+    path = Path(args.out) / f"{result['date'][:10]}-{slug}-{kind}.json"
     write_results(result, path)
     print(f"wrote {path}")
     return 0 if ok else 1

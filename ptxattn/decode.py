@@ -32,7 +32,7 @@ import numpy as np
 from . import driver, tensors, tma
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
-from .decode_builds import build_for
+from .decode_builds import FALLBACK_PAGED_VARIANT, PAGED_VARIANT_ENV, build_for, paged_variant
 from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
 from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKSPACE_ENV,
                           DecodeCall, Lengths, Paging, bhld_of, bytes_strides, check_bounds_requested,
@@ -188,6 +188,8 @@ def validate(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, causal=Fal
                              TMA_CHUNK, arr.strides, name)
         else:
             _paged_map_geometry(arr, paging, heads_kv, head_dim, build.block_n, name)
+    if paging is not None:
+        paging.variant = _paged_variant_for(paging, views, heads_kv, head_dim, build)
     check_rows_aligned(views["q"], layout, "q")
     if k is not None:
         for name in ("k", "v"):
@@ -257,6 +259,25 @@ def _paged_map_geometry(arr, paging: Paging, heads_kv: int, head_dim: int, block
     rows, d_blocks = paging.map_box(head_dim, block_n)
     return tma.map_geometry("bshd", paging.num_pages, heads_kv, paging.page_size, head_dim,
                             rows, TMA_CHUNK, arr.strides, name, d_blocks)
+
+
+def _paged_variant_for(paging: Paging, views: dict, heads_kv: int, head_dim: int,
+                       build) -> str:
+    """The paged build variant this call runs: PTXATTN_PAGED_VARIANT's (else the build table's
+    default), unless it lays tiles out in row groups and the caches' pages are not packed
+    page_size rows apart (their row groups do not fold into one TMA dim): then "today", the
+    build that reads any strides TMA can address."""
+    variant = paged_variant()
+    if not variant.row_group:
+        return variant.name
+    box_rows = min(paging.page_size, build.block_n)
+    try:
+        for name in ("k_cache", "v_cache"):
+            tma.row_group_geometry(paging.num_pages, paging.page_size, heads_kv, head_dim,
+                                   box_rows, tuple(views[name].strides), TMA_CHUNK, name)
+    except ValueError:
+        return FALLBACK_PAGED_VARIANT
+    return variant.name
 
 
 def _contiguous_bytes(shape, layout: str) -> tuple[int, int, int]:
@@ -567,7 +588,7 @@ def _launcher(call: DecodeCall) -> Launcher:
            None if call.k_new is None else tuple(call.k_new.strides),
            call.window, call.scale, call.splits, os.environ.get(PDL_ENV),
            None if paging is None else (paging.page_size, paging.num_pages, paging.max_pages,
-                                        paging.row_stride))
+                                        paging.row_stride, paging.variant))
     hit = _LAUNCHERS.get(key)
     if hit is None:
         hit = Launcher(call, call.stream)
@@ -596,7 +617,7 @@ class _Steady:
 
 # The knobs a remembered call is keyed on, read as os.environ keeps them (POSIX: a dict of
 # bytes; one lookup each, as attention()'s steady path reads its knob)
-_KNOB_NAMES = (CHECK_BOUNDS_ENV, POISON_WORKSPACE_ENV, PDL_ENV)
+_KNOB_NAMES = (CHECK_BOUNDS_ENV, POISON_WORKSPACE_ENV, PDL_ENV, PAGED_VARIANT_ENV)
 _ENVIRON = getattr(os.environ, "_data", None)
 try:
     _KNOB_KEYS = tuple(os.environ.encodekey(n) for n in _KNOB_NAMES)

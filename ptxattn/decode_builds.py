@@ -146,6 +146,92 @@ for _build in DECODE_BUILDS.values():
     _build.check()
 
 
+# ---- the paged build's variants (issue 25: paged decode at small pages) ---------------------
+#
+# Below a page of BLOCK_N keys a K or V tile comes from several pages. How the producer turns a
+# tile's block-table entries into TMA loads is a variant of the paged build, chosen per call
+# (PTXATTN_PAGED_VARIANT=name, else DEFAULT_PAGED_VARIANT) so that one process can time them
+# all; each is its own JIT build (its defines below, read by decode_kv_address.ptxh).
+
+
+@dataclass(frozen=True)
+class PagedVariant:
+    """One way of loading a paged cache's K/V tiles (decode_kv_address.ptxh)."""
+    name: str
+    row_group: bool = False   # (a) tiles laid out [BLOCK_N / 8][D / 64][8][64]: one TMA box per
+    #                           page over all of D, instead of one per page and 64 columns of D
+    table_ahead: int = 0      # (b) the page numbers of tile t + 1 read while tile t's boxes go
+    #                           out (0: a tile's own, before its ring wait); implies batched
+    batched_reads: bool = False  # (e) a tile's table reads issued together, then used (today:
+    #                           read, check, read, check: ptxas serializes them)
+    warp: bool = False        # (e) the producer's whole warp runs its loop: lane j reads page j,
+    #                           a shuffle shares the pages (warp-uniform, so the boxes' operands
+    #                           stay on the uniform datapath) and one elected lane issues
+    split_factor: int = 1     # (d) the split heuristic's count x this, at pages below a tile
+    why: str = ""
+
+    @property
+    def defines(self) -> dict[str, int]:
+        """The decode kernel's defines of this variant (none for today's build)."""
+        out = {}
+        if self.row_group:
+            out["PTXATTN_PAGED_ROW_GROUP"] = 1
+        if self.table_ahead:
+            out["PTXATTN_PAGED_TABLE_AHEAD"] = self.table_ahead
+        elif self.batched_reads:
+            out["PTXATTN_PAGED_BATCHED_READS"] = 1
+        if self.warp:
+            out["PTXATTN_PAGED_WARP"] = 1
+        return out
+
+
+PAGED_VARIANTS: dict[str, PagedVariant] = {v.name: v for v in (
+    PagedVariant("today", why="a box per page and 64 columns of D (16 of 2 KiB a 128-key tile "
+                              "at D 128, page 16); a tile's table entries read one by one"),
+    PagedVariant("batched", batched_reads=True,
+                 why="the tile's entries loaded together (one round trip, not eight), then "
+                     "checked"),
+    PagedVariant("ahead", table_ahead=1,
+                 why="tile t + 1's entries in flight while tile t's boxes are issued: no "
+                     "table latency before a tile's first box"),
+    PagedVariant("warp", warp=True,
+                 why="the SASS: today's single issuing thread pays ~28 instructions a box "
+                     "(a per-lane loop around each box, its operands moved to uniform "
+                     "registers); the warp's uniform pages cut that to ~4"),
+    PagedVariant("warp_ahead", warp=True, table_ahead=1,
+                 why="the warp's reads, one tile ahead"),
+    PagedVariant("rowgroup", row_group=True,
+                 why="one box per page over all of D (8 of 4 KiB a tile at D 128, page 16): "
+                     "half the boxes; the consumer's descriptors follow the layout"),
+    PagedVariant("rowgroup_ahead", row_group=True, table_ahead=1,
+                 why="both: half the boxes, and no table latency before them"),
+    PagedVariant("rowgroup_warp", row_group=True, warp=True,
+                 why="half the boxes, each a few uniform instructions"),
+    PagedVariant("rowgroup_warp_ahead", row_group=True, warp=True, table_ahead=1,
+                 why="every candidate at once: half the boxes, uniform issue, reads ahead"),
+    PagedVariant("splits2x", split_factor=2,
+                 why="twice the heuristic's splits at pages below a tile: shorter CTAs, more of "
+                     "them per wave"),
+)}
+DEFAULT_PAGED_VARIANT = "today"          # the one line that makes a measured variant the default
+FALLBACK_PAGED_VARIANT = "today"         # where a row-group variant's layout cannot read the
+#                                          caches (pages not packed page_size rows apart)
+PAGED_VARIANT_ENV = "PTXATTN_PAGED_VARIANT"
+
+
+def paged_variant(name: str | None = None) -> PagedVariant:
+    """The variant named (else PTXATTN_PAGED_VARIANT, else the default); ValueError naming the
+    knob for an unknown name."""
+    import os
+    if name is None:
+        name = os.environ.get(PAGED_VARIANT_ENV, "").strip() or DEFAULT_PAGED_VARIANT
+    variant = PAGED_VARIANTS.get(name)
+    if variant is None:
+        raise ValueError(f"{PAGED_VARIANT_ENV}: {name!r} is not a paged build variant (one of "
+                         f"{', '.join(PAGED_VARIANTS)})")
+    return variant
+
+
 def build_for(head_dim: int) -> DecodeBuild:
     """The row for a head dim, or ValueError naming q's head dim."""
     build = DECODE_BUILDS.get(head_dim)

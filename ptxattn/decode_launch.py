@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 
 from . import driver, tma
-from .decode_builds import APPEND_THREADS, COMBINE_THREADS, THREADS, DecodeBuild
+from .decode_builds import (APPEND_THREADS, COMBINE_THREADS, THREADS, DecodeBuild,
+                            paged_variant)
 from .errors import CudaError
 from .stages import SWIZZLE_128B, ptx_root
 
@@ -93,19 +94,25 @@ def kernel_path(file: str) -> Path:
 PAGED_DEFINE = "PTXATTN_PAGED"   # the paged-cache build of the decode and append kernels
 
 
-def build_defines(head_dim: int, paged: bool = False) -> dict:
-    """The preprocessor defines of one build: the head dim's row of gen_decode.ptxh, and the
-    paged cache's K/V addressing (decode_kv_address.ptxh, decode_append.ptx)."""
-    return {"HEAD_DIM": head_dim, **({PAGED_DEFINE: 1} if paged else {})}
+def build_defines(head_dim: int, paged: bool = False, variant: str | None = None) -> dict:
+    """The preprocessor defines of one build: the head dim's row of gen_decode.ptxh, the
+    paged cache's K/V addressing (decode_kv_address.ptxh, decode_append.ptx) and, for the
+    paged decode kernel, its variant's (decode_kv_paged.ptxh; None: today's, no define)."""
+    out = {"HEAD_DIM": head_dim, **({PAGED_DEFINE: 1} if paged else {})}
+    if paged and variant is not None:
+        out.update(paged_variant(variant).defines)
+    return out
 
 
-@functools.lru_cache(maxsize=32)
-def kernel_source(file: str, head_dim: int, paged: bool = False) -> str:
-    """The expanded PTX of one kernel for one head dim (the build row of gen_decode.ptxh)."""
+@functools.lru_cache(maxsize=64)
+def kernel_source(file: str, head_dim: int, paged: bool = False,
+                  variant: str | None = None) -> str:
+    """The expanded PTX of one kernel for one head dim (the build row of gen_decode.ptxh);
+    variant: the paged decode kernel's (decode_builds.PAGED_VARIANTS)."""
     from . import ptx
     path = kernel_path(file)
     return ptx.expand_file(path, [ptx_root() / "sm90" / "include"],
-                           build_defines(head_dim, paged)).text
+                           build_defines(head_dim, paged, variant)).text
 
 
 _FUNCTIONS: dict[tuple, driver.Function] = {}
@@ -113,17 +120,18 @@ _FUNCTIONS_LOCK = threading.RLock()
 
 
 def function(file: str, entry: str, head_dim: int, smem_bytes: int = 0,
-             paged: bool = False) -> driver.Function:
+             paged: bool = False, variant: str | None = None) -> driver.Function:
     """The kernel, JIT-compiled once per (device, file, build), shared-memory opt-in done."""
     ctx = driver.context()
-    key = (ctx.ordinal, file, head_dim, paged)
+    defines = build_defines(head_dim, paged, variant)
+    key = (ctx.ordinal, file, tuple(sorted(defines.items())))
     hit = _FUNCTIONS.get(key)
     if hit is not None:
         return hit
     with _FUNCTIONS_LOCK:
         if key not in _FUNCTIONS:
-            label = file + "".join(f" -D{k}={v}" for k, v in build_defines(head_dim, paged).items())
-            module = driver.load_module(kernel_source(file, head_dim, paged), label)
+            label = file + "".join(f" -D{k}={v}" for k, v in defines.items())
+            module = driver.load_module(kernel_source(file, head_dim, paged, variant), label)
             fn = module.function(entry)
             if smem_bytes:
                 fn.set_max_dynamic_smem(smem_bytes)
@@ -168,8 +176,9 @@ class Launcher:
         self._launch = driver.cu().cuLaunchKernelEx
         self.lock = threading.Lock()
         d = call.head_dim
-        self.decode_fn = function(DECODE_FILE, DECODE_ENTRY, d, build.smem_bytes, paged) \
-            if attention else None
+        self.variant = paging.variant if paged else None
+        self.decode_fn = function(DECODE_FILE, DECODE_ENTRY, d, build.smem_bytes, paged,
+                                  self.variant) if attention else None
         self.combine_fn = function(COMBINE_FILE, COMBINE_ENTRY, d) \
             if attention and self.splits > 1 else None
         self.append_fn = function(APPEND_FILE, APPEND_ENTRY, d, 0, paged) \
@@ -189,9 +198,17 @@ class Launcher:
                                              call.cache_len, d, build.block_n, SWIZZLE_128B,
                                              TMA_CHUNK, arr.strides, name=name)
                          for name, arr in caches)
+        elif paged_variant(paging.variant).row_group:
+            # (64 of D, 8 rows, D / 64, K/V head, row group of the pool); the box a page's (or
+            # a tile's) rows over all of D (decode_kv_paged.ptxh)
+            box_rows = min(paging.page_size, build.block_n)
+            maps = tuple(tma.encode_tiled(arr.ptr, *tma.row_group_geometry(
+                paging.num_pages, paging.page_size, call.heads_kv, d, box_rows,
+                tuple(arr.strides), TMA_CHUNK, name), SWIZZLE_128B, name=name)
+                for name, arr in caches)
         else:
             # (64 of D, row in the page, D / 64, K/V head, page) over all pages; the box a
-            # tile (page >= tile) or a page of 64 columns of D (decode_kv_address.ptxh)
+            # tile (page >= tile) or a page of 64 columns of D (decode_kv_paged.ptxh)
             rows, d_blocks = paging.map_box(d, build.block_n)
             maps = tuple(tma.encode_qkvo_map(arr.ptr, "bshd", paging.num_pages, call.heads_kv,
                                              paging.page_size, d, rows, SWIZZLE_128B,

@@ -22,8 +22,8 @@ import numpy as np
 
 from .plan import scale_of
 
-from .decode_builds import (MAX_PAGE_SIZE, MAX_QUERIES, MAX_SPLITS, MIN_PAGE_SIZE, ROWS,
-                            DecodeBuild, build_for)
+from .decode_builds import (DEFAULT_PAGED_VARIANT, MAX_PAGE_SIZE, MAX_QUERIES, MAX_SPLITS,
+                            MIN_PAGE_SIZE, ROWS, DecodeBuild, build_for, paged_variant)
 
 LAYOUTS = ("bshd", "bhld")
 _AXES = {"bshd": "(batch, seq, heads, head_dim)", "bhld": "(batch, heads, seq, head_dim)"}
@@ -124,6 +124,7 @@ class Paging:
     ptr: int = 0                    # "device"
     host: np.ndarray | None = None  # "host": int32 (B, max_pages), contiguous
     owner: object = None            # keeps an imported device array alive
+    variant: str = DEFAULT_PAGED_VARIANT   # the paged build variant the call runs (validate's)
 
     @property
     def page_shift(self) -> int:
@@ -346,7 +347,18 @@ def resolve_splits(call: DecodeCall, sm_count: int) -> int:
     else:
         splits = choose_splits(call.batch, call.heads_kv, call.m_tiles, call.cache_len,
                                call.build.block_n, sm_count, call.build.ctas_per_sm)
+        splits = scaled_paged_splits(splits, call.paging, call.build.block_n, n_blocks)
     return max(1, min(splits, ((1 << 31) - 1) // max(call.rows, 1)))
+
+
+def scaled_paged_splits(splits: int, paging: "Paging | None", block_n: int,
+                        n_blocks: int) -> int:
+    """The heuristic's split count times the paged variant's split_factor at pages below a
+    tile (decode_builds.PAGED_VARIANTS), within MAX_SPLITS and the cache's K/V tiles."""
+    if paging is None or paging.page_size >= block_n:
+        return splits
+    factor = paged_variant(paging.variant).split_factor
+    return max(1, min(splits * factor, MAX_SPLITS, n_blocks)) if factor > 1 else splits
 
 
 def check_shapes(q_dims, k_dims, v_shape, k_shape, layout: str, new=None,

@@ -41,9 +41,9 @@ import sys
 import numpy as np
 
 from . import decode, driver, tensors, varlen
-from .decode_builds import build_for
+from .decode_builds import build_for, paged_variant
 from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
-                          choose_splits, m_tiles_of)
+                          choose_splits, m_tiles_of, scaled_paged_splits)
 from .device_args import foreign, host_int32
 from .varlen_plan import table_bytes, tile_table, window_params
 
@@ -248,6 +248,11 @@ class DecodePlan:
             self.splits = choose_splits(self.batch, self.heads_kv,
                                         m_tiles_of(self.heads // self.heads_kv, self.seq_q),
                                         max(longest, 1), build.block_n, sms, build.ctas_per_sm)
+            if block_table is not None:      # the paged variant's factor (PAGED_VARIANTS)
+                self.splits = scaled_paged_splits(
+                    self.splits, Paging("device", page_size=int(page_size), num_pages=1,
+                                        max_pages=1, variant=paged_variant().name),
+                    build.block_n, -(-max(longest, 1) // build.block_n))
         self._layers: dict = {}
 
     def _own(self, values):

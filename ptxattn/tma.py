@@ -95,6 +95,43 @@ def _geometry(layout, batch, heads, seq, head_dim, rows, chunk, strides, name, d
     return dims, byte_strides, (chunk, rows, d_blocks or head_dim // chunk, 1, 1)
 
 
+ROW_GROUP = 8                # the paged row-group layout: 8 key rows over all of D
+
+
+@functools.lru_cache(maxsize=256)
+def row_group_geometry(num_pages: int, page_size: int, heads: int, head_dim: int, box_rows: int,
+                       strides=None, chunk: int = 64, name: str = "tensor"):
+    """(dims, byte strides, box) of a paged cache (num_pages, page_size, heads, D) as the
+    paged decode's row-group build reads it (ptx/sm90/production/decode_kv_paged.ptxh): 5-D
+    (chunk elements of D, 8 rows, D / chunk, head, row group of the pool), one box of
+    box_rows / 8 row groups over all of D. The pool's row groups fold (page, group in the page)
+    into one dim, so pages must lie page_size rows apart; ValueError naming `name` and the
+    reason when the strides do not allow it (the caller falls back to a box per 64 columns)."""
+    shape = (num_pages, page_size, heads, head_dim)
+    s_page, s_head, s_row, s_dim = bhl_strides("bshd", shape, strides, name)
+    if s_dim != 1:
+        raise ValueError(f"{name}: last (head) dim must have stride 1 for TMA, got {s_dim}")
+    if head_dim % chunk or page_size % ROW_GROUP or box_rows % ROW_GROUP:
+        raise ValueError(f"{name}: D {head_dim}, page {page_size}, box {box_rows} rows: row "
+                         f"groups need D a multiple of {chunk} and rows of 8")
+    if num_pages > 1 and s_page != page_size * s_row:
+        raise ValueError(f"{name}: pages {s_page} elements apart, not page_size x the row "
+                         f"stride ({page_size} x {s_row}): the pool's row groups do not fold "
+                         "into one dim")
+    groups = num_pages * page_size // ROW_GROUP
+    if groups > 1 << 32:
+        raise ValueError(f"{name}: {groups} row groups exceed TMA's 2^32 a dim")
+    byte_strides = (s_row * ELEMENT_BYTES, chunk * ELEMENT_BYTES, s_head * ELEMENT_BYTES,
+                    ROW_GROUP * s_row * ELEMENT_BYTES)
+    for label, s in zip(("row", "D block", "head", "row group"), byte_strides):
+        if s <= 0 or s % _TMA_ALIGN or s >= 1 << 40:
+            raise ValueError(f"{name}: {label} stride of {s} bytes: TMA needs a positive "
+                             f"multiple of {_TMA_ALIGN} below 2^40")
+    dims = (chunk, ROW_GROUP, head_dim // chunk, heads, groups)
+    box = (chunk, ROW_GROUP, head_dim // chunk, 1, box_rows // ROW_GROUP)
+    return dims, byte_strides, box
+
+
 def check_base(ptr: int, name: str = "tensor") -> None:
     if ptr % _TMA_ALIGN:
         raise ValueError(f"{name}: base address 0x{ptr:x} is not {_TMA_ALIGN}-byte aligned, "

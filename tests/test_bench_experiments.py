@@ -262,3 +262,102 @@ def test_the_issue_23_plans_parse(variants, ncu_bind):
              if x.strip() and not x.startswith("#")]
     for line in lines:
         ncu_bind.arg_parser().parse_args(["--profile", *shlex.split(line)])
+
+
+# ---- bench/experiments/ncu_paged.py --profile (issue 25: paged decode at small pages) ----------
+
+NCU_PAGED = SCRIPT.parent / "ncu_paged.py"
+_PAGED_HEAD = ('"ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.avg.per_second",'
+               '"dram__bytes_read.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",'
+               '"lts__t_sector_hit_rate.pct","smsp__pcsamp_warps_issue_stalled_long_scoreboard",'
+               '"smsp__pcsamp_warps_issue_stalled_barrier"')
+PAGED_RAW = "\n".join([
+    "==PROF== Connected to process 7", "contiguous: max |paged - contiguous| 0",
+    "page16:today: max |paged - contiguous| 0", _PAGED_HEAD,
+    '"","","nsecond","hertz","byte","%","%","",""',
+    '"0","ptxattn_decode","500,000","1,700,000,000","2,147,483,648","90.1","20.0","10","5"',
+    '"1","ptxattn_decode","735,000","1,710,000,000","2,147,483,648","61.0","21.0","400","9"',
+    '"2","ptxattn_decode","520,000","1,700,000,000","2,147,483,648","87.0","20.5","30","6"',
+    ""])
+PAGED_SOURCE = "\n".join([
+    '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb",'
+    '"Instructions Executed"',
+    '"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ","500","0","64"',
+    '"0x20","EXIT","0","0","1"',
+    '"0x30","LDG.E.CONSTANT R4, desc[UR58][R4.64]","40","38","8"',
+    '"0x40","R2UR UR8, R4","90","80","8"',
+    '"0x50","UTMALDG.5D [UR8], [UR4]","60","0","16"',
+    '"0x60","@P0 BRA.U.ANY `(.L_x_47)","20","0","16"',
+    '"0x70","EXIT","0","0","1"',
+    '"0x80","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R4","300","0","4"', ""])
+
+
+@pytest.fixture
+def ncu_paged():
+    spec = importlib.util.spec_from_file_location("experiments_ncu_paged", NCU_PAGED)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ncu_paged_reads_three_launches_and_the_producer(ncu_paged):
+    launches = ncu_paged.ncu_bind.parse_raw_csv(PAGED_RAW)
+    rows = [ncu_paged.figures(x) for x in launches]
+    assert [round(r["ms"], 3) for r in rows] == [0.5, 0.735, 0.52]
+    assert round(rows[1]["dram_read_gbs"]) == round(2.147483648 / 0.735e-3)
+    assert rows[1]["stalls_top"][0] == ("long_scoreboard", 400.0)
+    assert rows[0]["tma_read_gb"] is None              # not collected: shown as "-"
+    text = ncu_paged.format_rows([{"launch": "contiguous", "clocks": "natural", **rows[0]}])
+    assert "90.1" in text and "long_scoreboard 10" in text
+    head, srows = ncu_paged.source_table(PAGED_SOURCE)
+    s = ncu_paged.producer_summary(head, srows)
+    # the producer: from the consumer's EXIT before the first UTMALDG to the next EXIT
+    assert s["producer_instructions"] == 5 and s["producer_samples"] == 210
+    assert s["kernel_samples"] == 1010
+    assert s["by_opcode"]["R2UR"] == 90 and s["by_opcode"]["BRA"] == 20
+    assert s["by_reason"] == {"stall_long_sb": 118.0}
+    assert s["producer_executed"] == 49 and s["executed_by_opcode"]["UTMALDG"] == 16
+    assert s["top"][0][1].startswith("R2UR")
+    assert "error" in ncu_paged.producer_summary(["Address", "Source"], srows)
+
+
+def test_ncu_paged_profile_runs_each_clock_and_the_source_pages(ncu_paged, tmp_path, capsys):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        if cmd[1] == "--query-metrics":
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="")
+        if "-i" in cmd:
+            return types.SimpleNamespace(returncode=0, stdout=PAGED_SOURCE, stderr="")
+        if "-o" in cmd:
+            return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+        return types.SimpleNamespace(returncode=0, stdout=PAGED_RAW, stderr="")
+    out = tmp_path / "p.jsonl"
+    args = ncu_paged.arg_parser().parse_args(["--profile", "--out", str(out)])
+    assert ncu_paged.profile(args, run=run, which=lambda n: "/usr/bin/ncu") == 0
+    profiled = [c for c in calls if "--csv" in c and "raw" in c]
+    assert [c[2] for c in profiled] == ["none", "base"]
+    assert all("--launch-count" in c and c[c.index("--launch-count") + 1] == "3"
+               for c in profiled)
+    skips = [c[c.index("--launch-skip") + 1] for c in calls if "-o" in c]
+    assert skips == ["1", "2"]                          # today's launch, then the variant's
+    entry = json.loads(out.read_text())
+    assert [r["launch"] for r in entry["rows"]][:3] == [
+        "contiguous", "page16:today", "page16:rowgroup_warp_ahead"]
+    assert entry["producer"]["page16:today"]["producer_samples"] == 210
+    printed = capsys.readouterr().out
+    assert "by opcode" in printed and "DRAM GB/s" in printed
+
+    def short(cmd, **kw):                               # two launches instead of three
+        if cmd[1] == "--query-metrics":
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="")
+        return types.SimpleNamespace(returncode=0, stdout="\n".join(
+            PAGED_RAW.splitlines()[:-2]), stderr="")
+    args = ncu_paged.arg_parser().parse_args(["--profile", "--no-source", "--clocks",
+                                              "natural"])
+    assert ncu_paged.profile(args, run=short, which=lambda n: "ncu") == 1
+    with pytest.raises(SystemExit, match="ncu"):
+        ncu_paged.profile(args, run=short, which=lambda n: None)
+    with pytest.raises(SystemExit, match="--variant"):
+        ncu_paged.main(["--variant", "fastest"])

@@ -40,6 +40,10 @@ ENVIRONMENT = {
                                  "before each call (tests: a partial never written shows)."),
     "PTXATTN_DECODE_PDL": ("1", "0: the decode's combine kernel launches plainly instead of "
                            "with programmatic dependent launch (a measurement knob)."),
+    "PTXATTN_PAGED_VARIANT": ("today (decode_builds.DEFAULT_PAGED_VARIANT)",
+                              "A measurement knob: the paged decode's build variant, a name of "
+                              "decode_builds.PAGED_VARIANTS (how a tile's pages become TMA "
+                              "loads below a page of 128 keys); read per call."),
     "PTXATTN_DEBUG": ("unset", "Any value: the `ptxattn` command re-raises errors with their "
                       "traceback instead of printing one line."),
     "PTXATTN_SOURCE_COMMIT": ("unset", "The commit a benchmark results file declares it was "

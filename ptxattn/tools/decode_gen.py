@@ -11,7 +11,9 @@ What it holds, per head dim (`#if HEAD_DIM == d`):
 - STORE_O_BF16 / STORE_O_F32: aliases of gen_d*.ptxh's O stores (ptxattn/tools/ptxgen.py);
 - Q_LOAD: the consumer threads' ld.global of Q chunks, then their swizzled st.shared
   (decode_q.ptxh has the per-chunk macros);
-- COMBINE_BATCH: the combine kernel's loads and FMAs of combine_batch splits' partial O.
+- COMBINE_BATCH: the combine kernel's loads and FMAs of combine_batch splits' partial O;
+- the paged row-group layout (PTXATTN_PAGED_ROW_GROUP): its descriptor bits and the QK/PV
+  k-steps over it (QK_RG_N*_D*, PV_RG_N*_D*: ptxgen's k-steps with that layout's strides).
 tests/test_decode_cpu.py checks the committed header equals this output.
 """
 
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..decode_builds import DECODE_BUILDS, ROWS, DecodeBuild
-from .ptxgen import INCLUDE, _guarded, _macro, run_generator
+from .ptxgen import INCLUDE, _guarded, _macro, gemm_macros, run_generator
 
 HEADER = "gen_decode.ptxh"
 KMAJOR_SW128 = "DESC_KMAJOR_SW128"
@@ -33,6 +35,48 @@ def _v_desc_bits(build: DecodeBuild) -> str:
     lbo = build.block_n * 128
     value = (1 << 62) | ((1024 >> 4) << 32) | (((lbo >> 4) & 0x3FFF) << 16)
     return f"0x{value:016X}"
+
+
+def _row_group_bytes(b: DecodeBuild) -> int:
+    """The paged row-group layout's 8 key rows over all of D ([BLOCK_N / 8][D / 64][8][64])."""
+    return (b.head_dim // 64) * 1024
+
+
+def _row_group_desc_bits(b: DecodeBuild) -> tuple[str, str]:
+    """(K, V) descriptor bits of the row-group layout: K K-major with SBO = a row group (the
+    next 8 keys); V MN-major with SBO = a row group (8 key rows) and LBO 1024 (the next 64
+    columns of D, the next atom of the group)."""
+    sbo = _row_group_bytes(b) >> 4
+    k = (1 << 62) | (sbo << 32) | (1 << 16)
+    v = (1 << 62) | (sbo << 32) | ((1024 >> 4) << 16)
+    return f"0x{k:016X}", f"0x{v:016X}"
+
+
+def _row_group_defines(b: DecodeBuild) -> list[str]:
+    """The paged build's row-group layout (PTXATTN_PAGED_ROW_GROUP, decode_kv_address.ptxh):
+    its descriptor bits, its group size, and the k-steps that walk it."""
+    n, d = b.block_n, b.head_dim
+    k_bits, v_bits = _row_group_desc_bits(b)
+    group = _row_group_bytes(b)
+    defs = [
+        ("KV_ROW_GROUP_BYTES", group, "paged row groups: 8 key rows x D"),
+        ("DESC_K_ROW_GROUP", k_bits, f"K-major, SBO {group}, 128B swizzle"),
+        ("DESC_V_ROW_GROUP", v_bits, f"MN-major, LBO 1024, SBO {group}, 128B swizzle"),
+    ]
+    out = []
+    for name, value, note in defs:
+        line = f"#define {name} {value}"
+        out.append(f"{line:<48}// {note}")
+    out += [f"#define QK_ROW_GROUP_TILE(DQ, DK) QK_RG_N{n}_D{d}(DQ, DK)",
+            f"#define PV_ROW_GROUP_TILE(DV) PV_RG_N{n}_D{d}(DV)"]
+    return out
+
+
+def _row_group_macros(b: DecodeBuild) -> list[str]:
+    """QK_RG_N*_D* / PV_RG_N*_D* (and their rewinds): production's k-steps over the row-group
+    layout (K's next 64 columns of D 1024 bytes on, V's next 16 keys two row groups on)."""
+    return gemm_macros(b.block_n, b.head_dim, k_block_bytes=1024,
+                       pv_step_bytes=2 * _row_group_bytes(b), tag="_RG")
 
 
 def _row_defines(b: DecodeBuild) -> list[str]:
@@ -149,11 +193,13 @@ def header() -> str:
         out.append(f"{'#if' if i == 0 else '#elif'} HEAD_DIM == {d}")
         out.append(f"// {b.why}")
         out += _row_defines(b)
+        out += _row_group_defines(b)
     out += ["#else", '#error "gen_decode.ptxh: HEAD_DIM must be '
             + ", ".join(map(str, sorted(DECODE_BUILDS))) + '"', "#endif", ""]
     for d, b in sorted(DECODE_BUILDS.items()):
         out += _q_load_macro(b)
         out += _combine_macros(b)
+        out += _row_group_macros(b)
     return _guarded(HEADER, "Decode kernels (ptx/sm90/production/decode.ptx, combine.ptx): build "
                     "rows, Q loads, combine batches.", out).replace(
         "`python -m ptxattn.tools.ptxgen` (ptxattn/tools/ptxgen.py)",

@@ -130,16 +130,29 @@ def compute(stage_list=None, workers: int | None = None) -> dict[str, dict[str, 
 # family (ptxattn/decode_launch.py), one build per head dim and cache kind. Their streams are
 # fingerprinted the same way, so that folding their macros onto the production parts (or a new
 # build beside the old ones) is proven to leave the existing builds as they were.
-def kernel_builds() -> list[tuple[str, str, str, dict]]:
-    """(kernel file, build name, expanded-source key, defines) of every such build."""
+def kernel_builds() -> list[tuple[str, str, int, bool, str | None]]:
+    """(kernel file, build name, head dim, paged, paged variant) of every such build: the
+    paged decode kernel once more per variant with defines of its own
+    (decode_builds.PAGED_VARIANTS; a variant that only changes the host's choices shares
+    today's build)."""
     from .. import decode_launch as dl
+    from ..decode_builds import PAGED_VARIANTS
     out = []
     for file, paged_too in ((dl.DECODE_FILE, True), (dl.COMBINE_FILE, False),
                             (dl.APPEND_FILE, True)):
         for d in (64, 128, 256):
             for paged in ((False, True) if paged_too else (False,)):
                 name = f"HEAD_DIM={d}" + (f" {dl.PAGED_DEFINE}=1" if paged else "")
-                out.append((file, name, d, paged))
+                out.append((file, name, d, paged, None))
+                if not (paged and file == dl.DECODE_FILE):
+                    continue
+                seen = set()
+                for variant in PAGED_VARIANTS.values():
+                    defines = tuple(sorted(variant.defines.items()))
+                    if defines and defines not in seen:
+                        seen.add(defines)
+                        out.append((file, name + "".join(f" {k}={v}" for k, v in defines), d,
+                                    True, variant.name))
     return out
 
 
@@ -147,8 +160,9 @@ def compute_kernels() -> dict[str, dict[str, dict]]:
     """{kernel file: {build: {statements, sha256}}} for kernel_builds()."""
     from .. import decode_launch as dl
     result: dict[str, dict[str, dict]] = {}
-    for file, name, d, paged in kernel_builds():
-        result.setdefault(file, {})[name] = fingerprint(dl.kernel_source(file, d, paged))
+    for file, name, d, paged, variant in kernel_builds():
+        result.setdefault(file, {})[name] = fingerprint(dl.kernel_source(file, d, paged,
+                                                                         variant))
     return result
 
 

@@ -135,13 +135,18 @@ def score_header(n: int) -> str:
                     f"the QK^T and PV k-steps for N = {n}.", out)
 
 
-def gemm_macros(n: int, d: int) -> list[str]:
-    """The wgmma k-steps of S = Q K^T (over D) and O += P V (over N), with descriptor steps."""
+def gemm_macros(n: int, d: int, *, k_block_bytes: int | None = None,
+                pv_step_bytes: int | None = None, tag: str = "") -> list[str]:
+    """The wgmma k-steps of S = Q K^T (over D) and O += P V (over N), with descriptor steps.
+    K's next 64 columns of D lie k_block_bytes on (default: n rows of 128 bytes, a tile of
+    [D / 64][n][64]) and V's next 16 key rows pv_step_bytes on (default 16 rows of 128 bytes);
+    another layout (the paged decode's row groups) names its macros QK{tag}_N.., PV{tag}_N.."""
     halves = d // 64                                  # 128-byte swizzled column blocks of D
     steps_per_half = 64 // K_STEP
     step = K_STEP * 2 // DESC_UNIT                    # 32 bytes along a swizzled row
     q_jump = ROWS * SWIZZLE_BYTES // DESC_UNIT - (steps_per_half - 1) * step
-    k_jump = n * SWIZZLE_BYTES // DESC_UNIT - (steps_per_half - 1) * step
+    k_block = n * SWIZZLE_BYTES if k_block_bytes is None else k_block_bytes
+    k_jump = k_block // DESC_UNIT - (steps_per_half - 1) * step
     body = ["setp.ne.u32 %p_acc, %zero, 0;",
             f"{_wgmma(n)} S_ACC_N{n}, DQ, DK, %p_acc, 1, 1, 0, 0;",
             "setp.eq.u32 %p_acc, %zero, 0;"]
@@ -152,28 +157,32 @@ def gemm_macros(n: int, d: int) -> list[str]:
     forward = halves * steps_per_half - 1            # descriptor steps taken, jumps included
     q_back = (halves - 1) * q_jump + (forward - (halves - 1)) * step
     k_back = (halves - 1) * k_jump + (forward - (halves - 1)) * step
-    out = _macro(f"QK_N{n}_D{d}", "DQ, DK", body,
+    k_rows = (f"{ROWS} / {n} rows on" if k_block_bytes is None
+              else f"{ROWS} rows / {k_block} bytes on")
+    out = _macro(f"QK{tag}_N{n}_D{d}", "DQ, DK", body,
                  f"S = Q K^T over D = {d}: {halves * steps_per_half} k-steps; DQ, DK (b64) step "
                  f"{step} along a swizzled row,\n"
-                 f"then {q_jump} / {k_jump} to the next 64 columns of D ({ROWS} / {n} rows on). "
+                 f"then {q_jump} / {k_jump} to the next 64 columns of D ({k_rows}). "
                  f"The first step overwrites S (%p_acc false)")
     if halves > 1 or steps_per_half > 1:
-        out += _macro(f"QK_REWIND_N{n}_D{d}", "DQ, DK",
+        out += _macro(f"QK{tag}_REWIND_N{n}_D{d}", "DQ, DK",
                       [f"sub.s64 DQ, DQ, {q_back};", f"sub.s64 DK, DK, {k_back};"],
-                      "DQ, DK back to step 0 after QK_N*_D*")
+                      f"DQ, DK back to step 0 after QK{tag}_N*_D*")
     pv_steps = n // K_STEP
-    pv_step = K_STEP * SWIZZLE_BYTES // DESC_UNIT    # 16 key rows = 2 swizzle atoms
+    # 16 key rows: 2 swizzle atoms
+    pv_step = (K_STEP * SWIZZLE_BYTES if pv_step_bytes is None else pv_step_bytes) // DESC_UNIT
     body = []
     for t in range(pv_steps):
         if t:
             body.append(f"add.s64 DV, DV, {pv_step};")
         p = ", ".join(f"%p{4 * t + j}" for j in range(4))
         body.append(f"{_wgmma(d)} O_ACC_D{d}, {{{p}}}, DV, 1, 1, 1, 1;")
-    out += _macro(f"PV_N{n}_D{d}", "DV", body,
+    out += _macro(f"PV{tag}_N{n}_D{d}", "DV", body,
                   f"O += P V: {pv_steps} k-steps of 16 key rows; DV (b64, V read transposed) "
                   f"steps {pv_step}")
-    out += _macro(f"PV_REWIND_N{n}_D{d}", "DV", [f"sub.s64 DV, DV, {(pv_steps - 1) * pv_step};"],
-                  "DV back to step 0 after PV_N*_D*")
+    out += _macro(f"PV{tag}_REWIND_N{n}_D{d}", "DV",
+                  [f"sub.s64 DV, DV, {(pv_steps - 1) * pv_step};"],
+                  f"DV back to step 0 after PV{tag}_N*_D*")
     return out
 
 
