@@ -190,7 +190,19 @@ BUILDS: dict[int, Build] = {b.head_dim: b for b in (
 HEAD_DIMS = tuple(sorted(BUILDS))
 
 DEFAULT_VARIANT = "default"
-VARIANTS: dict[str, dict[int, Build]] = {}
+_QSPLIT_WHY = ("the D = 256 tiles; S^T and dP^T split by queries (m64n32: 32 of the block's 64 "
+               "queries a consumer), P^T and dS^T halves through shared memory (two 8 KiB "
+               "buffers more), dV and dK half RS, half SS: 5 GEMM units a block, not 7")
+_AHEAD_WHY = "; the next block's S^T issued under this block's dQ and its hand-off"
+VARIANTS: dict[str, dict[int, Build]] = {
+    # (D = 256 has its st_ahead in qsplit_st_ahead: its own D-split build would hold dV, dK,
+    # dQ (64 each) and the next S^T (32) at once, 224 registers before any address)
+    "st_ahead": {d: replace(BUILDS[d], st_ahead=True, variant="st_ahead",
+                            why=BUILDS[d].why + _AHEAD_WHY) for d in (64, 128)},
+    "qsplit": {256: replace(BUILDS[256], query_split=True, variant="qsplit", why=_QSPLIT_WHY)},
+    "qsplit_st_ahead": {256: replace(BUILDS[256], query_split=True, st_ahead=True,
+                                     variant="qsplit_st_ahead", why=_QSPLIT_WHY + _AHEAD_WHY)},
+}
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
 
