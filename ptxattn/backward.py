@@ -190,7 +190,11 @@ def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagona
         if not chosen.production:
             raise ValueError(f"variant: build variants are the production kernel's; "
                              f"{chosen.title} has none (got variant={variant!r})")
-        bwd_builds.build(d, variant)             # a ValueError naming the variant, or its row
+        row = bwd_builds.build(d, variant)       # a ValueError naming the variant, or its row
+        if deterministic and not row.deterministic:
+            raise ValueError(f"variant: {variant!r} adds dQ from the consumers' registers in no "
+                             f"fixed order, so it cannot run deterministic=True; give "
+                             f"deterministic=False or another variant")
     plan = BackwardPlan(host, arrays["q"], arrays["k"], arrays["v"], arrays["out"],
                         arrays["lse"], arrays["dout"], layout, b, h, hk, lq, lk, d,
                         _scale_value(scale, d), (left, right),

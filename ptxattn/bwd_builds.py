@@ -63,14 +63,28 @@ class Build:
     early_dv: bool = True
     query_split: bool = False  # D split only: S^T and dP^T split by queries (module docstring)
     st_ahead: bool = False     # the next block's S^T issued under this block's dQ
+    dq_red: bool = False       # dQ added from the consumers' registers: no staging tile
     variant: str = "default"   # the build table's name for this row (VARIANTS)
 
     @property
-    def defines(self) -> dict[str, str]:
-        """The -D switches that select this build's row in bwd.ptx and gen_bwd_layout.ptxh
-        beside HEAD_DIM ({} for today's builds)."""
+    def layout_defines(self) -> dict[str, str]:
+        """The -D switches that select this build's block of gen_bwd_layout.ptxh beside
+        HEAD_DIM (the ones that change tiles or offsets; {} for today's builds)."""
         return {**({"PTXATTN_BWD_QSPLIT": "1"} if self.query_split else {}),
+                **({"PTXATTN_BWD_DQRED": "1"} if self.dq_red else {})}
+
+    @property
+    def defines(self) -> dict[str, str]:
+        """Every -D switch of this build beside HEAD_DIM (and PTXATTN_MASKED): its layout's, and
+        the schedule's that bwd.ptx reads alone."""
+        return {**self.layout_defines,
                 **({"PTXATTN_BWD_ST_AHEAD": "1"} if self.st_ahead else {})}
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether deterministic=True can run on this build: the dQ warp orders the adds of the
+        staging tile; adds from the consumers' registers (dq_red) have no order."""
+        return not self.dq_red
 
     # ---- the split of the work between the two consumers
     @property
@@ -136,8 +150,9 @@ class Build:
         end of the barriers, "smem_bytes" what a launch asks for (end + SLACK)."""
         t = self.tile_bytes
         p = [("P", 2 * t["dS"])] if self.query_split else []   # P^T beside dS^T, two buffers
+        dq = [] if self.dq_red else [("dQ", t["dQ"])]           # the dQ staging tile
         return place([("K", t["K"]), ("V", t["V"]), ("Q", self.q_stages * t["Q"]),
-                      ("dO", self.q_stages * t["dO"]), ("dS", 2 * t["dS"]), *p, ("dQ", t["dQ"]),
+                      ("dO", self.q_stages * t["dO"]), ("dS", 2 * t["dS"]), *p, *dq,
                       ("LSE", self.q_stages * t["LSE"]), ("delta", self.q_stages * t["delta"])],
                      [("BAR_KV_FULL", 1), ("BAR_Q_FULL", self.q_stages),
                       ("BAR_Q_EMPTY", self.q_stages)])
@@ -194,14 +209,17 @@ _QSPLIT_WHY = ("the D = 256 tiles; S^T and dP^T split by queries (m64n32: 32 of 
                "queries a consumer), P^T and dS^T halves through shared memory (two 8 KiB "
                "buffers more), dV and dK half RS, half SS: 5 GEMM units a block, not 7")
 _AHEAD_WHY = "; the next block's S^T issued under this block's dQ and its hand-off"
+_DQRED_WHY = ("; dQ added from the consumers' registers (red.global.add, FlashAttention-3's D = "
+              "256 path): the 64 KiB staging tile pays for a second Q/dO stage, so the next "
+              "block loads under this one (no deterministic order)")
 VARIANTS: dict[str, dict[int, Build]] = {
     # (D = 256 has its st_ahead in qsplit_st_ahead: its own D-split build would hold dV, dK,
     # dQ (64 each) and the next S^T (32) at once, 224 registers before any address)
     "st_ahead": {d: replace(BUILDS[d], st_ahead=True, variant="st_ahead",
                             why=BUILDS[d].why + _AHEAD_WHY) for d in (64, 128)},
     "qsplit": {256: replace(BUILDS[256], query_split=True, variant="qsplit", why=_QSPLIT_WHY)},
-    "qsplit_st_ahead": {256: replace(BUILDS[256], query_split=True, st_ahead=True,
-                                     variant="qsplit_st_ahead", why=_QSPLIT_WHY + _AHEAD_WHY)},
+    "qsplit_dqred": {256: replace(BUILDS[256], query_split=True, dq_red=True, q_stages=2,
+                                  variant="qsplit_dqred", why=_QSPLIT_WHY + _DQRED_WHY)},
 }
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
