@@ -148,16 +148,16 @@ def test_todays_d256_build_has_the_known_hazard_at_that_shape(emulated):
     _backward(emulated(), None, 1, 1, 1, 128, 128, 256)
 
 
-@pytest.mark.parametrize("variant", ["default", "qsplit"])
-def test_deterministic_variants_are_bitwise_on_the_emulator(emulated, variant):
+@pytest.mark.parametrize("variant,D", [("default", 256), ("qsplit", 256), ("st_ahead", 128)])
+def test_deterministic_variants_are_bitwise_on_the_emulator(emulated, variant, D):
     """deterministic=True, two runs with different random interleavings of the emulator's
-    warps and async retirements: the same bits (D = 256, 3 query heads on one K/V head, so
-    that several CTAs add into one query block's accumulator)."""
+    warps and async retirements: the same bits (3 query heads on one K/V head and 2-4 key
+    blocks, so that several CTAs add into one query block's accumulator)."""
     import bwd_checks
     runs = []
     for seed in (1, 2):
         emulated(seed=seed, ignore_hazards={"wgmma-a-operand-read"})
-        q, k, v, out, lse, dout = bwd_checks.inputs(1, 3, 1, 100, 200, 256, seed=5)
+        q, k, v, out, lse, dout = bwd_checks.inputs(1, 3, 1, 100, 200, D, seed=5)
         runs.append(bwd_checks.run(q, k, v, out, lse, dout, deterministic=True,
                                    variant=variant))
     for name, a, b in zip(("dq", "dk", "dv"), *runs):

@@ -31,12 +31,14 @@ VARIANT_BUILDS = [(b.head_dim, b.variant, masked) for b in bwd_builds.all_builds
                   if b.variant != bwd_builds.DEFAULT_VARIANT for masked in (False, True)]
 
 
-def _named(variant, fn, *args, **kw):
-    """fn(...) with the variant and the call in front of any failure message."""
+def _named(label, fn, /, *args, **kw):
+    """fn(...) with the variant's name and the call in front of any failure message."""
     try:
         return fn(*args, **kw)
     except AssertionError as exc:
-        raise AssertionError(f"variant {variant!r}, {fn.__name__}{args} {kw}:\n{exc}") from None
+        shape = [a.shape if hasattr(a, "shape") else a for a in args]
+        raise AssertionError(f"variant {label!r}, {fn.__name__}{tuple(shape)} {kw}:\n"
+                             f"{exc}") from None
 
 
 @pytest.mark.parametrize("D,variant,masked", VARIANT_BUILDS,

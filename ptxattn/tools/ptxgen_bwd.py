@@ -189,20 +189,49 @@ def half_fragment_header() -> str:
 
 # ---- per head dim: the five GEMMs ----------------------------------------------------------
 
+def _score_gemm(n: int, d: int, acc: str, jumps: tuple[int, int]) -> list[str]:
+    """S^T or dP^T (acc ST / DPT) of N queries: D / 16 k-steps, both operands K-major, DA and
+    DB stepped 32 bytes along a swizzled row, then `jumps` to the next 64 of D."""
+    step = K_STEP * 2 // DESC_UNIT
+    body = [f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 0, 1, 1, 0, 0;"]
+    for t in range(1, d // K_STEP):
+        j = jumps if t % 4 == 0 else (step, step)
+        body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
+                 f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 1, 1, 1, 0, 0;"]
+    return body
+
+
+def _kv_gemm(cols: int, acc: str, frag: str | None, steps: int) -> list[str]:
+    """dV or dK (acc DV / DK) over `steps` k-steps of 16 queries, B read MN-major (DB steps 16
+    rows); A from the bf16 pairs %frag (RS) or, frag None, from the shared tile DA (SS,
+    K-major, 32 bytes a step)."""
+    body = []
+    for t in range(steps):
+        if t:
+            body += ([] if frag else [f"add.s64 DA, DA, {K_STEP * 2 // DESC_UNIT};"]) + \
+                [f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};"]
+        if frag:
+            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
+            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
+        else:
+            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, DA, DB, 1, 1, 1, 0, 1;")
+    return body
+
+
+def _jumps(b: bwd_builds.Build) -> tuple[int, int]:
+    """Descriptor steps from a row's last k-step to the next 64 of D: K/V tile, Q/dO tile."""
+    step = K_STEP * 2 // DESC_UNIT
+    return (b.block_n * ROW_BYTES // DESC_UNIT - 3 * step,
+            b.block_m * ROW_BYTES // DESC_UNIT - 3 * step)
+
+
 def gemm_header(b: bwd_builds.Build) -> str:
     d, bm, bn = b.head_dim, b.block_m, b.block_n
-    halves = d // 64
     step = K_STEP * 2 // DESC_UNIT                     # 32 bytes along a swizzled row
-    a_jump = bn * ROW_BYTES // DESC_UNIT - 3 * step    # next 64 of D in the K/V tile
-    b_jump = bm * ROW_BYTES // DESC_UNIT - 3 * step    # ... in the Q/dO tile
+    a_jump, b_jump = _jumps(b)                         # next 64 of D in the K/V, Q/dO tiles
     out: list[str] = []
     for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
-        body = [f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 0, 1, 1, 0, 0;"]
-        for t in range(1, d // K_STEP):
-            j = (a_jump, b_jump) if t % 4 == 0 else (step, step)
-            body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
-                     f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 1, 1, 1, 0, 0;"]
-        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", body,
+        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", _score_gemm(bm, d, acc, (a_jump, b_jump)),
                       f"{what}: {d // K_STEP} k-steps over D; DA (K or V rows of this consumer, "
                       f"a {bn}-row tile) and DB\n(Q or dO, {bm} rows), both K-major, step {step} "
                       f"along a swizzled row, then {a_jump} / {b_jump} to the next 64 of D\n"
@@ -210,13 +239,7 @@ def gemm_header(b: bwd_builds.Build) -> str:
     cols = b.dkv_cols
     for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
                                   ("DK", "DK", "dst", "dK += dS^T Q")):
-        body = []
-        for t in range(bm // K_STEP):
-            if t:
-                body.append(f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};")
-            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
-            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
-        out += _macro(f"{name}_GEMM_D{d}", "DB", body,
+        out += _macro(f"{name}_GEMM_D{d}", "DB", _kv_gemm(cols, acc, frag, bm // K_STEP),
                       f"{what}: {bm // K_STEP} k-steps of 16 queries (RS: A from %{frag}); DB "
                       f"(dO or Q read MN-major, {cols}\ncolumns) steps 16 rows; advanced in place")
     body = []
@@ -241,16 +264,10 @@ def query_split_gemm_header(b: bwd_builds.Build) -> str:
     d, bm, bn = b.head_dim, b.block_m, b.block_n
     n = b.score_cols
     step = K_STEP * 2 // DESC_UNIT
-    a_jump = bn * ROW_BYTES // DESC_UNIT - 3 * step
-    b_jump = bm * ROW_BYTES // DESC_UNIT - 3 * step
+    a_jump, b_jump = _jumps(b)
     out: list[str] = []
     for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
-        body = [f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 0, 1, 1, 0, 0;"]
-        for t in range(1, d // K_STEP):
-            j = (a_jump, b_jump) if t % 4 == 0 else (step, step)
-            body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
-                     f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 1, 1, 1, 0, 0;"]
-        out += _macro(f"{name}_GEMM_D{d}Q", "DA, DB", body,
+        out += _macro(f"{name}_GEMM_D{d}Q", "DA, DB", _score_gemm(n, d, acc, (a_jump, b_jump)),
                       f"{what} of this consumer's {n} queries: {d // K_STEP} k-steps over D; DA "
                       f"(the {bn} keys' K or V rows) and DB\n(rows {n}c.. of the {bm}-row Q or "
                       f"dO tile), both K-major, step {step} along a swizzled row, then {a_jump} / "
@@ -260,26 +277,14 @@ def query_split_gemm_header(b: bwd_builds.Build) -> str:
     own = n // K_STEP                                   # k-steps of this consumer's queries
     for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
                                   ("DK", "DK", "dst", "dK += dS^T Q")):
-        body = []
-        for t in range(own):
-            if t:
-                body.append(f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};")
-            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
-            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
-        out += _macro(f"{name}_OWN_GEMM_D{d}Q", "DB", body,
+        out += _macro(f"{name}_OWN_GEMM_D{d}Q", "DB", _kv_gemm(cols, acc, frag, own),
                       f"{what} over this consumer's own {n} queries: {own} k-steps (RS: A from "
                       f"%{frag}); DB (dO or Q read\nMN-major, {cols} columns, from its first own "
                       "query row) steps 16 rows; advanced in place")
-        body = []
-        for t in range(own):
-            if t:
-                body += [f"add.s64 DA, DA, {step};",
-                         f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};"]
-            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, DA, DB, 1, 1, 1, 0, 1;")
-        out += _macro(f"{name}_OTHER_GEMM_D{d}Q", "DA, DB", body,
+        out += _macro(f"{name}_OTHER_GEMM_D{d}Q", "DA, DB", _kv_gemm(cols, acc, None, own),
                       f"{what} over the other consumer's {n} queries: {own} k-steps (SS: DA its "
-                      "half of the P^T or dS^T\ntile, K-major, steps 32 bytes along a row; DB as "
-                      "for the own half, from the other's first query row); advanced in place")
+                      "half of the P^T or dS^T\ntile, K-major, 32 bytes a step; DB as for the own "
+                      "half, from the other's first query row);\nadvanced in place")
     return _guarded(f"gen_bwd_d{d}q.ptxh",
                     f"The backward's query-split GEMMs at head dim {d}.", out)
 
