@@ -50,6 +50,7 @@ CASES = {
     "d256_qsplit_deterministic": (None, 1, 2, 2, 130, 200, 256,
                                   {"variant": "qsplit", "deterministic": True}, {}),
     "d256_qsplit_dqred": (None, 1, 3, 1, 150, 129, 256, {"variant": "qsplit_dqred"}, {}),
+    "d128_dqred_gqa": (None, 1, 4, 2, 130, 257, 128, {"variant": "dqred"}, {}),
 }
 CONTROLS = {"b1_hazard": ("b1", 1, 2, 2, 128, 256, 128, {}, {"PTXATTN_PLANT_HAZARD": "1"})}
 

@@ -22,10 +22,17 @@ process can time today's build against them; `defines` selects a row in bwd.ptx)
     columns each) and take their 4 k-steps of queries half from the consumer's own registers
     (RS) and half from the other consumer's tile (SS, after a barrier). Five GEMM units a
     block instead of seven, and half the exponentials a consumer.
-  - st_ahead: the next block's S^T is issued as soon as this block's dV and dK are done, so
-    that it runs under this block's dQ, the dQ hand-off to the dQ warp and the loop; dP^T
+  - qsplit_dqred (D = 256): qsplit with dQ added from the consumers' registers
+    (red.global.add.v2.f32 into the accumulator, in its layout) instead of through the 64 KiB
+    staging tile and the dQ warp; the freed shared memory holds a second Q / dO stage. No
+    deterministic order (prepare_backward refuses deterministic=True on it).
+  - dqred (D = 64, 128): today's tiles, dQ added from the consumers' registers as in
+    qsplit_dqred; the staging tile's 64 KiB a block of stores and bulk reads leave shared
+    memory. Not deterministic either.
+  - st_ahead (D = 64, 128): the next block's S^T is issued as soon as this block's dV and dK
+    are done, so that it runs under this block's dQ and the dQ hand-off to the dQ warp; dP^T
     follows at the top of the next block. The Q / dO stage is released before dQ finishes
-    (dQ reads dS^T and K only).
+    (dQ reads dS^T and K only; qsplit releases it there too).
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
 block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2).
@@ -220,6 +227,12 @@ VARIANTS: dict[str, dict[int, Build]] = {
     "qsplit": {256: replace(BUILDS[256], query_split=True, variant="qsplit", why=_QSPLIT_WHY)},
     "qsplit_dqred": {256: replace(BUILDS[256], query_split=True, dq_red=True, q_stages=2,
                                   variant="qsplit_dqred", why=_QSPLIT_WHY + _DQRED_WHY)},
+    # (the 32 KiB staging tile would not pay for a stage more at D = 64, 128: Q_STAGES is a
+    # power of two and 4 do not fit; what goes is its 64 KiB of shared-memory traffic a block)
+    "dqred": {d: replace(BUILDS[d], dq_red=True, variant="dqred",
+                         why=BUILDS[d].why + "; dQ added from the consumers' registers "
+                         "(red.global.add): no staging tile, no hand-off to the dQ warp")
+              for d in (64, 128)},
 }
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 

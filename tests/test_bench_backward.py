@@ -12,10 +12,10 @@ bench = bench_script("backward_bench")
 
 def test_each_case_times_the_variants_it_has():
     everything = list(bwd_builds.VARIANT_NAMES)
-    assert bench.case_variants("dense", everything) == [None, "st_ahead"]
-    assert bench.case_variants("causal", everything) == [None, "st_ahead"]
-    assert bench.case_variants("d64", everything) == [None, "st_ahead"]
-    assert bench.case_variants("gqa", everything) == [None, "st_ahead"]
+    assert bench.case_variants("dense", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("causal", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("d64", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("gqa", everything) == [None, "st_ahead", "dqred"]
     assert bench.case_variants("d256", everything) == [None, "qsplit", "qsplit_dqred"]
     assert bench.case_variants("d256", ["qsplit"]) == [None, "qsplit"]
     # deterministic=True: today's build and the variants that keep its order

@@ -122,6 +122,8 @@ VARIANT_CASES = [
     ("qsplit", dict(B=1, H=1, Hkv=1, Lq=130, Lk=131, D=256, causal=True)),
     ("qsplit_dqred", dict(B=1, H=2, Hkv=1, Lq=150, Lk=100, D=256)),
     ("qsplit_dqred", dict(B=1, H=1, Hkv=1, Lq=70, Lk=200, D=256, window=(40, 3), layout="bshd")),
+    ("dqred", dict(B=1, H=3, Hkv=1, Lq=200, Lk=260, D=128, causal=True)),
+    ("dqred", dict(B=1, H=2, Hkv=2, Lq=300, Lk=130, D=64)),
 ]
 
 
