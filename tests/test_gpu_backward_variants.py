@@ -85,24 +85,24 @@ def test_variant_matrix(D, variant, B, H, Hkv, Lq, Lk, layout, mask):
 
 @pytest.mark.parametrize("D,variant", [(d, v) for d in bwd_builds.HEAD_DIMS for v in _variants(d)])
 def test_variant_against_todays_build_on_the_same_inputs(D, variant):
-    """Long enough for the steady state (16 query blocks a CTA at D 128, 8 CTAs a head): the
-    variant and today's build both under the bar, and within 2x each other's error of each
-    other (a schedule change moves no value by more than rounding)."""
+    """Long enough for the steady state (16 query blocks a CTA at D 128, 8 CTAs a head, GQA
+    2:1): the variant under the bar, and within 2x the larger of the two builds' errors of
+    today's build (a schedule change moves no value by more than rounding)."""
+    from ptxattn.reference_backward import attention_backward_reference
     mask = {"causal": True} if D == 128 else {}
-    q, k, v, out, lse, dout = inputs(1, 4, 2, 1024, 1024, D, seed=41 + D, **mask)
+    q, k, v, out, lse, dout = inputs(1, 2, 1, 1024, 1024, D, seed=41 + D, **mask)
     today = run(q, k, v, out, lse, dout, **mask)
     theirs = run(q, k, v, out, lse, dout, variant=variant, **mask)
     lines = _named(variant, check_grads, theirs, q, k, v, dout, **mask)
-    base = check_grads(today, q, k, v, dout, **mask)
-    from ptxattn.reference_backward import attention_backward_reference
     ref = attention_backward_reference(q, k, v, dout, **mask)
     for name, a, b, r in zip(("dq", "dk", "dv"), theirs, today, ref):
         between = rel_l2(a, b.astype(np.float32).astype(np.float64))
         err_a, err_b = rel_l2(a, r), rel_l2(b, r)
+        assert np.isfinite(b.astype(np.float32)).all(), f"today's build: {name} not finite"
         assert between <= 2 * max(err_a, err_b), (
             f"{variant} D={D} {name}: variant vs today's build rel {between:.3e}, their errors "
             f"against float64 {err_a:.3e} (variant) and {err_b:.3e} (today)\n"
-            + "\n".join(lines + base))
+            + "\n".join(lines))
 
 
 @pytest.mark.parametrize("D,variant", [(d, v) for d in bwd_builds.HEAD_DIMS for v in _variants(d)
