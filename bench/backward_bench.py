@@ -3,6 +3,7 @@
     python bench/backward_bench.py [--rounds 10] [--reps 10] [--out bench/results]
                                    [--cases dense,causal,d64,d256,gqa,deterministic]
                                    [--stages production,b1,b2,b3]
+                                   [--variants all | default,st_ahead,qsplit,qsplit_dqred]
 
 What is timed: our whole backward (preprocess + main kernel + postprocess, one launch() of a
 prepared call) and cuDNN's backward alone (torch.autograd.grad of one SDPA forward under
@@ -16,6 +17,13 @@ Before timing, each of our gradients is checked against cuDNN's on the same inpu
 <= 1e-2; both sit near 4e-3 of the float64 truth) and for NaN/Inf: a kernel that fails is not
 timed. GQA 32:4: cuDNN gets enable_gqa=True where torch takes it, else K/V repeated to 32
 heads before its forward (the repeat's backward, a sum, is then inside its time).
+
+--variants: the production kernel's build-table variants (ptxattn/bwd_builds.py VARIANTS)
+against today's build and cuDNN, in the same rounds: per case every named variant that has a
+build at its head dim (and, for the deterministic cases, that can run deterministic=True),
+each checked against cuDNN before timing; each row also gets ratio_vs_default = median over
+rounds of (today's time / the variant's) with its 95% bootstrap interval. --stages is then
+ignored. Writes bench/results/<date>-h200-backward-variants.json.
 Needs a GPU and torch. Writes bench/results/<date>-h200-backward.json.
 """
 
@@ -33,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ptxattn  # noqa: E402
-from ptxattn import backward, driver  # noqa: E402
+from ptxattn import backward, bwd_builds, driver  # noqa: E402
 
 try:                      # the tools are moving to ptxattn/tools/ (bench.py kept whole)
     from ptxattn.tools import bench as fwd_bench  # type: ignore  # noqa: E402
@@ -62,7 +70,9 @@ def rel_l2(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def setup(torch, name, stage):
+def setup(torch, name, stage, variants=(None,)):
+    """(info per label, ours per label: (launch, stream), peer) of one case: our backward for
+    each of `variants` (None: today's build, or a lineage `stage`), cuDNN's once."""
     B, H, Hkv, L, D, mask, det = CASES[name]
     causal = bool(mask.get("causal"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -73,8 +83,6 @@ def setup(torch, name, stage):
 
     q, k, v, dout = rnd(H), rnd(Hkv), rnd(Hkv), rnd(H)
     out, lse = ptxattn.attention(q, k, v, return_lse=True, causal=causal)
-    prepared = backward.prepare_backward(q, k, v, out, lse, dout, causal=causal,
-                                         deterministic=det, stage=stage)
     stream = driver.stream_handle(torch.cuda.current_stream().cuda_stream)
 
     # cuDNN: one forward with a graph, its backward timed again and again
@@ -97,55 +105,105 @@ def setup(torch, name, stage):
         return torch.autograd.grad(o, (tq, tk, tv), grad_outputs=dout, retain_graph=True)
 
     # check ours against cuDNN before any timing
-    prepared.launch()
-    ours = [torch.from_dlpack(x) for x in (prepared.dq, prepared.dk, prepared.dv)]
     theirs = peer()
-    torch.cuda.synchronize()
-    check = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), ours, theirs)}
-    finite = all(bool(torch.isfinite(a.float()).all()) for a in ours)
-    ok = finite and all(r <= CHECK_REL_L2 for r in check.values())
+    infos, launches = {}, {}
     flops = backward_flops(B, H, L, D, causal)
-    info = {"shape": [B, H, Hkv, L, D], "causal": causal, "deterministic": det,
-            "flops": flops, "check_vs_cudnn_rel_l2": check, "finite": finite, "passed": ok,
-            "cudnn_gqa": gqa_how, "stage": prepared.stage.label}
-    return info, (prepared.launch, stream), (peer, stream)
+    for variant in variants:
+        prepared = backward.prepare_backward(q, k, v, out, lse, dout, causal=causal,
+                                             deterministic=det, stage=stage, variant=variant)
+        prepared.launch()
+        ours = [torch.from_dlpack(x) for x in (prepared.dq, prepared.dk, prepared.dv)]
+        torch.cuda.synchronize()
+        check = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), ours, theirs)}
+        finite = all(bool(torch.isfinite(a.float()).all()) for a in ours)
+        ok = finite and all(r <= CHECK_REL_L2 for r in check.values())
+        label = variant or bwd_builds.DEFAULT_VARIANT
+        infos[label] = {"shape": [B, H, Hkv, L, D], "causal": causal, "deterministic": det,
+                        "flops": flops, "check_vs_cudnn_rel_l2": check, "finite": finite,
+                        "passed": ok, "cudnn_gqa": gqa_how, "stage": prepared.stage.label,
+                        "variant": label}
+        launches[label] = (prepared.launch, stream)
+    return infos, launches, (peer, stream)
+
+
+def case_variants(name, wanted) -> list:
+    """The variants of `wanted` that case `name` can run (None first: today's build)."""
+    B, H, Hkv, L, D, mask, det = CASES[name]
+    out = [None]
+    for v in wanted:
+        if v == bwd_builds.DEFAULT_VARIANT or v not in bwd_builds.variants_for(D):
+            continue
+        if det and not bwd_builds.build(D, v).deterministic:
+            continue
+        out.append(v)
+    return out
+
+
+def _timed_row(row, timed, label, seed):
+    """Our per-round medians of `label` and its pair's cuDNN: TFLOP/s, ratio with interval."""
+    ms_rounds = [fwd_bench.median(t) for t in timed["raw"][label]]
+    peer_rounds = [fwd_bench.median(t) for t in timed["peer_raw"][label]]
+    ratios = [p / o for p, o in zip(peer_rounds, ms_rounds)]
+    lo, hi = fwd_bench.bootstrap_ci(ratios, seed=seed)
+    ms, pms = fwd_bench.median(ms_rounds), fwd_bench.median(peer_rounds)
+    row.update(ms=ms, ms_rounds=ms_rounds, tflops=row["flops"] / ms / 1e9,
+               cudnn_ms=pms, cudnn_ms_rounds=peer_rounds,
+               cudnn_tflops=row["flops"] / pms / 1e9,
+               ratio=fwd_bench.median(ratios), ratio_ci=[lo, hi],
+               clocks=timed["clocks"][-1] if timed["clocks"] else None)
+    return row
 
 
 def run(args) -> dict:
     torch = fwd_bench._import_torch()
     if torch is None:
         raise SystemExit("backward_bench: needs torch with a CUDA device (the cuDNN peer)")
-    result = {"kind": "backward", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    result = {"kind": "backward-variants" if args.variants else "backward",
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "source": fwd_bench.source_id(ROOT), "rounds": args.rounds, "reps": args.reps,
               "environment": fwd_bench.environment(driver.device_info(), torch), "rows": []}
     rng = np.random.default_rng(args.seed)
-    for stage in args.stages:
+    stages = ["production"] if args.variants else args.stages
+    for stage in stages:
         for name in args.cases:
             B, H, Hkv, L, D, mask, det = CASES[name]
             if stage != "production" and (D != 128 or mask or det or H != Hkv):
                 continue                 # a lineage stage: D = 128, no mask, MHA, not ordered
-            info, ours, peer = setup(torch, name, None if stage == "production" else stage)
-            row = {"case": name, **info}
-            if not info["passed"]:
-                row["error"] = "failed its check: not timed"
-                print(f"{stage:>10} {name:<22} FAILED its check {info['check_vs_cudnn_rel_l2']}")
+            variants = case_variants(name, args.variants) if args.variants else [None]
+            infos, ours, peer = setup(torch, name, None if stage == "production" else stage,
+                                      variants)
+            failed = [lab for lab, i in infos.items() if not i["passed"]]
+            for lab in failed:
+                row = {"case": name, **infos[lab], "error": "failed its check: not timed"}
+                print(f"{stage:>10} {name:<22} {lab:<15} FAILED its check "
+                      f"{infos[lab]['check_vs_cudnn_rel_l2']}")
                 result["rows"].append(row)
+            ours = {lab: fn for lab, fn in ours.items() if lab not in failed}
+            if not ours:
                 continue
-            timed = fwd_bench.time_rounds({"ours": ours}, peer, rounds=args.rounds,
-                                          reps=args.reps, rng=rng)
-            ms_rounds = [fwd_bench.median(t) for t in timed["raw"]["ours"]]
-            peer_rounds = [fwd_bench.median(t) for t in timed["peer_raw"]["ours"]]
-            ratios = [p / o for p, o in zip(peer_rounds, ms_rounds)]
-            lo, hi = fwd_bench.bootstrap_ci(ratios, seed=args.seed)
-            ms, pms = fwd_bench.median(ms_rounds), fwd_bench.median(peer_rounds)
-            row.update(ms=ms, ms_rounds=ms_rounds, tflops=info["flops"] / ms / 1e9,
-                       cudnn_ms=pms, cudnn_ms_rounds=peer_rounds,
-                       cudnn_tflops=info["flops"] / pms / 1e9,
-                       ratio=fwd_bench.median(ratios), ratio_ci=[lo, hi],
-                       clocks=timed["clocks"][-1] if timed["clocks"] else None)
-            print(f"{stage:>10} {name:<22} {row['tflops']:7.1f} TFLOP/s  cuDNN "
-                  f"{row['cudnn_tflops']:7.1f}  ratio {row['ratio']:.3f} [{lo:.3f}, {hi:.3f}]")
-            result["rows"].append(row)
+            timed = fwd_bench.time_rounds(ours, peer, rounds=args.rounds, reps=args.reps,
+                                          rng=rng)
+            base = bwd_builds.DEFAULT_VARIANT
+            for lab in ours:
+                if lab in timed["errors"]:
+                    row = {"case": name, **infos[lab], "error": timed["errors"][lab]}
+                    print(f"{stage:>10} {name:<22} {lab:<15} ERROR {timed['errors'][lab]}")
+                    result["rows"].append(row)
+                    continue
+                row = _timed_row({"case": name, **infos[lab]}, timed, lab, args.seed)
+                vs = ""
+                if args.variants and lab != base and base in ours and base not in timed["errors"]:
+                    per = [fwd_bench.median(a) / fwd_bench.median(b) for a, b in
+                           zip(timed["raw"][base], timed["raw"][lab])]
+                    vlo, vhi = fwd_bench.bootstrap_ci(per, seed=args.seed)
+                    row.update(ratio_vs_default=fwd_bench.median(per),
+                               ratio_vs_default_ci=[vlo, vhi])
+                    vs = f"  vs today {row['ratio_vs_default']:.3f} [{vlo:.3f}, {vhi:.3f}]"
+                label = f"{stage:>10} {name:<22}" + (f" {lab:<15}" if args.variants else "")
+                print(f"{label} {row['tflops']:7.1f} TFLOP/s  cuDNN {row['cudnn_tflops']:7.1f}"
+                      f"  ratio {row['ratio']:.3f} [{row['ratio_ci'][0]:.3f}, "
+                      f"{row['ratio_ci'][1]:.3f}]{vs}")
+                result["rows"].append(row)
             del ours, peer
             torch.cuda.empty_cache()
     return result
@@ -158,17 +216,29 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", default="dense,causal,d64,d256,gqa,deterministic")
     ap.add_argument("--stages", default="production")
+    ap.add_argument("--variants", default="",
+                    help="'all', or names from ptxattn.bwd_builds.VARIANT_NAMES: time them "
+                         "against today's build and cuDNN (see the docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if args.variants.strip() == "all":
+        args.variants = list(bwd_builds.VARIANT_NAMES)
+    else:
+        args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in args.variants:
+        if v not in bwd_builds.VARIANT_NAMES:
+            ap.error(f"--variants: unknown variant {v!r} (known: "
+                     f"{', '.join(bwd_builds.VARIANT_NAMES)})")
     for c in args.cases:
         if c not in CASES:
             ap.error(f"--cases: unknown case {c!r} (known: {', '.join(CASES)})")
     result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{time.strftime('%Y-%m-%d')}-h200-backward.json"
+    suffix = "-variants" if args.variants else ""
+    path = out / f"{time.strftime('%Y-%m-%d')}-h200-backward{suffix}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0

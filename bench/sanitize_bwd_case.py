@@ -11,7 +11,7 @@
         "case NAME: PASS|FAIL ..."; exit 0 PASS, 1 FAIL, 2 bad arguments.
 
 Cases: each lineage stage and each production build (D 64/128/256, masked and not), ragged
-lengths, GQA, the deterministic mode. Control: stage b1 built with -D PTXATTN_PLANT_HAZARD=1
+lengths, GQA, the deterministic mode, and each build-table variant (bwd_builds.VARIANTS). Control: stage b1 built with -D PTXATTN_PLANT_HAZARD=1
 (its dS^T barrier dropped plus a plain load of the other consumer's dS^T word): racecheck must
 flag it.
 """
@@ -39,6 +39,18 @@ CASES = {
     "d256_causal_top_left": (None, 1, 2, 2, 90, 200, 256,
                              {"causal": True, "diagonal": "top_left"}, {}),
     "d128_deterministic": (None, 1, 2, 2, 200, 384, 128, {"deterministic": True}, {}),
+    # the build table's variants (bwd_builds.VARIANTS): the shared P^T / dS^T tiles of the
+    # query split, the next S^T issued ahead, dQ added from registers
+    "d128_st_ahead_causal": (None, 1, 2, 1, 200, 257, 128,
+                             {"variant": "st_ahead", "causal": True}, {}),
+    "d64_st_ahead_deterministic": (None, 1, 2, 2, 300, 200, 64,
+                                   {"variant": "st_ahead", "deterministic": True}, {}),
+    "d256_qsplit_window": (None, 1, 2, 1, 150, 129, 256,
+                           {"variant": "qsplit", "window": (40, 3)}, {}),
+    "d256_qsplit_deterministic": (None, 1, 2, 2, 130, 200, 256,
+                                  {"variant": "qsplit", "deterministic": True}, {}),
+    "d256_qsplit_dqred": (None, 1, 3, 1, 150, 129, 256, {"variant": "qsplit_dqred"}, {}),
+    "d128_dqred_gqa": (None, 1, 4, 2, 130, 257, 128, {"variant": "dqred"}, {}),
 }
 CONTROLS = {"b1_hazard": ("b1", 1, 2, 2, 128, 256, 128, {}, {"PTXATTN_PLANT_HAZARD": "1"})}
 
@@ -50,7 +62,7 @@ def run(name: str) -> int:
     from ptxattn import backward, driver
     from ptxattn.reference_backward import attention_backward_reference
     stage, B, H, Hkv, Lq, Lk, D, kw, defines = {**CASES, **CONTROLS}[name]
-    mask = {k: v for k, v in kw.items() if k != "deterministic"}
+    mask = {k: v for k, v in kw.items() if k not in ("deterministic", "variant")}
     q, k, v, out, lse, dout = inputs(B, H, Hkv, Lq, Lk, D, seed=7, **mask)
     if defines:       # a build with its defines (the controls): swap in the kernel
         original = backward.kernel

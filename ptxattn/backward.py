@@ -69,6 +69,7 @@ class BackwardPlan:
     stage: Stage
     stream: int
     stream_object: object = None
+    variant: str | None = None       # the production build's row of the table (None: today's)
 
     @property
     def masked(self) -> bool:
@@ -81,8 +82,9 @@ class BackwardPlan:
 
     @property
     def tiles(self) -> bwd_builds.Build:
-        """The head dim's build: its tiles (the lineage's, at D = 128, are the same)."""
-        return bwd_builds.build(self.head_dim)
+        """The head dim's build (and variant): its tiles (the lineage's, at D = 128, are
+        today's build's)."""
+        return bwd_builds.build(self.head_dim, self.variant)
 
     block_m = property(lambda self: self.tiles.block_m, doc="query rows a step")
     block_n = property(lambda self: self.tiles.block_n, doc="keys a CTA")
@@ -140,7 +142,7 @@ def _pick(stage, plan_args: dict) -> Stage:
 
 
 def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagonal,
-              deterministic, stream, stage) -> BackwardPlan:
+              deterministic, stream, stage, variant=None) -> BackwardPlan:
     if not isinstance(layout, str) or layout.lower() not in LAYOUTS:
         raise ValueError(f"layout: expected 'bhld' (batch, heads, seq, head_dim) or 'bshd' "
                          f"(batch, seq, heads, head_dim), got {layout!r}")
@@ -184,11 +186,20 @@ def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagona
     empty = lq == 0 or h == 0 or b == 0
     chosen = _pick(stage, dict(head_dim=d, seq_q=lq, seq_k=lk, gqa=hk != h,
                                masked=(left, right) != (-1, -1), deterministic=deterministic))
+    if variant is not None:
+        if not chosen.production:
+            raise ValueError(f"variant: build variants are the production kernel's; "
+                             f"{chosen.title} has none (got variant={variant!r})")
+        row = bwd_builds.build(d, variant)       # a ValueError naming the variant, or its row
+        if deterministic and not row.deterministic:
+            raise ValueError(f"variant: {variant!r} adds dQ from the consumers' registers in no "
+                             f"fixed order, so it cannot run deterministic=True; give "
+                             f"deterministic=False or another variant")
     plan = BackwardPlan(host, arrays["q"], arrays["k"], arrays["v"], arrays["out"],
                         arrays["lse"], arrays["dout"], layout, b, h, hk, lq, lk, d,
                         _scale_value(scale, d), (left, right),
                         lk - lq if diagonal == "bottom_right" else 0, deterministic, chosen,
-                        handle, stream)
+                        handle, stream, variant)
     if not host and not empty:
         for name, heads, seq, rows in (("q", h, lq, plan.block_m), ("k", hk, lk, plan.block_n),
                                        ("v", hk, lk, plan.block_n), ("out", h, lq, 64),
@@ -239,15 +250,18 @@ def kernel(file: str, entry: str, defines: dict | None = None, smem_bytes: int =
         return _FUNCTIONS[key]
 
 
-def defines_for(plan_or_stage, head_dim: int | None = None, masked: bool = False) -> dict:
-    """The preprocessor defines of a main-kernel build (the production kernel: per head dim
-    and mask; a lineage stage: none)."""
+def defines_for(plan_or_stage, head_dim: int | None = None, masked: bool = False,
+                variant: str | None = None) -> dict:
+    """The preprocessor defines of a main-kernel build (the production kernel: per head dim,
+    mask and build-table variant; a lineage stage: none)."""
     stage = plan_or_stage.stage if isinstance(plan_or_stage, BackwardPlan) else plan_or_stage
     if isinstance(plan_or_stage, BackwardPlan):
         head_dim, masked = plan_or_stage.head_dim, plan_or_stage.masked
+        variant = plan_or_stage.variant
     if not stage.production:
         return {}
-    return {"HEAD_DIM": str(head_dim), **({"PTXATTN_MASKED": "1"} if masked else {})}
+    return {"HEAD_DIM": str(head_dim), **({"PTXATTN_MASKED": "1"} if masked else {}),
+            **bwd_builds.build(head_dim, variant).defines}
 
 
 # --------------------------------------------------------------------------- launch
@@ -406,7 +420,7 @@ def build(plan: BackwardPlan, allocator=None) -> PreparedBackward:
         return prepared
     ctx = driver.context()
     stage, defines = plan.stage, defines_for(plan)
-    smem = stage.smem_for(plan.head_dim)
+    smem = stage.smem_for(plan.head_dim, plan.variant)
     if smem > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {smem} bytes of shared memory per CTA; this "
                            f"GPU allows {ctx.max_smem_optin}")
@@ -490,10 +504,14 @@ def build(plan: BackwardPlan, allocator=None) -> PreparedBackward:
 def prepare_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bhld",
                      causal: bool = False, window=None, diagonal: str = "bottom_right",
                      deterministic: bool = False, stream=None, stage=None,
-                     allocator=None) -> PreparedBackward:
+                     allocator=None, variant=None) -> PreparedBackward:
     """Validate, copy NumPy inputs in, allocate outputs and workspaces, build the launches.
     Arguments as for attention_backward; stage=None is the production kernel, "b1".. a
     lineage stage (head dim 128, no mask, no GQA, Lq % 64 == 0, Lk % 128 == 0).
+
+    variant: a row of the production kernel's build table other than today's (a name in
+    bwd_builds.VARIANT_NAMES, e.g. "qsplit" at head dim 256), for measuring it against
+    today's build in one process; None (or "default") is today's build.
 
     allocator(shape, dtype) -> array: for device inputs, where dq, dk, dv and every workspace
     come from (dtype a NumPy dtype: bfloat16 or float32; the array contiguous, 16-byte
@@ -503,7 +521,7 @@ def prepare_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bhld
     memory of the library's own (tensors.empty). Ignored for NumPy inputs."""
     return build(_validate(q, k, v, out, lse, dout, scale=scale, layout=layout, causal=causal,
                            window=window, diagonal=diagonal, deterministic=deterministic,
-                           stream=stream, stage=stage), allocator)
+                           stream=stream, stage=stage, variant=variant), allocator)
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, layout: str = "bhld",

@@ -11,7 +11,28 @@ warpgroups share the work in one of two ways (`key_split`):
     twice) because 64 keys x 256 columns of dK plus dV are 256 fp32 registers a thread in one
     warpgroup, more than the 240 setmaxnreg leaves a consumer. FlashAttention-3 keeps all five
     GEMMs single at D = 256 by computing dK^T and dV^T (A = dO^T, Q^T from shared memory,
-    P and dS written to shared memory), 64 x 80 tiles: the next thing to try here.
+    P and dS written to shared memory), 64 x 80 tiles.
+
+Variants (VARIANTS: a build per head dim it applies to, picked by name at launch, so that one
+process can time today's build against them; `defines` selects a row in bwd.ptx):
+
+  - query_split ("qsplit", D = 256): no GEMM runs twice. Consumer c computes S^T and dP^T of
+    its 32 queries of the block (m64n32: the 64 keys x queries 32c..32c+31), P^T and dS^T of
+    them, and writes both halves to shared memory; dV and dK keep the D split (64 keys x 128
+    columns each) and take their 4 k-steps of queries half from the consumer's own registers
+    (RS) and half from the other consumer's tile (SS, after a barrier). Five GEMM units a
+    block instead of seven, and half the exponentials a consumer.
+  - qsplit_dqred (D = 256): qsplit with dQ added from the consumers' registers
+    (red.global.add.v2.f32 into the accumulator, in its layout) instead of through the 64 KiB
+    staging tile and the dQ warp; the freed shared memory holds a second Q / dO stage. No
+    deterministic order (prepare_backward refuses deterministic=True on it).
+  - dqred (D = 64, 128): today's tiles, dQ added from the consumers' registers as in
+    qsplit_dqred; the staging tile's 64 KiB a block of stores and bulk reads leave shared
+    memory. Not deterministic either.
+  - st_ahead (D = 64, 128): the next block's S^T is issued as soon as this block's dV and dK
+    are done, so that it runs under this block's dQ and the dQ hand-off to the dQ warp; dP^T
+    follows at the top of the next block. The Q / dO stage is released before dQ finishes
+    (dQ reads dS^T and K only; qsplit releases it there too).
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
 block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2).
@@ -23,7 +44,7 @@ lives in one place. tests/test_backward_builds.py checks the header against the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 THREADS = 384                # a producer warpgroup (a load warp, a dQ warp) + 2 consumers
 CONSUMERS = 2
@@ -47,8 +68,37 @@ class Build:
     # dV += P^T dO issued before dS^T is computed (it runs under that math), which keeps the
     # packed P^T live beside S^T and dP^T; off where that does not fit the registers (D = 64)
     early_dv: bool = True
+    query_split: bool = False  # D split only: S^T and dP^T split by queries (module docstring)
+    st_ahead: bool = False     # the next block's S^T issued under this block's dQ
+    dq_red: bool = False       # dQ added from the consumers' registers: no staging tile
+    variant: str = "default"   # the build table's name for this row (VARIANTS)
+
+    @property
+    def layout_defines(self) -> dict[str, str]:
+        """The -D switches that select this build's block of gen_bwd_layout.ptxh beside
+        HEAD_DIM (the ones that change tiles or offsets; {} for today's builds)."""
+        return {**({"PTXATTN_BWD_QSPLIT": "1"} if self.query_split else {}),
+                **({"PTXATTN_BWD_DQRED": "1"} if self.dq_red else {})}
+
+    @property
+    def defines(self) -> dict[str, str]:
+        """Every -D switch of this build beside HEAD_DIM (and PTXATTN_MASKED): its layout's, and
+        the schedule's that bwd.ptx reads alone."""
+        return {**self.layout_defines,
+                **({"PTXATTN_BWD_ST_AHEAD": "1"} if self.st_ahead else {})}
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether deterministic=True can run on this build: the dQ warp orders the adds of the
+        staging tile; adds from the consumers' registers (dq_red) have no order."""
+        return not self.dq_red
 
     # ---- the split of the work between the two consumers
+    @property
+    def score_cols(self) -> int:
+        """Query columns of one consumer's S^T and dP^T: the block's, or half of it."""
+        return self.block_m // 2 if self.query_split else self.block_m
+
     @property
     def dkv_cols(self) -> int:
         """Columns of dK and dV in one consumer's accumulators (its 64 keys)."""
@@ -72,7 +122,7 @@ class Build:
     # ---- registers per consumer thread (fp32 accumulators and bf16 pairs)
     @property
     def registers(self) -> dict[str, int]:
-        s = CONSUMER_ROWS * self.block_m // 128
+        s = CONSUMER_ROWS * self.score_cols // 128
         return {"S^T (then P^T)": s, "dP^T (then dS^T)": s,
                 "P^T packed": s // 2, "dS^T packed": s // 2,
                 "dV": CONSUMER_ROWS * self.dkv_cols // 128,
@@ -83,12 +133,15 @@ class Build:
     def peak_registers(self) -> int:
         """The most that is live at once, by the schedule (production's consumer): dV, dK, S^T
         (P^T), dP^T (dS^T), and with early_dv the packed P^T that the in-flight dV GEMM reads;
-        dQ lives once S^T and dP^T are dead."""
+        dQ lives once S^T and dP^T are dead (with query_split beside both packed halves, the
+        A fragments of the RS k-steps); with st_ahead the next block's S^T beside dQ."""
         r = self.registers
         at_ds = r["dV"] + r["dK"] + r["S^T (then P^T)"] + r["dP^T (then dS^T)"] + \
             (r["P^T packed"] if self.early_dv else 0)
-        at_dq = r["dV"] + r["dK"] + r["dS^T packed"] + r["dQ"]
-        return max(at_ds, at_dq)
+        at_dq = r["dV"] + r["dK"] + r["dS^T packed"] + r["dQ"] + \
+            (r["P^T packed"] if self.query_split else 0)
+        ahead = r["dV"] + r["dK"] + r["dQ"] + r["S^T (then P^T)"] if self.st_ahead else 0
+        return max(at_ds, at_dq, ahead)
 
     # ---- shared memory
     @property
@@ -103,8 +156,10 @@ class Build:
         """Offset of every region from the 1024-aligned base, the barriers last; "end" is the
         end of the barriers, "smem_bytes" what a launch asks for (end + SLACK)."""
         t = self.tile_bytes
+        p = [("P", 2 * t["dS"])] if self.query_split else []   # P^T beside dS^T, two buffers
+        dq = [] if self.dq_red else [("dQ", t["dQ"])]           # the dQ staging tile
         return place([("K", t["K"]), ("V", t["V"]), ("Q", self.q_stages * t["Q"]),
-                      ("dO", self.q_stages * t["dO"]), ("dS", 2 * t["dS"]), ("dQ", t["dQ"]),
+                      ("dO", self.q_stages * t["dO"]), ("dS", 2 * t["dS"]), *p, *dq,
                       ("LSE", self.q_stages * t["LSE"]), ("delta", self.q_stages * t["delta"])],
                      [("BAR_KV_FULL", 1), ("BAR_Q_FULL", self.q_stages),
                       ("BAR_Q_EMPTY", self.q_stages)])
@@ -156,13 +211,60 @@ BUILDS: dict[int, Build] = {b.head_dim: b for b in (
 
 HEAD_DIMS = tuple(sorted(BUILDS))
 
+DEFAULT_VARIANT = "default"
+_QSPLIT_WHY = ("the D = 256 tiles; S^T and dP^T split by queries (m64n32: 32 of the block's 64 "
+               "queries a consumer), P^T and dS^T halves through shared memory (two 8 KiB "
+               "buffers more), dV and dK half RS, half SS: 5 GEMM units a block, not 7")
+_AHEAD_WHY = "; the next block's S^T issued under this block's dQ and its hand-off"
+_DQRED_WHY = ("; dQ added from the consumers' registers (red.global.add, FlashAttention-3's D = "
+              "256 path): the 64 KiB staging tile pays for a second Q/dO stage, so the next "
+              "block loads under this one (no deterministic order)")
+VARIANTS: dict[str, dict[int, Build]] = {
+    # (D = 256 has its st_ahead in qsplit_st_ahead: its own D-split build would hold dV, dK,
+    # dQ (64 each) and the next S^T (32) at once, 224 registers before any address)
+    "st_ahead": {d: replace(BUILDS[d], st_ahead=True, variant="st_ahead",
+                            why=BUILDS[d].why + _AHEAD_WHY) for d in (64, 128)},
+    "qsplit": {256: replace(BUILDS[256], query_split=True, variant="qsplit", why=_QSPLIT_WHY)},
+    "qsplit_dqred": {256: replace(BUILDS[256], query_split=True, dq_red=True, q_stages=2,
+                                  variant="qsplit_dqred", why=_QSPLIT_WHY + _DQRED_WHY)},
+    # (the 32 KiB staging tile would not pay for a stage more at D = 64, 128: Q_STAGES is a
+    # power of two and 4 do not fit; what goes is its 64 KiB of shared-memory traffic a block)
+    "dqred": {d: replace(BUILDS[d], dq_red=True, variant="dqred",
+                         why=BUILDS[d].why + "; dQ added from the consumers' registers "
+                         "(red.global.add): no staging tile, no hand-off to the dQ warp")
+              for d in (64, 128)},
+}
+VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
-def build(head_dim: int) -> Build:
-    try:
-        return BUILDS[head_dim]
-    except KeyError:
-        raise ValueError(f"q: head dim {head_dim} has no backward build (takes "
-                         f"{', '.join(map(str, HEAD_DIMS))})") from None
+
+def all_builds() -> list[Build]:
+    """Every build the production backward can be launched with: today's per head dim, then
+    each variant's."""
+    return [BUILDS[d] for d in HEAD_DIMS] + [b for rows in VARIANTS.values()
+                                             for _, b in sorted(rows.items())]
+
+
+def variants_for(head_dim: int) -> tuple[str, ...]:
+    """The variant names that have a build at this head dim (today's first)."""
+    return tuple(v for v in VARIANT_NAMES if v == DEFAULT_VARIANT or head_dim in VARIANTS[v])
+
+
+def build(head_dim: int, variant: str | None = None) -> Build:
+    """The build of a head dim: today's (variant None or "default"), or a variant's."""
+    if variant is None or variant == DEFAULT_VARIANT:
+        try:
+            return BUILDS[head_dim]
+        except KeyError:
+            raise ValueError(f"q: head dim {head_dim} has no backward build (takes "
+                             f"{', '.join(map(str, HEAD_DIMS))})") from None
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(map(repr, VARIANT_NAMES))} (or "
+                         f"None, today's build), got {variant!r}")
+    rows = VARIANTS[variant]
+    if head_dim not in rows:
+        raise ValueError(f"variant: {variant!r} has no build at head dim {head_dim} (it has "
+                         f"{', '.join(map(str, sorted(rows)))})")
+    return rows[head_dim]
 
 
 def dq_accum_offset(row, col, head_dim: int, block_m: int, dq_cols: int):
@@ -212,8 +314,8 @@ class Stage:
     def predecessor(self) -> int | None:
         return self.number - 1 if self.number > 1 else None
 
-    def smem_for(self, head_dim: int) -> int:
-        return build(head_dim).smem_bytes if self.production else self.smem_bytes
+    def smem_for(self, head_dim: int, variant: str | None = None) -> int:
+        return build(head_dim, variant).smem_bytes if self.production else self.smem_bytes
 
     def unsupported(self, head_dim: int, seq_q: int, seq_k: int, *, gqa: bool, masked: bool,
                     deterministic: bool) -> tuple[str, str] | None:

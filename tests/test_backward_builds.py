@@ -29,14 +29,20 @@ def test_a_hand_edit_is_caught(tmp_path):
     assert ptxgen_bwd.stale(tmp_path) == ["gen_bwd_n64.ptxh"]
 
 
-@pytest.mark.parametrize("d", sorted(BUILDS))
-def test_every_build_fits_an_sm(d):
-    b = BUILDS[d]
+ALL = bwd_builds.all_builds()
+ALL_IDS = [f"d{b.head_dim}-{b.variant}" for b in ALL]
+
+
+@pytest.mark.parametrize("b", ALL, ids=ALL_IDS)
+def test_every_build_fits_an_sm(b):
     lay = b.layout()
     assert lay["smem_bytes"] <= bwd_builds.MAX_SMEM, lay
     assert b.peak_registers + 16 <= bwd_builds.CONSUMER_REGS, b.registers   # + addresses
-    for name in ("K", "V", "Q", "dO", "dS", "dQ"):
+    tiles = ["K", "V", "Q", "dO", "dS"] + (["P"] if b.query_split else []) + \
+        ([] if b.dq_red else ["dQ"])
+    for name in tiles:
         assert lay[name] % 1024 == 0, name
+    assert ("dQ" in lay) != b.dq_red and ("P" in lay) == b.query_split
     assert b.block_m <= 256 and b.block_n <= 256                 # TMA box rows
     assert b.block_n == 2 * CONSUMER_ROWS if b.key_split else b.block_n == CONSUMER_ROWS
     assert b.dq_cols >= 64 and b.dkv_cols >= 64                  # whole 128-byte swizzle rows
@@ -44,18 +50,41 @@ def test_every_build_fits_an_sm(d):
     assert 2 * CONSUMER_ROWS * b.dkv_cols * 2 <= b.tile_bytes["K"]
 
 
-@pytest.mark.parametrize("d", sorted(BUILDS))
-def test_the_layout_header_is_the_table(d):
+@pytest.mark.parametrize("b", ptxgen_bwd.layout_rows(),
+                         ids=[f"d{b.head_dim}-{b.variant}" for b in ptxgen_bwd.layout_rows()])
+def test_the_layout_header_is_the_table(b):
     text = (ptx_root() / "sm90/include/gen_bwd_layout.ptxh").read_text()
-    block = text.split(f"HEAD_DIM == {d}\n", 1)[1].split("#elif", 1)[0].split("#else", 1)[0]
+    cond = ptxgen_bwd.block_condition(b)
+    block = text.split(f"if {cond}\n", 1)[1].split("#elif", 1)[0].split("#else", 1)[0]
     defs = dict(re.findall(r"#define (\w+)\s+(\d+)\n", block))
-    b = BUILDS[d]
     for name, value in b.layout().items():
         key = "SMEM_END" if name == "end" else "SMEM_BYTES" if name == "smem_bytes" \
             else f"SMEM_{name.upper()}"
         assert int(defs[key]) == value, key
     assert int(defs["BLOCK_M"]) == b.block_m and int(defs["BLOCK_N"]) == b.block_n
-    assert int(defs["Q_STAGE_TX"]) == b.q_stage_tx
+    assert int(defs["Q_STAGE_TX"]) == b.q_stage_tx and int(defs["Q_STAGES"]) == b.q_stages
+    assert int(defs["QUERY_SPLIT"]) == b.query_split and int(defs["DQ_RED"]) == b.dq_red
+    assert int(defs["SCORE_COLS"]) == b.score_cols
+    assert ("SMEM_DQ" in defs) != b.dq_red
+
+
+def test_every_build_lands_in_its_own_block():
+    """Expanding the layout header with a build's defines gives that build's offsets (the
+    blocks' conditions are exclusive and complete), for every build of the table."""
+    from ptxattn import ptx
+    from ptxattn.backward import defines_for
+    inc = ptx_root() / "sm90/include"
+    for b in bwd_builds.all_builds():
+        probe = inc.parent / "production" / "_probe_layout.ptx"
+        text = '#include "gen_bwd_layout.ptxh"\nSMEM_BYTES Q_STAGES QUERY_SPLIT DQ_RED\n'
+        probe.write_text(text)
+        try:
+            got = ptx.expand_file(probe, [inc], defines_for(bwd_builds.PRODUCTION, b.head_dim,
+                                                            False, b.variant)).text.split()
+        finally:
+            probe.unlink()
+        assert got[-4:] == [str(b.smem_bytes), str(b.q_stages), str(int(b.query_split)),
+                            str(int(b.dq_red))], (b.head_dim, b.variant, got[-4:])
 
 
 ACCUMULATORS = [(d, b.block_m, b.dq_cols) for d, b in BUILDS.items()] + [(128, 64, 64)]
@@ -118,7 +147,7 @@ def test_dq_store_macros_write_the_accumulator_layout(n, to):
                     assert at + k == want, (thread, s, reg)
 
 
-@pytest.mark.parametrize("n", ptxgen_bwd.ACC_WIDTHS)
+@pytest.mark.parametrize("n", ptxgen_bwd.ACC_WIDTHS + (ptxgen_bwd.HALF,))
 def test_probabilities_read_their_query_columns(n):
     """SOFTMAX_PT / DS_N: value i of the score tile takes the neg_lse / delta of its column
     8 * (i >> 2) + (i & 1) (+ the thread's 2 * (l % 4), in ADDR)."""
@@ -163,3 +192,37 @@ def test_the_lineage_tiles_are_the_d128_build():
     b = BUILDS[bwd_builds.LINEAGE_HEAD_DIM]
     assert (b.block_m, b.block_n) == (bwd_builds.LINEAGE_BLOCK_M, bwd_builds.LINEAGE_BLOCK_N)
     assert b.key_split and b.dq_cols == 64 and b.dkv_cols == 128
+
+
+@pytest.mark.parametrize("consumer", [0, 1])
+@pytest.mark.parametrize("name", ["STMATRIX_PT_N32", "STMATRIX_DST_N32"])
+def test_a_half_tile_lands_in_its_consumers_columns(name, consumer):
+    """A query-split consumer's stmatrix of its 64 keys x 32 queries: with %q_swz = %st_swz ^
+    4c, lane group g of k-step t writes the 16-byte chunk of columns 32c + 16t + 8(g // 2) of
+    its key row, at its 128-byte swizzled place (chunk ^ row % 8), and the two consumers'
+    chunks tile every row exactly once."""
+    body = _macro_body(ptxgen_bwd.headers()["gen_bwd_n32.ptxh"], name)
+    seen = {}
+    for c in (0, 1):
+        for warp in range(4):
+            for lane in range(32):
+                row = warp * 16 + (lane & 15)
+                st_swz = (lane >> 4) ^ (row & 7)
+                regs = {"%q_swz": st_swz ^ (4 * c), "%p_row_0": row * 128, "%ds_row_0": row * 128}
+                t = 0
+                for s in body:
+                    op, *a = re.split(r"[ ,]+", s.replace("{", "").replace("}", ""))
+                    if op == "xor.b32":
+                        regs[a[0]] = regs[a[1]] ^ int(a[2])
+                    elif op == "mad.lo.u32":
+                        regs[a[0]] = regs[a[1]] * int(a[2]) + regs[a[3]]
+                    else:
+                        addr = regs[a[0].strip("[]")]
+                        r, chunk = divmod(addr, 128)
+                        logical = (chunk // 16) ^ (r % 8)
+                        want = (32 * c + 16 * t + 8 * (lane >> 4)) // 8
+                        assert r == row and logical == want, (c, lane, t, logical, want)
+                        seen[(r, logical)] = seen.get((r, logical), 0) + 1
+                        t += 1
+    assert sorted(seen) == [(r, k) for r in range(64) for k in range(8)]
+    assert set(seen.values()) == {1}

@@ -25,9 +25,12 @@ needs_ptxas = pytest.mark.skipif(sass.locate("ptxas") is None, reason="ptxas not
 KERNELS = [("preprocess", *backward.PREPROCESS[:1], {}, backward.PREPROCESS[1], 64),
            ("postprocess", *backward.POSTPROCESS[:1], {}, backward.POSTPROCESS[1], 64)]
 KERNELS += [(s.label, s.file, {}, backward.ENTRY, 255) for s in bwd_builds.STAGES]
-KERNELS += [(f"production_d{d}{'_masked' if masked else ''}", bwd_builds.PRODUCTION.file,
-             backward.defines_for(bwd_builds.PRODUCTION, d, masked), backward.ENTRY, 168)
-            for d in bwd_builds.HEAD_DIMS for masked in (False, True)]
+KERNELS += [(f"production_d{b.head_dim}{'_masked' if masked else ''}"
+             + ("" if b.variant == bwd_builds.DEFAULT_VARIANT else f"_{b.variant}"),
+             bwd_builds.PRODUCTION.file,
+             backward.defines_for(bwd_builds.PRODUCTION, b.head_dim, masked, b.variant),
+             backward.ENTRY, 168)
+            for b in bwd_builds.all_builds() for masked in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +117,11 @@ def _call(stage, head_dim, Lq, Lk, H=4, Hkv=4, layout="bhld", **kw):
 
 CALLS = [(s.label, 128, 192, 256, {}) for s in bwd_builds.STAGES]
 CALLS += [(None, 64, 200, 300, {}), (None, 128, 100, 1000, dict(causal=True, H=4, Hkv=2)),
-          (None, 256, 77, 129, dict(window=(8, 0), deterministic=True, H=4, Hkv=1))]
+          (None, 256, 77, 129, dict(window=(8, 0), deterministic=True, H=4, Hkv=1)),
+          (None, 128, 100, 300, dict(variant="st_ahead", causal=True)),
+          (None, 256, 77, 129, dict(variant="qsplit", deterministic=True, H=4, Hkv=2)),
+          (None, 256, 200, 129, dict(variant="qsplit_dqred", H=4, Hkv=1)),
+          (None, 64, 200, 300, dict(variant="dqred", window=(20, 5)))]
 
 
 @pytest.mark.parametrize("stage,head_dim,Lq,Lk,kw", CALLS)
@@ -135,7 +142,10 @@ def test_every_launch_passes_what_its_kernel_declares(fake_launches, stage, head
     assert pre.grid == post.grid == (rows // backward.STATS_ROWS_PER_CTA, plan.heads, 2)
     assert main.grid == (-(-Lk // plan.block_n), plan.heads_kv, 2)
     assert main.block == (plan.stage.threads, 1, 1)
-    assert main.smem == plan.stage.smem_for(head_dim)
+    assert main.smem == plan.stage.smem_for(head_dim, plan.variant)
+    if plan.stage.production:
+        assert main.smem == plan.tiles.smem_bytes and plan.tiles.variant == kw.get(
+            "variant", bwd_builds.DEFAULT_VARIANT)
     # the workspaces: (B, H, Lq_pad) stats, (B, H, Lq_pad, D) accumulator, fresh per call
     assert p.neg_lse.shape == p.delta.shape == (2, plan.heads, rows)
     assert p.dq_accum.shape == (2, plan.heads, rows, head_dim)

@@ -173,3 +173,38 @@ def test_empty_queries_plan_an_empty_call():
     dq, dk, dv = call(a)
     assert dq.shape == (B, H, 0, D) and (dk == 0).all() and (dv == 0).all()
     assert dk.shape == (B, H, L, D) and dk.dtype == BF16
+
+
+# --------------------------------------------------------------------------- build variants
+
+def d256(**over):
+    return args(**{n: host((B, H, L, 256)) for n in ("q", "k", "v", "out", "dout")}, **over)
+
+
+def test_a_variant_plans_its_build():
+    p = plan(d256(), variant="qsplit")
+    assert p.variant == "qsplit" and p.tiles.query_split and not p.tiles.dq_red
+    assert backward.defines_for(p) == {"HEAD_DIM": "256", "PTXATTN_BWD_QSPLIT": "1"}
+    assert plan(args(), variant="default").tiles is plan(args()).tiles
+    assert backward.defines_for(plan(args(), variant="st_ahead", causal=True)) == {
+        "HEAD_DIM": "128", "PTXATTN_MASKED": "1", "PTXATTN_BWD_ST_AHEAD": "1"}
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(variant="fast"), ("variant:", "'fast'", "qsplit", "st_ahead")),
+    (dict(variant=3), ("variant:", "3")),
+    (dict(variant="qsplit"), ("variant:", "'qsplit'", "head dim 128", "256")),
+    (dict(variant="st_ahead", stage="b3"), ("variant:", "b3", "production")),
+])
+def test_a_variant_that_does_not_apply_is_named(kw, words):
+    with raises(ValueError, *words):
+        plan(args(), **kw)
+
+
+def test_dqred_refuses_the_deterministic_order():
+    with raises(ValueError, "variant:", "qsplit_dqred", "deterministic"):
+        plan(d256(), variant="qsplit_dqred", deterministic=True)
+    assert plan(d256(), variant="qsplit", deterministic=True).deterministic
+    with raises(ValueError, "variant:", "deterministic"):     # the public prepare, too
+        backward.prepare_backward(*(d256()[n] for n in ("q", "k", "v", "out", "lse", "dout")),
+                                  variant="qsplit_dqred", deterministic=True)

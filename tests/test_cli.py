@@ -115,6 +115,23 @@ def test_sass_summary_of_the_production_kernel_names_its_build():
 
 
 @needs_sass
+def test_sass_of_the_backward_builds_and_variants():
+    """STAGE bwd is the production backward: its build from -d and --variant (the figures are
+    that build's: the query split's 230,936 bytes and its m64n32 S^T), b1..b3 its lineage."""
+    result = cli("sass", "bwd", "-d", "HEAD_DIM=256", "--variant", "qsplit", "--summary")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == "bwd_production (HEAD_DIM=256), variant qsplit"
+    assert "230936 B dynamic" in result.output and "spills        0 B stored" in result.output
+    grep = cli("sass", "bwd", "-d", "HEAD_DIM=256", "--variant", "qsplit", "--grep", "HGMMA")
+    assert "HGMMA.64x32x16" in grep.output, grep.output[-500:]
+    plain = cli("sass", "bwd", "--summary")
+    assert plain.output.splitlines()[0] == "bwd_production (HEAD_DIM=128)"
+    assert cli("sass", "b2", "--summary").output.splitlines()[0] == "b2 warp_specialized"
+    one_clean_error(cli("sass", "bwd", "--variant", "qsplit"), "variant", "head dim 128")
+    one_clean_error(cli("sass", "stage14", "--variant", "qsplit"), "--variant", "bwd")
+
+
+@needs_sass
 def test_sass_json():
     result = cli("sass", "1", "--json")
     assert result.exit_code == 0, result.output

@@ -122,10 +122,21 @@ def test_a_knob_value_may_cross_the_knob_with_other_defines():
 
 def test_the_decode_kernels_match_their_golden_fingerprints():
     """Every build of decode.ptx, combine.ptx and decode_append.ptx (per head dim, contiguous
-    and paged caches) expands to the stream recorded in the golden file: folding their macros
-    onto the production parts, or adding a build, leaves the other builds as they were."""
+    and paged caches), of the backward lineage and of the production backward (per head dim,
+    masked or not, every build-table variant) expands to the stream recorded in the golden
+    file: folding their macros onto the production parts, or adding a build, leaves the other
+    builds as they were."""
     expected = golden.load_kernels()
     actual = golden.compute_kernels()
     assert sorted(expected) == sorted(actual)
     diff = golden.differences(expected, actual)
-    assert not diff, "a decode kernel's expanded stream changed:\n  " + "\n  ".join(diff)
+    assert not diff, "a kernel's expanded stream changed:\n  " + "\n  ".join(diff)
+
+
+def test_the_golden_file_covers_every_backward_build():
+    from ptxattn import bwd_builds
+    names = {name for file, name, _ in golden.backward_builds()
+             if file == bwd_builds.PRODUCTION.file}
+    assert len(names) == 2 * len(bwd_builds.all_builds())
+    assert {"HEAD_DIM=128", "HEAD_DIM=256 PTXATTN_MASKED=1"} <= names
+    assert set(golden.load_kernels()["sm90/production/bwd.ptx"]) == names

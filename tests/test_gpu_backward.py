@@ -124,14 +124,14 @@ def test_smoke_every_build_launches_and_writes_every_element(D, masked):
 
 
 def case(B, H, Hkv, Lq, Lk, D=128, layout="bhld", seed=None, scale=None, deterministic=False,
-         **mask):
-    """Inputs, one backward, the bar; also rows with no key (dq exactly 0) and keys no query
-    sees (dk, dv exactly 0). Returns the gradients."""
+         variant=None, **mask):
+    """Inputs, one backward (today's build, or a build-table variant), the bar; also rows with
+    no key (dq exactly 0) and keys no query sees (dk, dv exactly 0). Returns the gradients."""
     seed = seed if seed is not None else (B * 131 + H * 17 + Hkv * 7 + Lq * 3 + Lk + D)
     q, k, v, out, lse, dout = inputs(B, H, Hkv, Lq, Lk, D, layout, seed=seed, scale=scale,
                                      **mask)
     grads = run(q, k, v, out, lse, dout, layout=layout, scale=scale,
-                deterministic=deterministic, **mask)
+                deterministic=deterministic, variant=variant, **mask)
     check_grads(grads, q, k, v, dout, layout=layout, scale=scale, **mask)
     dq, dk, dv = (g.astype(np.float32) for g in grads)
     ax = 2 if layout == "bhld" else 1

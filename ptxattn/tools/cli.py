@@ -451,7 +451,8 @@ def _build_title(stage, defines: dict | None) -> str:
         return f"{stage.label} {stage.name}"
     d = defines or {}
     masked = ", masked" if "PTXATTN_MASKED" in d else ""
-    return f"production (HEAD_DIM={d.get('HEAD_DIM') or 128}{masked})"
+    return f"{stage.label if stage.label == 'bwd_production' else 'production'} " \
+           f"(HEAD_DIM={d.get('HEAD_DIM') or 128}{masked})"
 
 
 @main.command()
@@ -465,8 +466,13 @@ def _build_title(stage, defines: dict | None) -> str:
               help="The summary as JSON (with --grep: plus the matching lines and their count).")
 @click.option("--arch", default=None, metavar="ARCH", help=_ARCH_HELP)
 @_define_option
-def sass(stage, summary, opcode, as_json, arch, defines):
-    """SASS of STAGE (ptxas + nvdisasm, offline, no GPU needed)."""
+@click.option("--variant", default=None, metavar="NAME",
+              help="STAGE bwd (the production backward) only: a row of its build table "
+                   "other than today's (ptxattn/bwd_builds.py VARIANTS, e.g. qsplit with "
+                   "-d HEAD_DIM=256, st_ahead).")
+def sass(stage, summary, opcode, as_json, arch, defines, variant):
+    """SASS of STAGE (ptxas + nvdisasm, offline, no GPU needed). STAGE bwd is the production
+    backward (-d HEAD_DIM=64|128|256, -d PTXATTN_MASKED, --variant), b1..b3 its lineage."""
     import json
 
     from . import sass as _sass
@@ -477,9 +483,18 @@ def sass(stage, summary, opcode, as_json, arch, defines):
     if opcode and as_json:
         raise click.UsageError("--grep and --json: give one (--json holds every class count; "
                                "--grep lists the instructions of one opcode)")
-    st, target = _resolve(stage, arch)
     chosen = _defines(defines)
-    result = _sass.inspect_stage(st, arch=target, defines=chosen)
+    if _sass.is_backward(stage):
+        try:
+            result = _sass.inspect_backward(stage, chosen, variant, arch)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="STAGE/--define/--variant") from None
+        target, st = arch or "sm_90a", result.stage
+    else:
+        if variant is not None:
+            raise click.UsageError("--variant applies to STAGE bwd (the production backward)")
+        st, target = _resolve(stage, arch)
+        result = _sass.inspect_stage(st, arch=target, defines=chosen)
     found = _sass.grep_pattern(result.sass, opcode, target or st.arch) if opcode else None
     matches = found.lines if found else None
     if as_json:
@@ -487,7 +502,8 @@ def sass(stage, summary, opcode, as_json, arch, defines):
         click.echo(json.dumps(data, indent=2))
         return
     if summary:
-        click.echo(_sass.format_summary(result.summary, _build_title(result.stage, chosen)))
+        title = _build_title(result.stage, chosen) + (f", variant {variant}" if variant else "")
+        click.echo(_sass.format_summary(result.summary, title))
     if matches is not None:
         for line in matches:
             click.echo(line)

@@ -127,7 +127,8 @@ def compute(stage_list=None, workers: int | None = None) -> dict[str, dict[str, 
 
 
 # Kernels outside the stage registry, with an ABI and a launcher of their own: the decode
-# family (ptxattn/decode_launch.py), one build per head dim and cache kind. Their streams are
+# family (ptxattn/decode_launch.py), one build per head dim and cache kind, and the backward
+# (ptxattn/backward.py: its lineage and every production build). Their streams are
 # fingerprinted the same way, so that folding their macros onto the production parts (or a new
 # build beside the old ones) is proven to leave the existing builds as they were.
 def kernel_builds() -> list[tuple[str, str, int, bool, str | None]]:
@@ -156,13 +157,31 @@ def kernel_builds() -> list[tuple[str, str, int, bool, str | None]]:
     return out
 
 
+def backward_builds() -> list[tuple[str, str, dict]]:
+    """(kernel file, build name, defines) of every backward build: the lineage stages b1-b3
+    (one build each) and every build of the production backward that bwd_builds can launch
+    (per head dim, masked or not, and each variant of the build table)."""
+    from .. import backward, bwd_builds as bb
+    out = [(st.file, "default", {}) for st in bb.STAGES]
+    for b in bb.all_builds():
+        for masked in (False, True):
+            defines = backward.defines_for(bb.PRODUCTION, b.head_dim, masked, b.variant)
+            out.append((bb.PRODUCTION.file, " ".join(f"{k}={v}" for k, v in defines.items()),
+                        defines))
+    return out
+
+
 def compute_kernels() -> dict[str, dict[str, dict]]:
-    """{kernel file: {build: {statements, sha256}}} for kernel_builds()."""
+    """{kernel file: {build: {statements, sha256}}} for kernel_builds() and
+    backward_builds()."""
+    from .. import backward
     from .. import decode_launch as dl
     result: dict[str, dict[str, dict]] = {}
     for file, name, d, paged, variant in kernel_builds():
         result.setdefault(file, {})[name] = fingerprint(dl.kernel_source(file, d, paged,
                                                                          variant))
+    for file, name, defines in backward_builds():
+        result.setdefault(file, {})[name] = fingerprint(backward.source(file, defines).text)
     return result
 
 

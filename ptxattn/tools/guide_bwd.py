@@ -64,7 +64,8 @@ def _sass_lines(cache, prev, stage) -> list[str]:
 
 
 def newest_run(results: Path = RESULTS) -> tuple[Path | None, dict | None]:
-    runs = sorted(results.glob("*-backward*.json"))
+    runs = sorted(p for p in results.glob("*-backward*.json")
+                  if not p.name.endswith("-variants.json"))     # (the build-table A/B runs)
     if not runs:
         return None, None
     return runs[-1], json.loads(runs[-1].read_text())

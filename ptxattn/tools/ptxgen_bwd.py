@@ -46,14 +46,19 @@ def _wgmma(n: int) -> str:
 
 # ---- per accumulator width N: fragments ------------------------------------------------------
 
-def fragment_header(n: int) -> str:
+def _accumulators(n: int, names) -> list[str]:
     regs = n // 2
     out: list[str] = []
-    for name, prefix, what in (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)"),
-                               ("DV", "dv", "dV"), ("DK", "dk", "dK"), ("DQ", "dq", "dQ")):
+    for name, prefix, what in names:
         out += _macro(f"{name}_ACC_N{n}", None, _reg_list(prefix, regs),
                       f"{what}: 64 rows x {n} columns, {regs} fp32 accumulators per thread")
-    # -- the score tile (keys x N queries): probabilities, dS, packing, masks, stmatrix
+    return out
+
+
+def _score_math(n: int) -> list[str]:
+    """The score tile's math (keys x N queries): probabilities, dS, packing, masks."""
+    regs = n // 2
+    out: list[str] = []
     body = []
     for j in range(n // 8):
         body.append(f"ld.shared.v2.f32 {{T0, T1}}, [ADDR+{32 * j}];")
@@ -90,16 +95,30 @@ def fragment_header(n: int) -> str:
                   "keys past Lk).\nBounds are b32 query columns relative to this thread's "
                   "first column, 2 * (lane % 4):\n_LO for the thread's first key row, _HI for "
                   "the row 8 below")
+    return out
+
+
+def _stmatrix_tile(name: str, frag: str, n: int, swz: str, rows: str, about: str) -> list[str]:
+    """A score tile's bf16 fragments (%frag) -> shared memory, keys in rows, 128-byte swizzled:
+    n / 16 stmatrix x4, 16 queries each; %<rows>_<b> the lane's key row in query block b."""
     body = []
     for t in range(n // 16):
-        body += [f"xor.b32 %tmp, %st_swz, {2 * (t % 4)};",
-                 f"mad.lo.u32 %st_addr, %tmp, 16, %ds_row_{t // 4};",
+        body += [f"xor.b32 %tmp, {swz}, {2 * (t % 4)};",
+                 f"mad.lo.u32 %st_addr, %tmp, 16, %{rows}_{t // 4};",
                  "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%st_addr], "
-                 f"{{%dst{4 * t}, %dst{4 * t + 1}, %dst{4 * t + 2}, %dst{4 * t + 3}}};"]
-    out += _macro(f"STMATRIX_DST_N{n}", None, body,
-                  f"dS^T (bf16) -> shared, 128-byte swizzled, keys in rows: {n // 16} stmatrix "
-                  "x4; %ds_row_b: this lane's key\nrow in query block b (64 columns), %st_swz: "
-                  "(lane / 16) ^ (row % 8). dQ reads the tile MN-major")
+                 f"{{%{frag}{4 * t}, %{frag}{4 * t + 1}, %{frag}{4 * t + 2}, %{frag}{4 * t + 3}}};"]
+    return _macro(name, None, body, about)
+
+
+def fragment_header(n: int) -> str:
+    regs = n // 2
+    out = _accumulators(n, (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)"),
+                            ("DV", "dv", "dV"), ("DK", "dk", "dK"), ("DQ", "dq", "dQ")))
+    out += _score_math(n)
+    out += _stmatrix_tile(f"STMATRIX_DST_N{n}", "dst", n, "%st_swz", "ds_row",
+                          f"dS^T (bf16) -> shared, 128-byte swizzled, keys in rows: {n // 16} "
+                          "stmatrix x4; %ds_row_b: this lane's key\nrow in query block b (64 "
+                          "columns), %st_swz: (lane / 16) ^ (row % 8). dQ reads the tile MN-major")
     # -- the dK / dV / dQ accumulators (64 rows x N columns)
     out += _macro(f"ZERO_DKV_N{n}", None,
                   [f"mov.f32 %{p}{i}, 0f00000000;" for p in ("dv", "dk") for i in range(regs)],
@@ -147,22 +166,72 @@ def fragment_header(n: int) -> str:
                     f"dK, dV, dQ of {n} columns).", out)
 
 
+HALF = 32                     # query columns of one consumer's scores in a query-split build
+
+
+def half_fragment_header() -> str:
+    """The score tile of a query-split build (bwd_builds.Build.query_split): one consumer's 64
+    keys x its 32 queries of the block, and its two halves' stores into the P^T and dS^T tiles
+    (the columns 32c..32c+31 of every 128-byte row: %q_swz = %st_swz ^ 4c)."""
+    n = HALF
+    out = _accumulators(n, (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)")))
+    out += _score_math(n)
+    for name, frag, rows, what in (("PT", "pt", "p_row", "P^T"), ("DST", "dst", "ds_row", "dS^T")):
+        out += _stmatrix_tile(f"STMATRIX_{name}_N{n}", frag, n, "%q_swz", rows,
+                              f"{what} half (bf16) -> its tile, 128-byte swizzled, keys in rows: "
+                              f"{n // 16} stmatrix x4 into\nthis consumer's 32 columns; "
+                              f"%{rows}_0: this lane's key row, %q_swz: ((lane / 16) ^ (row % 8))"
+                              " ^ 4c")
+    return _guarded(f"gen_bwd_n{n}.ptxh",
+                    f"Backward fragments of {n}-column score tiles (a query-split consumer's half "
+                    "of the block).", out)
+
+
 # ---- per head dim: the five GEMMs ----------------------------------------------------------
+
+def _score_gemm(n: int, d: int, acc: str, jumps: tuple[int, int]) -> list[str]:
+    """S^T or dP^T (acc ST / DPT) of N queries: D / 16 k-steps, both operands K-major, DA and
+    DB stepped 32 bytes along a swizzled row, then `jumps` to the next 64 of D."""
+    step = K_STEP * 2 // DESC_UNIT
+    body = [f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 0, 1, 1, 0, 0;"]
+    for t in range(1, d // K_STEP):
+        j = jumps if t % 4 == 0 else (step, step)
+        body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
+                 f"{_wgmma(n)} {acc}_ACC_N{n}, DA, DB, 1, 1, 1, 0, 0;"]
+    return body
+
+
+def _kv_gemm(cols: int, acc: str, frag: str | None, steps: int) -> list[str]:
+    """dV or dK (acc DV / DK) over `steps` k-steps of 16 queries, B read MN-major (DB steps 16
+    rows); A from the bf16 pairs %frag (RS) or, frag None, from the shared tile DA (SS,
+    K-major, 32 bytes a step)."""
+    body = []
+    for t in range(steps):
+        if t:
+            body += ([] if frag else [f"add.s64 DA, DA, {K_STEP * 2 // DESC_UNIT};"]) + \
+                [f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};"]
+        if frag:
+            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
+            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
+        else:
+            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, DA, DB, 1, 1, 1, 0, 1;")
+    return body
+
+
+def _jumps(b: bwd_builds.Build) -> tuple[int, int]:
+    """Descriptor steps from a row's last k-step to the next 64 of D: K/V tile, Q/dO tile."""
+    step = K_STEP * 2 // DESC_UNIT
+    return (b.block_n * ROW_BYTES // DESC_UNIT - 3 * step,
+            b.block_m * ROW_BYTES // DESC_UNIT - 3 * step)
+
 
 def gemm_header(b: bwd_builds.Build) -> str:
     d, bm, bn = b.head_dim, b.block_m, b.block_n
-    halves = d // 64
     step = K_STEP * 2 // DESC_UNIT                     # 32 bytes along a swizzled row
-    a_jump = bn * ROW_BYTES // DESC_UNIT - 3 * step    # next 64 of D in the K/V tile
-    b_jump = bm * ROW_BYTES // DESC_UNIT - 3 * step    # ... in the Q/dO tile
+    a_jump, b_jump = _jumps(b)                         # next 64 of D in the K/V, Q/dO tiles
     out: list[str] = []
     for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
-        body = [f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 0, 1, 1, 0, 0;"]
-        for t in range(1, d // K_STEP):
-            j = (a_jump, b_jump) if t % 4 == 0 else (step, step)
-            body += [f"add.s64 DA, DA, {j[0]};", f"add.s64 DB, DB, {j[1]};",
-                     f"{_wgmma(bm)} {acc}_ACC_N{bm}, DA, DB, 1, 1, 1, 0, 0;"]
-        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", body,
+        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", _score_gemm(bm, d, acc, (a_jump, b_jump)),
                       f"{what}: {d // K_STEP} k-steps over D; DA (K or V rows of this consumer, "
                       f"a {bn}-row tile) and DB\n(Q or dO, {bm} rows), both K-major, step {step} "
                       f"along a swizzled row, then {a_jump} / {b_jump} to the next 64 of D\n"
@@ -170,13 +239,7 @@ def gemm_header(b: bwd_builds.Build) -> str:
     cols = b.dkv_cols
     for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
                                   ("DK", "DK", "dst", "dK += dS^T Q")):
-        body = []
-        for t in range(bm // K_STEP):
-            if t:
-                body.append(f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};")
-            a = ", ".join(f"%{frag}{4 * t + j}" for j in range(4))
-            body.append(f"{_wgmma(cols)} {acc}_ACC_N{cols}, {{{a}}}, DB, 1, 1, 1, 1;")
-        out += _macro(f"{name}_GEMM_D{d}", "DB", body,
+        out += _macro(f"{name}_GEMM_D{d}", "DB", _kv_gemm(cols, acc, frag, bm // K_STEP),
                       f"{what}: {bm // K_STEP} k-steps of 16 queries (RS: A from %{frag}); DB "
                       f"(dO or Q read MN-major, {cols}\ncolumns) steps 16 rows; advanced in place")
     body = []
@@ -193,6 +256,39 @@ def gemm_header(b: bwd_builds.Build) -> str:
     return _guarded(f"gen_bwd_d{d}.ptxh", f"The backward's GEMMs at head dim {d}.", out)
 
 
+def query_split_gemm_header(b: bwd_builds.Build) -> str:
+    """The GEMMs of a query-split build that differ from its head dim's D-split ones: S^T and
+    dP^T over half the queries (m64n32), and dV, dK in two halves of k-steps (the consumer's
+    own queries RS from %pt / %dst, the other consumer's SS from its P^T / dS^T tile). dQ is
+    the D-split build's (gen_bwd_d<D>.ptxh)."""
+    d, bm, bn = b.head_dim, b.block_m, b.block_n
+    n = b.score_cols
+    step = K_STEP * 2 // DESC_UNIT
+    a_jump, b_jump = _jumps(b)
+    out: list[str] = []
+    for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
+        out += _macro(f"{name}_GEMM_D{d}Q", "DA, DB", _score_gemm(n, d, acc, (a_jump, b_jump)),
+                      f"{what} of this consumer's {n} queries: {d // K_STEP} k-steps over D; DA "
+                      f"(the {bn} keys' K or V rows) and DB\n(rows {n}c.. of the {bm}-row Q or "
+                      f"dO tile), both K-major, step {step} along a swizzled row, then {a_jump} / "
+                      f"{b_jump}\nto the next 64 of D (advanced in place: pass copies). The first "
+                      "step overwrites")
+    cols = b.dkv_cols
+    own = n // K_STEP                                   # k-steps of this consumer's queries
+    for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
+                                  ("DK", "DK", "dst", "dK += dS^T Q")):
+        out += _macro(f"{name}_OWN_GEMM_D{d}Q", "DB", _kv_gemm(cols, acc, frag, own),
+                      f"{what} over this consumer's own {n} queries: {own} k-steps (RS: A from "
+                      f"%{frag}); DB (dO or Q read\nMN-major, {cols} columns, from its first own "
+                      "query row) steps 16 rows; advanced in place")
+        out += _macro(f"{name}_OTHER_GEMM_D{d}Q", "DA, DB", _kv_gemm(cols, acc, None, own),
+                      f"{what} over the other consumer's {n} queries: {own} k-steps (SS: DA its "
+                      "half of the P^T or dS^T\ntile, K-major, 32 bytes a step; DB as for the own "
+                      "half, from the other's first query row);\nadvanced in place")
+    return _guarded(f"gen_bwd_d{d}q.ptxh",
+                    f"The backward's query-split GEMMs at head dim {d}.", out)
+
+
 # ---- the build table -----------------------------------------------------------------------
 
 def _log2(x: int) -> int:
@@ -200,20 +296,52 @@ def _log2(x: int) -> int:
     return x.bit_length() - 1
 
 
+LAYOUT_SWITCHES = ("PTXATTN_BWD_QSPLIT", "PTXATTN_BWD_DQRED")   # Build.layout_defines' names
+
+
+def layout_rows() -> list[bwd_builds.Build]:
+    """One build per block of gen_bwd_layout.ptxh: per head dim, each distinct layout of a
+    variant (its layout_defines), then today's."""
+    out = []
+    for d in bwd_builds.HEAD_DIMS:
+        seen = set()
+        for b in bwd_builds.all_builds():
+            key = tuple(sorted(b.layout_defines))
+            if b.head_dim == d and key and key not in seen:
+                seen.add(key)
+                out.append(b)
+        out.append(bwd_builds.BUILDS[d])
+    return out
+
+
+def block_condition(b: bwd_builds.Build) -> str:
+    """The #if of a build's block: its head dim, and for a variant's layout every layout
+    switch defined or not (so that no other build lands in it)."""
+    if not b.layout_defines:
+        return f"HEAD_DIM == {b.head_dim}"
+    return " && ".join([f"HEAD_DIM == {b.head_dim}"] + [
+        f"{'' if name in b.layout_defines else '!'}defined({name})" for name in LAYOUT_SWITCHES])
+
+
 def layout_header() -> str:
     out = ["// Which macros and offsets a head dim's build uses, and its shared memory in bytes",
-           "// from the 1024-aligned base. HEAD_DIM selects the block.", ""]
+           "// from the 1024-aligned base. HEAD_DIM selects the block; a variant of the build",
+           "// table whose tiles or offsets differ (bwd_builds.Build.layout_defines) has a block",
+           "// of its own, selected by its switches as well.", ""]
     first = True
-    for d, b in sorted(bwd_builds.BUILDS.items()):
+    for b in layout_rows():
+        d = b.head_dim
         lay = b.layout()
         t = b.tile_bytes
-        out.append(f"#{'if' if first else 'elif'} HEAD_DIM == {d}")
+        out.append(f"#{'if' if first else 'elif'} {block_condition(b)}")
         first = False
         out.append(f"// {b.why}")
         defs = [("BLOCK_M", b.block_m), ("BLOCK_M_SHIFT", _log2(b.block_m)),
                 ("BLOCK_N", b.block_n), ("BLOCK_N_SHIFT", _log2(b.block_n)),
-                ("KEY_SPLIT", int(b.key_split)), ("DKV_COLS", b.dkv_cols),
+                ("KEY_SPLIT", int(b.key_split)), ("QUERY_SPLIT", int(b.query_split)),
+                ("SCORE_COLS", b.score_cols), ("DKV_COLS", b.dkv_cols),
                 ("DQ_COLS", b.dq_cols), ("DQ_SPLIT_ROWS", int(b.dq_split_rows)),
+                ("DQ_RED", int(b.dq_red)),
                 ("Q_STAGES", b.q_stages), ("Q_STAGE_SHIFT", _log2(b.q_stages)),
                 ("KV_TILE_BYTES", t["K"]), ("Q_TILE_BYTES", t["Q"]),
                 ("DS_TILE_BYTES", t["dS"]), ("DQ_TILE_BYTES", t["dQ"]),
@@ -224,7 +352,8 @@ def layout_header() -> str:
         width = max(len(k) for k, _ in defs)
         out += [f"#define {k:<{width}} {v}" for k, v in defs]
         rows = {64: "64ROWS", 128: "128ROWS"}
-        s, c, q = b.block_m, b.dkv_cols, b.dq_cols
+        s, c, q = b.score_cols, b.dkv_cols, b.dq_cols
+        g = f"D{d}Q" if b.query_split else f"D{d}"      # the score GEMMs' macros
         out += [f"#define DESC_QDO_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_m]}   "
                 "// Q, dO read MN-major: LBO = BLOCK_M rows * 128 B",
                 f"#define DESC_K_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_n]}     "
@@ -234,19 +363,33 @@ def layout_header() -> str:
                 f"#define ST_ACC ST_ACC_N{s}", f"#define DPT_ACC DPT_ACC_N{s}",
                 f"#define ST_REGS {s // 2}", f"#define PT_REGS {s // 4}",
                 f"#define DKV_REGS {c // 2}", f"#define DQ_REGS {q // 2}",
-                f"#define ST_GEMM(DA, DB) ST_GEMM_D{d}(DA, DB)",
-                f"#define DPT_GEMM(DA, DB) DPT_GEMM_D{d}(DA, DB)",
-                f"#define DV_GEMM(DB) DV_GEMM_D{d}(DB)", f"#define DK_GEMM(DB) DK_GEMM_D{d}(DB)",
-                f"#define DQ_GEMM(DA, DB) DQ_GEMM_D{d}(DA, DB)",
+                f"#define ST_GEMM(DA, DB) ST_GEMM_{g}(DA, DB)",
+                f"#define DPT_GEMM(DA, DB) DPT_GEMM_{g}(DA, DB)"]
+        if b.query_split:
+            out += [f"#define DV_OWN_GEMM(DB) DV_OWN_GEMM_{g}(DB)",
+                    f"#define DK_OWN_GEMM(DB) DK_OWN_GEMM_{g}(DB)",
+                    f"#define DV_OTHER_GEMM(DA, DB) DV_OTHER_GEMM_{g}(DA, DB)",
+                    f"#define DK_OTHER_GEMM(DA, DB) DK_OTHER_GEMM_{g}(DA, DB)"]
+        else:
+            out += [f"#define DV_GEMM(DB) DV_GEMM_D{d}(DB)",
+                    f"#define DK_GEMM(DB) DK_GEMM_D{d}(DB)"]
+        out += [f"#define DQ_GEMM(DA, DB) DQ_GEMM_D{d}(DA, DB)",
                 f"#define SOFTMAX_PT(A, S, T0, T1) SOFTMAX_PT_N{s}(A, S, T0, T1)",
                 f"#define DS_TILE(A, T0, T1) DS_N{s}(A, T0, T1)",
                 f"#define PACK_PT PACK_PT_N{s}", f"#define PACK_DST PACK_DST_N{s}",
                 f"#define MASK_ST(A, B, C, D) MASK_ST_N{s}(A, B, C, D)",
-                f"#define STMATRIX_DST STMATRIX_DST_N{s}",
-                f"#define ZERO_DKV ZERO_DKV_N{c}", f"#define SCALE_DK(F) SCALE_DK_N{c}(F)",
+                f"#define STMATRIX_DST STMATRIX_DST_N{s}"]
+        if b.query_split:
+            out.append(f"#define STMATRIX_PT STMATRIX_PT_N{s}")
+        out += [f"#define ZERO_DKV ZERO_DKV_N{c}", f"#define SCALE_DK(F) SCALE_DK_N{c}(F)",
                 f"#define STMATRIX_DK STMATRIX_DK_N{c}", f"#define STMATRIX_DV STMATRIX_DV_N{c}",
-                f"#define DQ_TO_SHARED DQ_TO_SHARED_N{q}", "",
-                f'#include "gen_bwd_d{d}.ptxh"']
+                f"#define DQ_RED_GLOBAL DQ_RED_GLOBAL_N{q}" if b.dq_red else
+                f"#define DQ_TO_SHARED DQ_TO_SHARED_N{q}", ""]
+        if b.query_split:
+            out.append(f'#include "gen_bwd_n{s}.ptxh"')
+        out.append(f'#include "gen_bwd_d{d}.ptxh"')
+        if b.query_split:
+            out.append(f'#include "gen_bwd_d{d}q.ptxh"')
         out.append("")
     out += ["#else", '#error "backward: HEAD_DIM must be 64, 128 or 256"', "#endif", ""]
     body = [f'#include "gen_bwd_n{n}.ptxh"' for n in ACC_WIDTHS] + [""] + out
@@ -258,6 +401,10 @@ def layout_header() -> str:
 def headers() -> dict[str, str]:
     out = {f"gen_bwd_n{n}.ptxh": fragment_header(n) for n in ACC_WIDTHS}
     out.update({f"gen_bwd_d{d}.ptxh": gemm_header(b) for d, b in bwd_builds.BUILDS.items()})
+    if any(b.query_split for b in bwd_builds.all_builds()):
+        out[f"gen_bwd_n{HALF}.ptxh"] = half_fragment_header()
+    out.update({f"gen_bwd_d{b.head_dim}q.ptxh": query_split_gemm_header(b)
+                for b in bwd_builds.all_builds() if b.query_split})
     out["gen_bwd_layout.ptxh"] = layout_header()
     return out
 

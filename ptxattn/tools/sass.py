@@ -559,6 +559,42 @@ def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -
     return StageSass(stage, asm, text, summarize(text, asm.log, dynamic_smem=smem))
 
 
+BACKWARD_KEYS = ("bwd", "backward", "bwd_production")   # STAGE names of the production backward
+
+
+def is_backward(key) -> bool:
+    """Whether a STAGE key names a backward kernel: the production backward or b1..b3."""
+    from .. import bwd_builds
+    text = str(key).strip().lower()
+    return text in BACKWARD_KEYS or text in {s.label for s in bwd_builds.STAGES}
+
+
+def inspect_backward(key, defines: dict | None = None, variant: str | None = None,
+                     arch: str | None = None) -> StageSass:
+    """Assemble, disassemble and summarize a backward kernel: a lineage stage (b1..b3), or a
+    build of the production backward (-d HEAD_DIM=64|128|256, -d PTXATTN_MASKED, and a
+    build-table variant's switches from `variant`)."""
+    from .. import backward, bwd_builds
+    text = str(key).strip().lower()
+    stage = bwd_builds.PRODUCTION if text in BACKWARD_KEYS else bwd_builds.get_stage(text)
+    chosen = {k: ("1" if v is None else v) for k, v in (defines or {}).items()}
+    smem = stage.smem_bytes
+    if stage.production:
+        head_dim = int(chosen.get("HEAD_DIM", bwd_builds.LINEAGE_HEAD_DIM))
+        row = bwd_builds.build(head_dim, variant)
+        chosen = {**backward.defines_for(stage, head_dim, "PTXATTN_MASKED" in chosen, variant),
+                  **chosen}
+        smem = row.smem_bytes
+    elif variant is not None:
+        raise ValueError(f"variant: build variants are the production backward's; "
+                         f"{stage.title} has none")
+    asm = assemble_ptx(backward.source(stage.file, chosen).text, arch or "sm_90a", stage.label)
+    text_sass = disassemble(asm.cubin)
+    return StageSass(stage, asm, text_sass, summarize(text_sass, asm.log,
+                                                      function=backward.ENTRY,
+                                                      dynamic_smem=smem))
+
+
 def _num(value) -> str:
     return "-" if value is None else str(value)
 

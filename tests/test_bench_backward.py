@@ -1,0 +1,37 @@
+"""bench/backward_bench.py without a GPU: which variants each case times, and its arguments."""
+
+from __future__ import annotations
+
+import pytest
+from bench_modules import bench_script
+
+from ptxattn import bwd_builds
+
+bench = bench_script("backward_bench")
+
+
+def test_each_case_times_the_variants_it_has():
+    everything = list(bwd_builds.VARIANT_NAMES)
+    assert bench.case_variants("dense", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("causal", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("d64", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("gqa", everything) == [None, "st_ahead", "dqred"]
+    assert bench.case_variants("d256", everything) == [None, "qsplit", "qsplit_dqred"]
+    assert bench.case_variants("d256", ["qsplit"]) == [None, "qsplit"]
+    # deterministic=True: today's build and the variants that keep its order
+    assert bench.case_variants("deterministic", everything) == [None, "st_ahead"]
+    assert bench.case_variants("dense", ["default"]) == [None]
+
+
+def test_unknown_variants_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "qsplit,fast"])
+    assert "unknown variant 'fast'" in capsys.readouterr().err
+
+
+def test_the_five_target_shapes_are_cases():
+    assert bench.CASES["dense"][:5] == (4, 16, 16, 8192, 128)
+    assert bench.CASES["d64"][:5] == (4, 32, 32, 8192, 64)
+    assert bench.CASES["d256"][:5] == (4, 8, 8, 8192, 256)
+    assert bench.CASES["gqa"][:5] == (4, 32, 4, 8192, 128)
+    assert bench.CASES["causal"][5] == {"causal": True}
