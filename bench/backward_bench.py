@@ -72,7 +72,8 @@ def rel_l2(a, b) -> float:
 
 def setup(torch, name, stage, variants=(None,)):
     """(info per label, ours per label: (launch, stream), peer) of one case: our backward for
-    each of `variants` (None: today's build, or a lineage `stage`), cuDNN's once."""
+    each of `variants` (None: what attention_backward runs unasked, the measured default, or
+    a lineage `stage`; "default": today's row), cuDNN's once."""
     B, H, Hkv, L, D, mask, det = CASES[name]
     causal = bool(mask.get("causal"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -117,7 +118,8 @@ def setup(torch, name, stage, variants=(None,)):
         check = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), ours, theirs)}
         finite = all(bool(torch.isfinite(a.float()).all()) for a in ours)
         ok = finite and all(r <= CHECK_REL_L2 for r in check.values())
-        label = variant or bwd_builds.DEFAULT_VARIANT
+        label = variant or (bwd_builds.chosen_variant(D, det, None) if stage is None
+                            else None) or bwd_builds.DEFAULT_VARIANT
         infos[label] = {"shape": [B, H, Hkv, L, D], "causal": causal, "deterministic": det,
                         "flops": flops, "check_vs_cudnn_rel_l2": check, "finite": finite,
                         "passed": ok, "cudnn_gqa": gqa_how, "stage": prepared.stage.label,
@@ -127,9 +129,10 @@ def setup(torch, name, stage, variants=(None,)):
 
 
 def case_variants(name, wanted) -> list:
-    """The variants of `wanted` that case `name` can run (None first: today's build)."""
+    """The variants of `wanted` that case `name` can run (today's build first, by name: a
+    call that names none runs the measured default)."""
     B, H, Hkv, L, D, mask, det = CASES[name]
-    out = [None]
+    out = [bwd_builds.DEFAULT_VARIANT]
     for v in wanted:
         if v == bwd_builds.DEFAULT_VARIANT or v not in bwd_builds.variants_for(D):
             continue

@@ -195,6 +195,8 @@ def _validate(q, k, v, out, lse, dout, *, scale, layout, causal, window, diagona
             raise ValueError(f"variant: {variant!r} adds dQ from the consumers' registers in no "
                              f"fixed order, so it cannot run deterministic=True; give "
                              f"deterministic=False or another variant")
+    if chosen.production and d in bwd_builds.HEAD_DIMS:
+        variant = bwd_builds.chosen_variant(d, deterministic, variant)
     plan = BackwardPlan(host, arrays["q"], arrays["k"], arrays["v"], arrays["out"],
                         arrays["lse"], arrays["dout"], layout, b, h, hk, lq, lk, d,
                         _scale_value(scale, d), (left, right),

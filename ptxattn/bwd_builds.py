@@ -237,6 +237,24 @@ VARIANTS: dict[str, dict[int, Build]] = {
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
 
+# The build attention_backward runs when no variant is named, per head dim: the fastest the
+# H200 measured in the same rounds against today's rows (bench/notes.md, "backward variants
+# on the device"): st_ahead at D 64 and 128, the query split at D 256. Deterministic calls
+# keep today's rows (st_ahead measured slower there; the query split's deterministic mode is
+# not measured yet). variant="default" names today's row of any head dim.
+MEASURED_DEFAULTS = {64: "st_ahead", 128: "st_ahead", 256: "qsplit"}
+
+
+def chosen_variant(head_dim: int, deterministic: bool, variant: str | None) -> str | None:
+    """The variant a production backward call runs: the one named (None for "default":
+    today's row), else MEASURED_DEFAULTS' for a non-deterministic call, else today's."""
+    if variant is not None:
+        return None if variant == DEFAULT_VARIANT else variant
+    if deterministic:
+        return None
+    return MEASURED_DEFAULTS.get(head_dim)
+
+
 def all_builds() -> list[Build]:
     """Every build the production backward can be launched with: today's per head dim, then
     each variant's."""

@@ -12,7 +12,7 @@ from fakes import FAKE_BASE, FakeCAI, FakeDLPack
 from test_validation import raises       # the forward's: pytest.raises + words in the message
 
 import ptxattn
-from ptxattn import backward
+from ptxattn import bwd_builds, backward
 from ptxattn.tensors import BF16
 
 pytestmark = pytest.mark.usefixtures("no_driver")
@@ -185,7 +185,13 @@ def test_a_variant_plans_its_build():
     p = plan(d256(), variant="qsplit")
     assert p.variant == "qsplit" and p.tiles.query_split and not p.tiles.dq_red
     assert backward.defines_for(p) == {"HEAD_DIM": "256", "PTXATTN_BWD_QSPLIT": "1"}
-    assert plan(args(), variant="default").tiles is plan(args()).tiles
+    # "default" names today's row; a call naming none runs the measured default of its head
+    # dim (st_ahead at D 128, the query split at D 256), and today's row when deterministic
+    assert plan(args(), variant="default").variant is None
+    assert plan(args(), variant="default").tiles is bwd_builds.build(128)
+    assert plan(args()).variant == "st_ahead" and plan(d256()).variant == "qsplit"
+    assert plan(args(), deterministic=True).variant is None
+    assert plan(args()).tiles is bwd_builds.build(128, "st_ahead")
     assert backward.defines_for(plan(args(), variant="st_ahead", causal=True)) == {
         "HEAD_DIM": "128", "PTXATTN_MASKED": "1", "PTXATTN_BWD_ST_AHEAD": "1"}
 

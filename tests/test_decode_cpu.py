@@ -591,5 +591,6 @@ def test_knobs_are_read_per_call(monkeypatch):
     assert not any(decode._on(v) for v in decode._knobs())
     monkeypatch.setenv("PTXATTN_CHECK_BOUNDS", "1")
     monkeypatch.setenv("PTXATTN_DECODE_PDL", "0")
-    bounds, poison, pdl = decode._knobs()
+    bounds, poison, pdl, paged = decode._knobs()
     assert decode._on(bounds) and not decode._on(poison) and not decode._on(pdl)
+    assert paged is None                          # PTXATTN_PAGED_VARIANT unset: the default
