@@ -40,7 +40,7 @@ ENVIRONMENT = {
                                  "before each call (tests: a partial never written shows)."),
     "PTXATTN_DECODE_PDL": ("1", "0: the decode's combine kernel launches plainly instead of "
                            "with programmatic dependent launch (a measurement knob)."),
-    "PTXATTN_PAGED_VARIANT": ("today (decode_builds.DEFAULT_PAGED_VARIANT)",
+    "PTXATTN_PAGED_VARIANT": ("unset: warp_ahead (decode_builds.DEFAULT_PAGED_VARIANT)",
                               "A measurement knob: the paged decode's build variant, a name of "
                               "decode_builds.PAGED_VARIANTS (how a tile's pages become TMA "
                               "loads below a page of 128 keys); read per call."),
