@@ -880,6 +880,9 @@ def test_production_set_holds_the_issue_cases():
     assert gc.causal and gc.heads_kv == 4 and gc.heads == 32
     w = cases["window1024-16k"]
     assert w.window == (1024, 0) and not w.causal and w.versus == "causal-16k"
+    ltx, llama = cases["ltx"], cases["llama-8k"]
+    assert (ltx.batch, ltx.heads, ltx.seq_q, ltx.head_dim, ltx.layout) == (1, 32, 6930, 64, "bshd")
+    assert (llama.heads, llama.heads_kv, llama.seq_q, llama.causal) == (32, 8, 8192, True)
     assert bench.SETS["production"].reps == 10 and bench.SETS["production"].rounds == 10
     lineage = bench.SETS["lineage"]
     assert [c.name for c in lineage.cases] == ["4k", "8k", "16k", "1k"]
@@ -1073,7 +1076,7 @@ def test_cli_bench_estimate_needs_no_gpu(monkeypatch):
     assert lines[0] == "4k: B=8 H=16 L=4096 D=128 bhld: production, stage14"
     assert "8k: B=4 H=16 L=8192 D=128 bhld: production, production+lse, stage14" in lines
     assert "window1024-16k: B=2 H=16 L=16384 D=128 bhld window 1024,0: production" in lines
-    assert lines[-1].startswith("estimate: ~") and "19 cases x 10 rounds x 10 reps" in lines[-1]
+    assert lines[-1].startswith("estimate: ~") and "21 cases x 10 rounds x 10 reps" in lines[-1]
     lineage = _cli("bench", "--set", "lineage", "--estimate", "--stages", "14")
     assert lineage.exit_code == 0 and "1k: B=8 H=16 L=1024 D=128 bhld: stage14" in lineage.output
     assert "4 cases x 10 rounds x 20 reps" in lineage.output

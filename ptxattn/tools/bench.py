@@ -250,6 +250,10 @@ def _production_cases() -> tuple[Case, ...]:
              kernels=only, versus="causal-8k"),
         Case("window1024-16k", 2, 16, 16384, 16384, 128, window=(1024, 0), kernels=only,
              versus="causal-16k"),
+        # the models' own shapes: LTX-Video's self-attention at 704x480x161 (21x15x22 latent
+        # tokens, 32 heads of 64) and a Llama-3-8B prefill of 8k tokens
+        Case("ltx", 1, 32, 6930, 6930, 64, layout="bshd", kernels=only),
+        Case("llama-8k", 1, 32, 8192, 8192, 128, heads_kv=8, causal=True, kernels=only),
     ]
     return tuple(cases)
 
