@@ -230,3 +230,74 @@ def test_dynamic_cache_decode_needs_no_mask(routed):
     assert len(decode) == 2 and all(c["seqlens"] is None and c["k_cache"][1] == 11  # prefill too)
                                     for c in decode), decode
     assert pt.fallback_counts() == {}
+
+
+# --------------------------------------------------------------------------- compiled decode
+
+@pytest.fixture
+def library_replaced(monkeypatch):
+    """The torch-level wrapper and its op stay real; only the library call under the op's body
+    is a torch reference (so what dynamo traces is what runs on the GPU)."""
+    from ptxattn import decode as lib
+    torch_refs.install(monkeypatch)
+    monkeypatch.setattr(sdpa, "_device_reason", lambda q, k, v: None)
+    seen = []
+
+    def reference(q, k_cache, v_cache, *, return_lse=False, **kw):
+        seen.append(tuple(t.data_ptr() % 16 for t in (q, k_cache, v_cache)))
+        out, lse = torch_refs.kvcache(q, k_cache, v_cache, return_lse=True, **kw)
+        return (out, lse) if return_lse else out
+    monkeypatch.setattr(lib, "flash_attn_with_kvcache", reference)
+    pt.register_transformers()
+    pt.reset_fallback_counts()
+    yield seen
+    pt.reset_fallback_counts()
+
+
+def test_a_static_cache_decode_forward_compiles_without_a_graph_break(library_replaced):
+    """generate()'s compiled decode forward (the mask built eagerly, with its verdict): one
+    graph (fullgraph=True), the decode op inside it, and the eager forward's logits. A graph
+    break inside the attention function made dynamo compile every layer as its own frame and
+    run the layers past its recompile limit eagerly (measured: 44 ms a step instead of ~20)."""
+    model = tiny_llama("ptxattn")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=40)
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    ones = torch.ones(2, 21, dtype=torch.bool)
+    nxt = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([[20]])
+    with torch.no_grad():
+        model(ids, attention_mask=ones[:, :20].long(), past_key_values=cache, use_cache=True)
+        mask = tb.ptxattn_mask(batch_size=2, q_length=1, kv_length=40,
+                               q_offset=torch.tensor(20), attention_mask=ones,
+                               allow_is_causal_skip=False)
+        assert tb.static_cache_lengths(mask, torch.zeros(2, 4, 1, 64),
+                                       torch.zeros(2, 2, 40, 64)).tolist() == [21, 21]
+        eager = model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True,
+                      position_ids=pos).logits.float()
+        calls = len(library_replaced)
+        for layer in cache.layers:                 # the step again, from the same cache
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length.fill_(20)
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+            out = compiled(input_ids=nxt, attention_mask=mask, past_key_values=cache,
+                           use_cache=True, position_ids=pos).logits.float()
+        finally:
+            torch._dynamo.reset()
+    assert len(library_replaced) - calls == model.config.num_hidden_layers
+    assert pt.fallback_counts() == {}
+    assert rel(out, eager) < 1e-6
+
+
+def test_the_read_op_reads_a_misaligned_operand_from_an_aligned_copy(library_replaced):
+    """While compiling, decode_step cannot read storage offsets; the op's body copies an
+    operand the kernel cannot read in place (not 16-byte aligned), keeping its strides."""
+    q = torch.randn(2, 1, 4, 64 + 1, dtype=BF)[..., 1:]          # 2-byte offset: misaligned
+    kc = torch.randn(2, 2, 16, 64, dtype=BF).transpose(1, 2)      # BHLD memory, BSHD view
+    vc = torch.randn(2, 2, 16, 64, dtype=BF).transpose(1, 2)
+    assert q.data_ptr() % 16 and not kc.data_ptr() % 16
+    out, _ = kvcache._read_impl(q, kc, vc, None, -1, False, -1, -1, 0.125, 0, "bshd")
+    assert library_replaced[-1] == (0, 0, 0)
+    ref, _ = torch_refs.kvcache(q.contiguous(), kc, vc, softmax_scale=0.125, return_lse=True)
+    assert torch.equal(out, ref)

@@ -49,7 +49,11 @@ def _read_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: Optional[torch.Tensor], seqlen: int, causal: bool,
                window_left: int, window_right: int, softmax_scale: float, num_splits: int,
                layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a call without new keys: the caches are only read."""
+    """(out, lse) of a call without new keys: the caches are only read. A traced caller
+    (decode_step under torch.compile) cannot check storage offsets: an operand the kernel
+    cannot read in place (not 16-byte aligned) is read from an aligned copy, strides kept."""
+    q, k_cache, v_cache = (t if t.data_ptr() % 16 == 0 else t.clone()
+                           for t in (q, k_cache, v_cache))
     return _impl(q, k_cache, v_cache, None, None, cache_seqlens, seqlen, causal, window_left,
                  window_right, softmax_scale, num_splits, layout)
 
@@ -125,9 +129,10 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     - cache_seqlens (int32 (B,) on the device; a static cache's plain mask, see
       transformers_backend.decode_verdict): query i of q sees keys [0, L_b - q + i], the
       bottom-right causal over each sequence's L_b keys, which is what that mask keeps.
-    Returns (B, q, H, D) contiguous, what transformers wants back. Metadata only: the
-    alignment is read from the storage offset (torch's allocations are 512-byte aligned), so
-    torch.compile traces this without a graph break."""
+    Returns (B, q, H, D) contiguous, what transformers wants back. Metadata only: in eager
+    mode the alignment is read from the storage offset (torch's allocations are 512-byte
+    aligned); while compiling it is left to the op's body (_read_impl), so torch.compile
+    traces this without a graph break (tests/test_torch_decode_routing.py)."""
     if (attention_mask is not None and cache_seqlens is None) or dropout \
             or query.dim() != 4 or key.dim() != 4:
         return None
@@ -146,8 +151,12 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     # transformers' (B, H, S, D) are transposes of (B, S, H, D) projections and caches: read
     # them as BSHD in place; the output comes out (B, q, H, D) contiguous
     q, kc, vc = (t.transpose(1, 2) for t in (query, key, value))
+    # a storage offset is not traceable (dynamo breaks the graph on storage_offset(), and a
+    # break inside the attention function compiles every layer as a frame of its own, past
+    # dynamo's recompile limit); while compiling, the read op's body aligns at run time instead
+    compiling = torch.compiler.is_compiling()
     for t in (q, kc, vc):
-        if t.stride(-1) != 1 or t.storage_offset() % 8 or any(
+        if t.stride(-1) != 1 or (not compiling and t.storage_offset() % 8) or any(
                 s % 8 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
             return None
     if cache_seqlens is not None:
