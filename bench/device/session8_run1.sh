@@ -27,7 +27,7 @@ for knob in "" SW_EXP2_PER_8=1 SW_EXP2_PER_8=2 "P_SHIFT_LOG2=4 REBASE_LOG2_FP8=4
     part "fp8_bench 16k-d128 [$knob]"
     defs=(); for d in $knob; do defs+=(--define "$d"); done
     timeout $(( left < 60 ? left : 60 )) python3 bench/fp8_bench.py --shapes 16k-d128 \
-        --rounds 8 --reps 5 "${defs[@]}" >> "$LOG" 2>&1; echo "fp8 rc $?" | tee -a "$LOG"
+        --rounds 10 --reps 5 "${defs[@]}" >> "$LOG" 2>&1; echo "fp8 rc $?" | tee -a "$LOG"
 done
 part "end"
 grep -E "=====|passed|failed|FAILED|rc [0-9]|== |steps:|gpu:|dynamo|fallbacks|fp8 forward|bf16 production|TFLOP" "$LOG" | cut -c1-400 | tail -70
