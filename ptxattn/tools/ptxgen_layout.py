@@ -134,6 +134,10 @@ def _row(b: builds.Build) -> list[str]:
                         break_on_hyphens=False)
     out += [f'#include "{name}"' for name in b.headers]
     out += [_define(name, value, comment) for name, value, comment in figures(b)]
+    if b.sw_exp2_per_8:              # softmax.ptxh's default is 0; a -D knob still overrides
+        out += ["#ifndef SW_EXP2_PER_8",
+                _define("SW_EXP2_PER_8", b.sw_exp2_per_8, "of every 8 exponentials on the FMA pipe"),
+                "#endif"]
     # the K/V ring's FULL or EMPTY barriers, one a slot (the includer's %p_leader inits them)
     out.append("// the mbarriers of a ring (FULL or EMPTY, K or V), one a slot")
     out += _macro("MBAR_INIT_RING(BAR, COUNT)", [
