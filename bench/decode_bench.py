@@ -20,6 +20,8 @@ decode step must read) per second, against the H200's 4.8 TB/s; the speculative 
 TFLOP/s over the unmasked pairs. Cases (B, H:Hkv, Lq, L), D = 128, BSHD caches (B, L, Hkv, D):
     b64_8k (64, 32:8, 1, 8192)   b8_32k (8, 32:8, 1, 32768)   b1_128k (1, 32:8, 1, 131072)
     b1_8k (1, 32:8, 1, 8192)     spec_b16_8k (16, 32:8, 8, 8192) causal (bottom-right)
+    b8_32k_hf, b1_32k_hf: (8 or 1, 32:8, 1, 32768) with the caches in transformers' dynamic
+    cache memory order, (B, Hkv, L, D), read through (B, L, Hkv, D) views (not run by default)
 cuDNN (SDPA's backends restricted to it by the global flags for the run, so no per-call
 context manager counts against its host time) takes q (B, H, Lq, D) and the caches as
 (B, Hkv, L, D) views (enable_gqa=True); the
@@ -61,9 +63,17 @@ CASES = {
     "b1_8k": (1, 32, 8, 1, 8192, False),
     "spec_b16_8k": (16, 32, 8, 8, 8192, True),
 }
+# transformers' dynamic cache keeps each layer's keys (B, Hkv, L, D) contiguous and hands the
+# attention function transposed views: the same shapes with the caches in that memory order
+# (ours reads the (B, L, Hkv, D) views in place, as ptxattn.torch's decode step does)
+HEAD_MAJOR_CASES = {"b8_32k_hf": (8, 32, 8, 1, 32768, False),
+                    "b1_32k_hf": (1, 32, 8, 1, 32768, False)}
+DEFAULT_CASES = tuple(CASES)
+CASES.update(HEAD_MAJOR_CASES)
 TARGETS = {"b64_8k": "4.3 TB/s and 1.05x cuDNN", "b8_32k": "4.3 TB/s and 1.05x cuDNN",
            "b1_128k": "4.3 TB/s and 1.05x cuDNN", "b1_8k": "85% of 4.8 TB/s",
-           "spec_b16_8k": "3x 48 TFLOP/s"}
+           "spec_b16_8k": "3x 48 TFLOP/s", "b8_32k_hf": "level with b8_32k",
+           "b1_32k_hf": "4.3 TB/s and 1.05x cuDNN"}
 CHECKED_SEQUENCES = 3
 
 
@@ -77,11 +87,15 @@ def unmasked_pairs(lq, length, causal) -> int:
     return sum(max(0, min(length, length - lq + i + 1)) for i in range(lq))
 
 
-def make_case(torch, b, h, hkv, lq, length, seed):
+def make_case(torch, b, h, hkv, lq, length, seed, head_major=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, lq, h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(b, length, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(b, length, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    if head_major:              # (B, Hkv, L, D) memory, (B, L, Hkv, D) views
+        kc, vc = (torch.randn(b, hkv, length, D, generator=gen, device="cuda",
+                              dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    else:
+        kc = torch.randn(b, length, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn(b, length, hkv, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
     return q, kc, vc, lens
 
@@ -236,7 +250,8 @@ def figures(ms_rounds, peer_rounds, nbytes, flops, seed):
 
 def run_case(torch, name, rounds, reps, seed, sweep=()):
     b, h, hkv, lq, length, causal = CASES[name]
-    q, kc, vc, lens = make_case(torch, b, h, hkv, lq, length, seed)
+    q, kc, vc, lens = make_case(torch, b, h, hkv, lq, length, seed,
+                                head_major=name in HEAD_MAJOR_CASES)
     nbytes = kv_bytes(b, hkv, length)
     flops = 4 * b * h * D * unmasked_pairs(lq, length, causal)
     record = {"name": name, "shape": {"B": b, "H": h, "Hkv": hkv, "Lq": lq, "L": length,
@@ -321,7 +336,8 @@ def line(rec) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for the results JSON")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated case "
+                    f"names ({', '.join(CASES)})")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)

@@ -194,6 +194,7 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
         return types.SimpleNamespace(returncode=0, stdout=RAW, stderr="")
     args = ncu_bind.argparse.Namespace(kernel="production", shape="2x16x16384x128", causal=True,
                                        heads_kv=0, define=[], walk="l2-walk",
+                                       layout="bshd", window="256,0",
                                        clocks="natural,locked",
                                        out=str(tmp_path / "n.jsonl"), timeout=10)
     rc = ncu_bind.profile(args, ["production"], run=run, which=lambda name: "/usr/bin/ncu")
@@ -201,6 +202,7 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
     entry = json.loads((tmp_path / "n.jsonl").read_text())
     assert [r["clocks"] for r in entry["rows"]] == ["natural", "locked"]
     assert entry["rows"][0]["l2_hit_pct"] == 42.1 and entry["unknown_metrics"] == []
+    assert (entry["layout"], entry["window"]) == ("bshd", "256,0")
     assert "L2 hit %" in capsys.readouterr().out
     def failing(cmd, **kw):
         return types.SimpleNamespace(returncode=1, stdout="", stderr="boom")
@@ -219,6 +221,19 @@ def test_ncu_profile_runs_both_clocks_and_writes_json(ncu_bind, tmp_path, capsys
     assert len(retried) == 5                       # query, then per clock: full list, safe list
     with pytest.raises(SystemExit, match="ncu"):
         ncu_bind.profile(args, [], run=run, which=lambda n: None)
+
+
+def test_ncu_target_argv_carries_layout_and_window(ncu_bind, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ncu_bind, "profile", lambda args, argv: seen.setdefault("argv", argv) and 0)
+    ncu_bind.main(["production", "--shape", "1x12x32760x128", "--layout", "bshd",
+                   "--window", "1024,0", "--profile"])
+    argv = seen["argv"]
+    assert argv[argv.index("--layout") + 1] == "bshd" and argv[argv.index("--window") + 1] == "1024,0"
+    assert ncu_bind._window("1024,0") == (1024, 0) and ncu_bind._window(None) is None
+    with pytest.raises(SystemExit, match="BHLD without a window"):
+        ncu_bind.target(ncu_bind.arg_parser().parse_args(
+            ["cudnn", "--shape", "1x1x128x128", "--layout", "bshd"]))
 
 
 def test_cudnn_variant_needs_torch_and_no_window(variants):

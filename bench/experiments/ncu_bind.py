@@ -82,9 +82,14 @@ CLOCKS = {"natural": "none", "locked": "base"}
 def target(args) -> int:
     _, (b, h, seq, d) = bench.parse_shape(args.shape)   # the benchmark's own shape names too
     hkv = args.heads_kv or h
-    q, k, v = reference.random_qkv(b, h, seq, seq, d, "bhld", seed=1, heads_kv=hkv)
+    window = _window(args.window)
+    if args.kernel == "cudnn" and (window is not None or args.layout != "bhld"):
+        raise SystemExit("cudnn: BHLD without a window only (SDPA's layout; no window there)")
+    q, k, v = reference.random_qkv(b, h, seq, seq, d, args.layout, seed=1, heads_kv=hkv)
     rows = reference.sample_rows(seq, 64, seed=1)
-    ref = reference.attention_reference(q, k, v, rows=rows, causal=args.causal)
+    seq_axis = 2 if args.layout == "bhld" else 1
+    ref = reference.attention_reference(q, k, v, layout=args.layout, rows=rows,
+                                        causal=args.causal, window=window)
     if args.kernel == "cudnn":
         got = _cudnn(q, k, v, args.causal)
     else:
@@ -93,13 +98,14 @@ def target(args) -> int:
         out.fill_u16(0xFFFF)
         defines = dict(x.split("=", 1) for x in args.define) or None
         p = prepare(qd, kd, vd, stage=args.kernel, out=out, causal=args.causal, defines=defines,
-                    walk_rule=args.walk)
+                    walk_rule=args.walk, layout=args.layout, window=window)
         p.launch()
         p.launch()
         driver.synchronize()
         got = out.to_numpy()
-    m = reference.error_metrics(np.take(got, rows, axis=2), ref)
-    print(f"{args.kernel} {args.shape} causal={args.causal}: {m}")
+    m = reference.error_metrics(np.take(got, rows, axis=seq_axis), ref)
+    print(f"{args.kernel} {args.shape} {args.layout} causal={args.causal} "
+          f"window={args.window or '-'}: {m}")
     return 0 if reference.passes(m) else 1
 
 
@@ -121,6 +127,14 @@ def _cudnn(q, k, v, causal):
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     return o.float().cpu().numpy()
+
+
+def _window(text):
+    """--window LEFT,RIGHT as FlashAttention's (left, right), or None."""
+    if not text:
+        return None
+    left, right = (int(x) for x in text.split(","))
+    return (left, right)
 
 
 # ---- profile mode -------------------------------------------------------------------------
@@ -252,11 +266,13 @@ def profile(args, target_argv, *, run=subprocess.run, which=shutil.which) -> int
             continue
         rows.append({"kernel": args.kernel, "clocks": clocks, "check": check[-1] if check else None,
                      **figures(launches[0])})
-    print(f"{args.kernel} {args.shape} causal={args.causal} heads_kv={args.heads_kv or '-'} "
+    print(f"{args.kernel} {args.shape} {args.layout} causal={args.causal} "
+          f"window={args.window or '-'} heads_kv={args.heads_kv or '-'} "
           f"defines={args.define or '-'} walk={args.walk}")
     print(format_table(rows))
     if args.out:
-        entry = {"kernel": args.kernel, "shape": args.shape, "causal": args.causal,
+        entry = {"kernel": args.kernel, "shape": args.shape, "layout": args.layout,
+                 "window": args.window, "causal": args.causal,
                  "heads_kv": args.heads_kv, "defines": args.define, "walk": args.walk,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "source": bench.source_id(),
                  "metrics": metrics, "unknown_metrics": unknown, "rows": rows}
@@ -271,6 +287,8 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", default="4x16x8192x128", help="4k, 8k, ... or BxHxLxD")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (GQA); 0: as many as q")
+    ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
+    ap.add_argument("--window", default=None, help="LEFT,RIGHT sliding window (-1: unbounded)")
     ap.add_argument("-d", "--define", action="append", default=[], help="NAME=VALUE")
     ap.add_argument("--walk", default="l2-walk", choices=tile_walk.WALKS,
                     help="the production walk's section rule (l2-walk: attention()'s)")
@@ -291,6 +309,7 @@ def main(argv=None) -> int:
     if args.profile:
         target_argv = [args.kernel, "--shape", args.shape] + (["--causal"] if args.causal else []) \
             + (["--heads-kv", str(args.heads_kv)] if args.heads_kv else []) \
+            + ["--layout", args.layout] + (["--window", args.window] if args.window else []) \
             + [x for d in args.define for x in ("-d", d)] + ["--walk", args.walk]
         return profile(args, target_argv)
     return target(args)
