@@ -60,11 +60,16 @@ def test_without_kernels_eager_runs_count_decode_calls_and_compiled_runs_fail():
 def test_probe_record_names_torch_attention_kernels_but_not_ours_or_gemms():
     p = probe({"ptxattn_decode": 3, "ptxattn_fwd_causal": 1, "fmha_cutlassF_bf16": 2,
                "cudnn_generated_fort_native_sdpa_sm90": 5, "sm90_xmma_gemm_bf16": 9,
-               "at::native::softmax_warp_forward": 1})
+               "at::native::softmax_warp_forward": 1,
+               # inductor's pointwise kernel around our op (compiled static cache), and one
+               # around cuDNN's: named after the ops they fuse
+               "triton_poi_fused__to_copy_bmm_cat_kvcache_attention_mul_5": 64,
+               "triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_3": 2})
     assert p["decode_kernels"] == 3 and p["forward_kernels"] == 1
     assert set(p["torch_attention_kernels"]) == {
         "fmha_cutlassF_bf16", "cudnn_generated_fort_native_sdpa_sm90",
-        "at::native::softmax_warp_forward"}
+        "at::native::softmax_warp_forward",
+        "triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_3"}
 
 
 # --------------------------------------------------------------------------- figures
