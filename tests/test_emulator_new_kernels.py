@@ -124,6 +124,9 @@ VARIANT_CASES = [
     ("qsplit_dqred", dict(B=1, H=1, Hkv=1, Lq=70, Lk=200, D=256, window=(40, 3), layout="bshd")),
     ("dqred", dict(B=1, H=3, Hkv=1, Lq=200, Lk=260, D=128, causal=True)),
     ("dqred", dict(B=1, H=2, Hkv=2, Lq=300, Lk=130, D=64)),
+    ("m80", dict(B=1, H=2, Hkv=1, Lq=200, Lk=150, D=128)),
+    ("m80", dict(B=1, H=1, Hkv=1, Lq=190, Lk=140, D=128, causal=True)),
+    ("m80", dict(B=1, H=2, Hkv=2, Lq=170, Lk=300, D=128, window=(50, 7), layout="bshd")),
 ]
 
 
