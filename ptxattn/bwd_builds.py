@@ -39,7 +39,8 @@ process can time today's build against them; `defines` selects a row in bwd.ptx)
     dS^T, each consumer its 64 columns of D x the block's 80 queries (m64n80, A = K read
     MN-major, B = the dS tile K-major), and dS^T is stored transposed (stmatrix .trans:
     query rows, keys contiguous). No early dV (S^T, dP^T, dV, dK and the packed P^T would be
-    228 registers). The per-block costs (hand-offs, barriers, the loop's top) spread over 25%
+    228 registers), and dQ^T is issued once dV and dK retired (their A fragments beside dQ^T
+    and the next S^T: ptxas serializes every wgmma). The per-block costs (hand-offs, barriers, the loop's top) spread over 25%
     more rows, and the SS GEMMs read 115 B per tensor cycle instead of 128.
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
@@ -260,8 +261,8 @@ VARIANTS: dict[str, dict[int, Build]] = {
                          why="80 query rows a step (FlashAttention-3's non-causal D = 128 tile): "
                              "S^T, dP^T m64n80 (40 registers each), dV and dK 5 k-steps; dQ^T = "
                              "K^T dS^T with D in M (80 rows are no m64 tiles), dS^T stored "
-                             "transposed; no early dV (228 registers with it); st_ahead's "
-                             "schedule")},
+                             "transposed; no early dV (228 registers with it), dQ^T after dV and "
+                             "dK; st_ahead's schedule")},
 }
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 

@@ -157,7 +157,8 @@ def test_todays_d256_build_has_the_known_hazard_at_that_shape(emulated):
     _backward(emulated(), None, 1, 1, 1, 128, 128, 256, variant="default")
 
 
-@pytest.mark.parametrize("variant,D", [("default", 256), ("qsplit", 256), ("st_ahead", 128)])
+@pytest.mark.parametrize("variant,D", [("default", 256), ("qsplit", 256), ("st_ahead", 128),
+                                       ("m80", 128)])
 def test_deterministic_variants_are_bitwise_on_the_emulator(emulated, variant, D):
     """deterministic=True, two runs with different random interleavings of the emulator's
     warps and async retirements: the same bits (3 query heads on one K/V head and 2-4 key
