@@ -3,7 +3,7 @@
     python bench/backward_bench.py [--rounds 10] [--reps 10] [--out bench/results]
                                    [--cases dense,causal,d64,d256,gqa,deterministic]
                                    [--stages production,b1,b2,b3]
-                                   [--variants all | default,st_ahead,qsplit,qsplit_dqred]
+                                   [--variants all | default,st_ahead,m80,qsplit,qsplit_dqred]
 
 What is timed: our whole backward (preprocess + main kernel + postprocess, one launch() of a
 prepared call) and cuDNN's backward alone (torch.autograd.grad of one SDPA forward under

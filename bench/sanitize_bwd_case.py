@@ -51,6 +51,10 @@ CASES = {
                                   {"variant": "qsplit", "deterministic": True}, {}),
     "d256_qsplit_dqred": (None, 1, 3, 1, 150, 129, 256, {"variant": "qsplit_dqred"}, {}),
     "d128_dqred_gqa": (None, 1, 4, 2, 130, 257, 128, {"variant": "dqred"}, {}),
+    # 80-row query blocks: the transposed dS^T and dQ^T, blocks counted by division
+    "d128_m80_causal": (None, 1, 2, 1, 200, 257, 128, {"variant": "m80", "causal": True}, {}),
+    "d128_m80_deterministic": (None, 1, 2, 2, 250, 300, 128,
+                               {"variant": "m80", "deterministic": True}, {}),
 }
 CONTROLS = {"b1_hazard": ("b1", 1, 2, 2, 128, 256, 128, {}, {"PTXATTN_PLANT_HAZARD": "1"})}
 

@@ -429,7 +429,7 @@ def build(plan: BackwardPlan, allocator=None) -> PreparedBackward:
     # The JIT first: when it fails, nothing is allocated yet.
     main = kernel(stage.file, ENTRY, defines, smem)
     pre = kernel(*PREPROCESS)
-    post = kernel(*POSTPROCESS)
+    post = kernel(*POSTPROCESS, plan.tiles.postprocess_defines or None)
     stream = plan.stream
     q, k, v, out, lse, dout = _inputs_on_stream(plan, ctx)
     if plan.host:

@@ -33,9 +33,19 @@ process can time today's build against them; `defines` selects a row in bwd.ptx)
     are done, so that it runs under this block's dQ and the dQ hand-off to the dQ warp; dP^T
     follows at the top of the next block. The Q / dO stage is released before dQ finishes
     (dQ reads dS^T and K only; qsplit releases it there too).
+  - m80 (D = 128): st_ahead's schedule on 80-row query blocks (FlashAttention-3's non-causal
+    D = 128 tile): S^T and dP^T are m64n80 (40 registers each), dV and dK take 5 k-steps.
+    80 rows do not split into m64 tiles, so dQ is computed transposed (`dq_t`): dQ^T = K^T
+    dS^T, each consumer its 64 columns of D x the block's 80 queries (m64n80, A = K read
+    MN-major, B = the dS tile K-major), and dS^T is stored transposed (stmatrix .trans:
+    query rows, keys contiguous). No early dV (S^T, dP^T, dV, dK and the packed P^T would be
+    228 registers), and dQ^T is issued once dV and dK retired (their A fragments beside dQ^T
+    and the next S^T: ptxas serializes every wgmma). The per-block costs (hand-offs, barriers, the loop's top) spread over 25%
+    more rows, and the SS GEMMs read 115 B per tensor cycle instead of 128.
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
-block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2).
+block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2; with
+dq_t its BLOCK_M rows x D / 2, computed as their transpose).
 
 `python -m ptxattn.tools.ptxgen_bwd` writes this table into ptx/sm90/include/gen_bwd_layout.ptxh;
 the launcher (ptxattn/backward.py) reads the same rows, so a tile, an offset or a byte count
@@ -71,6 +81,7 @@ class Build:
     query_split: bool = False  # D split only: S^T and dP^T split by queries (module docstring)
     st_ahead: bool = False     # the next block's S^T issued under this block's dQ
     dq_red: bool = False       # dQ added from the consumers' registers: no staging tile
+    dq_t: bool = False         # dQ^T = K^T dS^T (D in M), dS^T stored transposed (m80)
     variant: str = "default"   # the build table's name for this row (VARIANTS)
 
     @property
@@ -78,7 +89,14 @@ class Build:
         """The -D switches that select this build's block of gen_bwd_layout.ptxh beside
         HEAD_DIM (the ones that change tiles or offsets; {} for today's builds)."""
         return {**({"PTXATTN_BWD_QSPLIT": "1"} if self.query_split else {}),
-                **({"PTXATTN_BWD_DQRED": "1"} if self.dq_red else {})}
+                **({"PTXATTN_BWD_DQRED": "1"} if self.dq_red else {}),
+                **({"PTXATTN_BWD_DQT": "1"} if self.dq_t else {})}
+
+    @property
+    def postprocess_defines(self) -> dict[str, str]:
+        """The postprocess's -D switches for this build's accumulator layout ({} for every
+        build whose layout the postprocess reads from its shift parameters)."""
+        return {"PTXATTN_BWD_DQT": "1", "BWD_BLOCK_M": str(self.block_m)} if self.dq_t else {}
 
     @property
     def defines(self) -> dict[str, str]:
@@ -115,6 +133,11 @@ class Build:
         return self.head_dim if self.dq_split_rows else self.head_dim // 2
 
     @property
+    def slice_rows(self) -> int:
+        """Rows of one consumer's slice of the dQ accumulator: 64, or the block's with dq_t."""
+        return self.block_m if self.dq_t else CONSUMER_ROWS
+
+    @property
     def ds_keys(self) -> int:
         """Keys in the dS tile that dQ = dS K reduces over."""
         return self.block_n
@@ -127,7 +150,7 @@ class Build:
                 "P^T packed": s // 2, "dS^T packed": s // 2,
                 "dV": CONSUMER_ROWS * self.dkv_cols // 128,
                 "dK": CONSUMER_ROWS * self.dkv_cols // 128,
-                "dQ": CONSUMER_ROWS * self.dq_cols // 128}
+                "dQ": (self.slice_rows if self.dq_t else CONSUMER_ROWS) * self.dq_cols // 128}
 
     @property
     def peak_registers(self) -> int:
@@ -233,6 +256,13 @@ VARIANTS: dict[str, dict[int, Build]] = {
                          why=BUILDS[d].why + "; dQ added from the consumers' registers "
                          "(red.global.add): no staging tile, no hand-off to the dQ warp")
               for d in (64, 128)},
+    "m80": {128: replace(BUILDS[128], block_m=80, early_dv=False, st_ahead=True, dq_t=True,
+                         variant="m80",
+                         why="80 query rows a step (FlashAttention-3's non-causal D = 128 tile): "
+                             "S^T, dP^T m64n80 (40 registers each), dV and dK 5 k-steps; dQ^T = "
+                             "K^T dS^T with D in M (80 rows are no m64 tiles), dS^T stored "
+                             "transposed; no early dV (228 registers with it), dQ^T after dV and "
+                             "dK; st_ahead's schedule")},
 }
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
@@ -285,15 +315,29 @@ def build(head_dim: int, variant: str | None = None) -> Build:
     return rows[head_dim]
 
 
-def dq_accum_offset(row, col, head_dim: int, block_m: int, dq_cols: int):
+def dq_row_swizzle(r, dq_t: bool = False):
+    """The XOR of a slice row's 8-float chunks: the row mod 8, or with dq_t a bit permutation
+    of it (rows 2q + e -> q + 4e) that keeps the transposed dQ^T stores conflict-free."""
+    r8 = r % 8
+    return (r8 >> 1) + 4 * (r8 & 1) if dq_t else r8
+
+
+def dq_accum_offset(row, col, head_dim: int, block_m: int, dq_cols: int, dq_t: bool = False):
     """Float offset of dQ element (row, col) inside one head's fp32 accumulator (NumPy arrays
     or ints). The accumulator is (Lq rounded up to block_m) x D floats per (batch, head), laid
     out per query block as the consumers' slices one after the other ([slice][64 rows]
     [dq_cols]), and in each slice row the 8-float chunks are permuted by XOR with the row's
     position mod 8: the consumers' stores to shared memory (and the red.global adds of the
     lineage) hit every bank once, and a slice is one contiguous bulk reduce-add. The
-    postprocess kernel reads it back with the same formula."""
+    postprocess kernel reads it back with the same formula. dq_t (the m80 build): a slice is
+    the block's rows x dq_cols (split by columns only) and the chunks' XOR is dq_row_swizzle's
+    permutation of the row."""
     m, r = row // block_m, row % block_m
+    if dq_t:
+        slice_, cc = col // dq_cols, col % dq_cols
+        chunk = cc // 8
+        phys = (chunk // 8) * 8 + ((chunk % 8) ^ dq_row_swizzle(r, True))
+        return m * block_m * head_dim + (slice_ * block_m + r) * dq_cols + phys * 8 + cc % 8
     slice_ = (r // CONSUMER_ROWS) * (head_dim // dq_cols) + col // dq_cols
     r64, cc = r % CONSUMER_ROWS, col % dq_cols
     chunk = cc // 8

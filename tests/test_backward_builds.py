@@ -226,3 +226,104 @@ def test_a_half_tile_lands_in_its_consumers_columns(name, consumer):
                         t += 1
     assert sorted(seen) == [(r, k) for r in range(64) for k in range(8)]
     assert set(seen.values()) == {1}
+
+
+DQ_T_BUILDS = [b for b in ALL if b.dq_t]
+
+
+@pytest.mark.parametrize("b", DQ_T_BUILDS, ids=[f"d{b.head_dim}-{b.variant}" for b in DQ_T_BUILDS])
+def test_the_transposed_dq_layout_is_one_to_one_and_sliced(b):
+    """dq_t: a consumer's slice of a query block is the block's rows x dq_cols, one contiguous
+    run, and a warp's postprocess read of 64 columns of a row stays in one aligned 256 bytes."""
+    d, bm, n = b.head_dim, b.block_m, b.dq_cols
+    rows, cols = np.meshgrid(np.arange(3 * bm), np.arange(d), indexing="ij")
+    off = bwd_builds.dq_accum_offset(rows, cols, d, bm, n, dq_t=True)
+    assert sorted(off.ravel().tolist()) == list(range(off.size))
+    for m in range(3):
+        for c in range(d // n):
+            lo = m * bm * d + c * bm * n
+            r, k = np.nonzero((off >= lo) & (off < lo + bm * n))
+            assert set(r) == set(range(m * bm, (m + 1) * bm)) and set(k) == set(range(c * n, (c + 1) * n))
+    for row in range(bm):
+        o = off[row, :64]
+        assert o.max() - o.min() == 63 and o.min() % 64 == 0
+
+
+@pytest.mark.parametrize("b", DQ_T_BUILDS, ids=[f"d{b.head_dim}-{b.variant}" for b in DQ_T_BUILDS])
+def test_the_transposed_dq_stores_write_the_layout_without_bank_conflicts(b):
+    """DQT_TO_SHARED for every thread of both consumers, from bwd.ptx's setup (%dq_row: slice
+    c, row 2q, column l/4; %dq_swz: 2w ^ q): value 4j + 2h + e (column 16w + 8h + l/4 of the
+    slice, query row 8j + 2q + e) lands on dq_accum_offset, and each store of a warp hits 32
+    distinct banks."""
+    n, d = b.block_m, b.head_dim
+    body = _macro_body(ptxgen_bwd.headers()[f"gen_bwd_n{n}.ptxh"], f"DQT_TO_SHARED_N{n}")
+    seen = set()
+    for c in (0, 1):
+        for warp in range(4):
+            banks = {}
+            for lane in range(32):
+                q = lane % 4
+                regs = {"%dq_swz": (2 * warp) ^ q,
+                        "%dq_row": (c * n * b.dq_cols + lane // 4 + q * 2 * b.dq_cols) * 4}
+                k = 0
+                for s in body:
+                    op, *a = re.split(r"[ ,]+", s)
+                    if op == "xor.b32":
+                        regs[a[0]] = regs[a[1]] ^ int(a[2])
+                    elif op == "shl.b32":
+                        regs[a[0]] = regs[a[1]] << int(a[2])
+                    elif op == "add.u32":
+                        regs[a[0]] = regs[a[1]] + regs[a[2]]
+                    else:
+                        assert op == "st.shared.f32", op
+                        addr, imm = re.match(r"\[(%\w+)\+(\d+)\]", a[0]).groups()
+                        at = (regs[addr] + int(imm)) // 4
+                        i = int(a[1][3:])
+                        col = c * b.dq_cols + 16 * warp + 8 * ((i >> 1) & 1) + lane // 4
+                        row = 8 * (i >> 2) + 2 * q + (i & 1)
+                        assert at == bwd_builds.dq_accum_offset(row, col, d, n, b.dq_cols,
+                                                                dq_t=True), (c, lane, s)
+                        seen.add(at)
+                        banks.setdefault(k, set()).add(at % 32)
+                        k += 1
+            assert all(len(v) == 32 for v in banks.values()), (c, warp)
+    assert seen == set(range(n * d))
+
+
+@pytest.mark.parametrize("b", DQ_T_BUILDS, ids=[f"d{b.head_dim}-{b.variant}" for b in DQ_T_BUILDS])
+def test_the_transposed_ds_store_is_the_k_major_tile_of_dq_t(b):
+    """STMATRIX_DST_T with bwd.ptx's lane address: every (key, query) of both consumers' dS^T
+    lands once at the K-major place dQ^T's B reads: key block c = key / 64, query row, 16-byte
+    chunk (key % 64) / 8 XOR row % 8, element key % 8. stmatrix .trans: matrix j of a k-step is
+    register j (keys 8 (j & 1).., queries 8 (j >> 1).. of the warp's 16 x the step's 16), lane
+    8j + r gives the address of its row r, which holds fragment column r: 8 keys."""
+    n = b.block_m
+    body = _macro_body(ptxgen_bwd.headers()[f"gen_bwd_n{n}.ptxh"], f"STMATRIX_DST_T_N{n}")
+    assert len(body) == n // 16
+    seen = {}
+    for c in (0, 1):
+        for warp in range(4):
+            addr = {}
+            for lane in range(32):      # bwd.ptx's %ds_base (buffer 0)
+                j, r = lane >> 3, lane & 7
+                chunk = (2 * warp + (j & 1)) ^ r
+                addr[lane] = c * n * 128 + (8 * (j >> 1) + r) * 128 + chunk * 16
+            for s in body:
+                imm = int(re.search(r"\[%ds_row_0\+(\d+)\]", s).group(1))
+                regs = [int(x) for x in re.findall(r"%dst(\d+)", s)]
+                for j, reg in enumerate(regs):
+                    t = reg // 4
+                    assert reg % 4 == j
+                    for r in range(8):           # memory row r of matrix j
+                        at = addr[8 * j + r] + imm
+                        for e in range(8):       # its 8 keys (fragment rows)
+                            key = 64 * c + 16 * warp + 8 * (j & 1) + e
+                            query = 16 * t + 8 * (j >> 1) + r
+                            row, within = divmod(at + 2 * e - c * n * 128, 128)
+                            want_chunk = ((key % 64) // 8) ^ (query % 8)
+                            assert (at + 2 * e) // (n * 128) == key // 64
+                            assert row == query and within == want_chunk * 16 + 2 * (key % 8), \
+                                (c, warp, reg, r, e)
+                            seen[(key, query)] = seen.get((key, query), 0) + 1
+    assert sorted(seen) == [(k, q) for k in range(128) for q in range(n)]
+    assert set(seen.values()) == {1}

@@ -121,7 +121,9 @@ CALLS += [(None, 64, 200, 300, {}), (None, 128, 100, 1000, dict(causal=True, H=4
           (None, 128, 100, 300, dict(variant="st_ahead", causal=True)),
           (None, 256, 77, 129, dict(variant="qsplit", deterministic=True, H=4, Hkv=2)),
           (None, 256, 200, 129, dict(variant="qsplit_dqred", H=4, Hkv=1)),
-          (None, 64, 200, 300, dict(variant="dqred", window=(20, 5)))]
+          (None, 64, 200, 300, dict(variant="dqred", window=(20, 5))),
+          (None, 128, 200, 300, dict(variant="m80", causal=True, H=4, Hkv=2)),
+          (None, 128, 170, 333, dict(variant="m80", deterministic=True))]
 
 
 @pytest.mark.parametrize("stage,head_dim,Lq,Lk,kw", CALLS)

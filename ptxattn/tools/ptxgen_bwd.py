@@ -187,6 +187,42 @@ def half_fragment_header() -> str:
                     "of the block).", out)
 
 
+def transposed_fragment_header(n: int) -> str:
+    """The score tile of a dq_t build (bwd_builds.Build.dq_t): one consumer's 64 keys x the
+    block's n queries, dS^T stored transposed (query rows, keys contiguous: the K-major B of
+    dQ^T = K^T dS^T), and the dQ^T slice (64 columns of D x n queries) into the staging
+    tile's query rows (bwd_builds.dq_accum_offset with dq_t)."""
+    out = _accumulators(n, (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)"),
+                            ("DQ", "dq", "dQ^T")))
+    out += _score_math(n)
+    body = ["stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
+            f"[%ds_row_0+{t * K_STEP * ROW_BYTES}], "
+            f"{{%dst{4 * t}, %dst{4 * t + 1}, %dst{4 * t + 2}, %dst{4 * t + 3}}};"
+            for t in range(n // K_STEP)]
+    out += _macro(f"STMATRIX_DST_T_N{n}", None, body,
+                  "dS^T (bf16) -> shared transposed: query rows of 128 bytes, this consumer's 64 "
+                  f"keys contiguous,\n128-byte swizzled: {n // 16} stmatrix .trans x4, 16 "
+                  "queries each. %ds_row_0: this lane's row address\n(matrix j = lane / 8 of a "
+                  "step holds keys 8 (j & 1).. of the warp's 16 and queries 8 (j >> 1)..)")
+    body = []
+    slice_floats = 64                                # a slice row: one consumer's columns
+    for h in (0, 1):
+        for e in (0, 1):
+            body += [f"xor.b32 %dq_off, %dq_swz, {h + 4 * e};", "shl.b32 %dq_off, %dq_off, 5;",
+                     "add.u32 %dq_addr, %dq_row, %dq_off;"]
+            body += [f"st.shared.f32 [%dq_addr+{(e + 8 * j) * slice_floats * 4}], "
+                     f"%dq{4 * j + 2 * h + e};" for j in range(n // 8)]
+    out += _macro(f"DQT_TO_SHARED_N{n}", None, body,
+                  "dQ^T slice (fp32) -> shared in the accumulator's layout (bwd_builds."
+                  "dq_accum_offset, dq_t):\nvalue 4j + 2h + e of a thread is column 16w + 8h + "
+                  "l/4 of row 8j + 2q + e (q = l % 4); chunk c of\nrow r at (c ^ perm(r % 8)) "
+                  "* 32 bytes, perm(2q + e) = q + 4e. %dq_row: this thread's row 2q,\ncolumn "
+                  "l/4; %dq_swz: 2w ^ q. Every store hits 32 banks")
+    return _guarded(f"gen_bwd_n{n}.ptxh",
+                    f"Backward fragments of {n}-query score tiles with dQ transposed (dS^T "
+                    "stored transposed, dQ^T stores).", out)
+
+
 # ---- per head dim: the five GEMMs ----------------------------------------------------------
 
 def _score_gemm(n: int, d: int, acc: str, jumps: tuple[int, int]) -> list[str]:
@@ -225,13 +261,34 @@ def _jumps(b: bwd_builds.Build) -> tuple[int, int]:
             b.block_m * ROW_BYTES // DESC_UNIT - 3 * step)
 
 
+def gemm_suffix(b: bwd_builds.Build) -> str:
+    """The name of a build's GEMM macros and header: D<dim>, D<dim>T for a dq_t build."""
+    return f"D{b.head_dim}" + ("T" if b.dq_t else "")
+
+
+def _dqt_gemm(b: bwd_builds.Build) -> list[str]:
+    """dQ^T = K^T dS^T for one consumer's 64 columns of D x BLOCK_M queries: 16 keys a k-step;
+    A = K read MN-major (D contiguous: 16 key rows a step), B = the dS tile K-major (32 bytes
+    a step along a swizzled row, then the next 64 keys' block)."""
+    step = K_STEP * 2 // DESC_UNIT
+    jump = b.block_m * ROW_BYTES // DESC_UNIT - 3 * step
+    body = []
+    for t in range(b.ds_keys // K_STEP):
+        if t:
+            body += [f"add.s64 DA, DA, {K_STEP * ROW_BYTES // DESC_UNIT};",
+                     f"add.s64 DB, DB, {jump if t % 4 == 0 else step};"]
+        body.append(f"{_wgmma(b.block_m)} DQ_ACC_N{b.block_m}, DA, DB, {int(t > 0)}, 1, 1, 1, 0;")
+    return body
+
+
 def gemm_header(b: bwd_builds.Build) -> str:
     d, bm, bn = b.head_dim, b.block_m, b.block_n
+    g = gemm_suffix(b)
     step = K_STEP * 2 // DESC_UNIT                     # 32 bytes along a swizzled row
     a_jump, b_jump = _jumps(b)                         # next 64 of D in the K/V, Q/dO tiles
     out: list[str] = []
     for name, acc, what in (("ST", "ST", "S^T = K Q^T"), ("DPT", "DPT", "dP^T = V dO^T")):
-        out += _macro(f"{name}_GEMM_D{d}", "DA, DB", _score_gemm(bm, d, acc, (a_jump, b_jump)),
+        out += _macro(f"{name}_GEMM_{g}", "DA, DB", _score_gemm(bm, d, acc, (a_jump, b_jump)),
                       f"{what}: {d // K_STEP} k-steps over D; DA (K or V rows of this consumer, "
                       f"a {bn}-row tile) and DB\n(Q or dO, {bm} rows), both K-major, step {step} "
                       f"along a swizzled row, then {a_jump} / {b_jump} to the next 64 of D\n"
@@ -239,9 +296,19 @@ def gemm_header(b: bwd_builds.Build) -> str:
     cols = b.dkv_cols
     for name, acc, frag, what in (("DV", "DV", "pt", "dV += P^T dO"),
                                   ("DK", "DK", "dst", "dK += dS^T Q")):
-        out += _macro(f"{name}_GEMM_D{d}", "DB", _kv_gemm(cols, acc, frag, bm // K_STEP),
+        out += _macro(f"{name}_GEMM_{g}", "DB", _kv_gemm(cols, acc, frag, bm // K_STEP),
                       f"{what}: {bm // K_STEP} k-steps of 16 queries (RS: A from %{frag}); DB "
                       f"(dO or Q read MN-major, {cols}\ncolumns) steps 16 rows; advanced in place")
+    if b.dq_t:
+        out += _macro(f"DQ_GEMM_{g}", "DA, DB", _dqt_gemm(b),
+                      f"dQ^T = K^T dS^T for one consumer's slice (its 64 columns of D x {bm} "
+                      f"queries): {b.ds_keys // K_STEP} k-steps\nof 16 keys; DA (K, read "
+                      "MN-major: D contiguous) steps 16 key rows, DB (the dS tile, query rows,\n"
+                      "K-major) 32 bytes along a swizzled row, then to the next 64 keys. The "
+                      "first step overwrites;\nadvanced in place")
+        return _guarded(f"gen_bwd_{g.lower()}.ptxh",
+                        f"The backward's GEMMs at head dim {d}, {bm}-row query blocks, dQ "
+                        "transposed.", out)
     body = []
     for t in range(b.ds_keys // K_STEP):
         if t:
@@ -296,7 +363,8 @@ def _log2(x: int) -> int:
     return x.bit_length() - 1
 
 
-LAYOUT_SWITCHES = ("PTXATTN_BWD_QSPLIT", "PTXATTN_BWD_DQRED")   # Build.layout_defines' names
+LAYOUT_SWITCHES = ("PTXATTN_BWD_QSPLIT", "PTXATTN_BWD_DQRED",     # Build.layout_defines' names
+                   "PTXATTN_BWD_DQT")
 
 
 def layout_rows() -> list[bwd_builds.Build]:
@@ -336,12 +404,15 @@ def layout_header() -> str:
         out.append(f"#{'if' if first else 'elif'} {block_condition(b)}")
         first = False
         out.append(f"// {b.why}")
-        defs = [("BLOCK_M", b.block_m), ("BLOCK_M_SHIFT", _log2(b.block_m)),
+        pow2 = b.block_m & (b.block_m - 1) == 0        # else mul / div by BLOCK_M (bwd.ptx)
+        defs = [("BLOCK_M", b.block_m), *([("BLOCK_M_SHIFT", _log2(b.block_m))] if pow2 else []),
+                ("BLOCK_M_POW2", int(pow2)),
                 ("BLOCK_N", b.block_n), ("BLOCK_N_SHIFT", _log2(b.block_n)),
                 ("KEY_SPLIT", int(b.key_split)), ("QUERY_SPLIT", int(b.query_split)),
                 ("SCORE_COLS", b.score_cols), ("DKV_COLS", b.dkv_cols),
                 ("DQ_COLS", b.dq_cols), ("DQ_SPLIT_ROWS", int(b.dq_split_rows)),
-                ("DQ_RED", int(b.dq_red)),
+                ("DQ_RED", int(b.dq_red)), ("DQ_T", int(b.dq_t)),
+                ("EARLY_DV", int(b.early_dv)),
                 ("Q_STAGES", b.q_stages), ("Q_STAGE_SHIFT", _log2(b.q_stages)),
                 ("KV_TILE_BYTES", t["K"]), ("Q_TILE_BYTES", t["Q"]),
                 ("DS_TILE_BYTES", t["dS"]), ("DQ_TILE_BYTES", t["dQ"]),
@@ -351,9 +422,10 @@ def layout_header() -> str:
         defs += [("SMEM_END", lay["end"]), ("SMEM_BYTES", lay["smem_bytes"])]
         width = max(len(k) for k, _ in defs)
         out += [f"#define {k:<{width}} {v}" for k, v in defs]
-        rows = {64: "64ROWS", 128: "128ROWS"}
+        rows = {64: "64ROWS", 80: "80ROWS", 128: "128ROWS"}
         s, c, q = b.score_cols, b.dkv_cols, b.dq_cols
-        g = f"D{d}Q" if b.query_split else f"D{d}"      # the score GEMMs' macros
+        g = f"D{d}Q" if b.query_split else gemm_suffix(b)   # the score GEMMs' macros
+        gk = gemm_suffix(b)                                # dV's, dK's and dQ's
         out += [f"#define DESC_QDO_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_m]}   "
                 "// Q, dO read MN-major: LBO = BLOCK_M rows * 128 B",
                 f"#define DESC_K_T_BITS DESC_MNMAJOR_SW128_{rows[b.block_n]}     "
@@ -362,7 +434,7 @@ def layout_header() -> str:
                 " in M, so LBO is unused",
                 f"#define ST_ACC ST_ACC_N{s}", f"#define DPT_ACC DPT_ACC_N{s}",
                 f"#define ST_REGS {s // 2}", f"#define PT_REGS {s // 4}",
-                f"#define DKV_REGS {c // 2}", f"#define DQ_REGS {q // 2}",
+                f"#define DKV_REGS {c // 2}", f"#define DQ_REGS {b.registers['dQ']}",
                 f"#define ST_GEMM(DA, DB) ST_GEMM_{g}(DA, DB)",
                 f"#define DPT_GEMM(DA, DB) DPT_GEMM_{g}(DA, DB)"]
         if b.query_split:
@@ -371,23 +443,28 @@ def layout_header() -> str:
                     f"#define DV_OTHER_GEMM(DA, DB) DV_OTHER_GEMM_{g}(DA, DB)",
                     f"#define DK_OTHER_GEMM(DA, DB) DK_OTHER_GEMM_{g}(DA, DB)"]
         else:
-            out += [f"#define DV_GEMM(DB) DV_GEMM_D{d}(DB)",
-                    f"#define DK_GEMM(DB) DK_GEMM_D{d}(DB)"]
-        out += [f"#define DQ_GEMM(DA, DB) DQ_GEMM_D{d}(DA, DB)",
+            out += [f"#define DV_GEMM(DB) DV_GEMM_{gk}(DB)",
+                    f"#define DK_GEMM(DB) DK_GEMM_{gk}(DB)"]
+        out += [f"#define DQ_GEMM(DA, DB) DQ_GEMM_{gk}(DA, DB)",
                 f"#define SOFTMAX_PT(A, S, T0, T1) SOFTMAX_PT_N{s}(A, S, T0, T1)",
                 f"#define DS_TILE(A, T0, T1) DS_N{s}(A, T0, T1)",
                 f"#define PACK_PT PACK_PT_N{s}", f"#define PACK_DST PACK_DST_N{s}",
                 f"#define MASK_ST(A, B, C, D) MASK_ST_N{s}(A, B, C, D)",
-                f"#define STMATRIX_DST STMATRIX_DST_N{s}"]
+                f"#define STMATRIX_DST STMATRIX_DST{'_T' if b.dq_t else ''}_N{s}"]
         if b.query_split:
             out.append(f"#define STMATRIX_PT STMATRIX_PT_N{s}")
         out += [f"#define ZERO_DKV ZERO_DKV_N{c}", f"#define SCALE_DK(F) SCALE_DK_N{c}(F)",
                 f"#define STMATRIX_DK STMATRIX_DK_N{c}", f"#define STMATRIX_DV STMATRIX_DV_N{c}",
                 f"#define DQ_RED_GLOBAL DQ_RED_GLOBAL_N{q}" if b.dq_red else
-                f"#define DQ_TO_SHARED DQ_TO_SHARED_N{q}", ""]
-        if b.query_split:
+                f"#define DQ_TO_SHARED DQT_TO_SHARED_N{s}" if b.dq_t else
+                f"#define DQ_TO_SHARED DQ_TO_SHARED_N{q}"]
+        if b.dq_t:
+            out += ["#define DESC_KT_BITS DESC_MNMAJOR_SW128_128ROWS   // dQ^T's A: K read "
+                    "MN-major, 64 of D in M, so LBO is unused"]
+        out.append("")
+        if b.query_split or b.dq_t:
             out.append(f'#include "gen_bwd_n{s}.ptxh"')
-        out.append(f'#include "gen_bwd_d{d}.ptxh"')
+        out.append(f'#include "gen_bwd_{gk.lower()}.ptxh"')
         if b.query_split:
             out.append(f'#include "gen_bwd_d{d}q.ptxh"')
         out.append("")
@@ -403,6 +480,10 @@ def headers() -> dict[str, str]:
     out.update({f"gen_bwd_d{d}.ptxh": gemm_header(b) for d, b in bwd_builds.BUILDS.items()})
     if any(b.query_split for b in bwd_builds.all_builds()):
         out[f"gen_bwd_n{HALF}.ptxh"] = half_fragment_header()
+    for b in bwd_builds.all_builds():
+        if b.dq_t:
+            out[f"gen_bwd_n{b.block_m}.ptxh"] = transposed_fragment_header(b.block_m)
+            out[f"gen_bwd_{gemm_suffix(b).lower()}.ptxh"] = gemm_header(b)
     out.update({f"gen_bwd_d{b.head_dim}q.ptxh": query_split_gemm_header(b)
                 for b in bwd_builds.all_builds() if b.query_split})
     out["gen_bwd_layout.ptxh"] = layout_header()
