@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Device call D (session 8): the 80-row backward variant (bench/device/session8_bwd_m80.sh:
+# its GPU tests and its benchmark against st_ahead), the default-path GPU suites of the
+# backward, decode and serving, the generate() tests after the probe's fix, then as many of
+# the production set's ncu L2 lines as time leaves (natural clocks).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
+LOG=$OUT/call-d.log
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
+t0=$SECONDS
+part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+part "m80"
+T_S=70 BW_S=110 bash bench/device/session8_bwd_m80.sh > /dev/null 2>&1
+cat "$OUT/m80.log" >> "$LOG"; rm -f "$OUT/m80.log"
+part "GPU tests: backward, decode, serving, generate"
+timeout ${TS_S:-150} python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_backward.py \
+    tests/test_gpu_decode.py tests/test_gpu_serving.py tests/test_gpu_generate.py \
+    >> "$LOG" 2>&1; echo "tests rc $?" | tee -a "$LOG"
+part "ncu L2, production lines"
+while read -r line; do
+    [[ -z $line || $line == \#* ]] && continue
+    left=$(( ${END_S:-440} - (SECONDS - t0) ))
+    (( left < 15 )) && { echo "skipped (time): $line" >> "$LOG"; continue; }
+    # shellcheck disable=SC2086
+    timeout $left python3 bench/experiments/ncu_bind.py --profile $line --timeout $left \
+        --out "$OUT/ncu-l2-production.jsonl" >> "$LOG" 2>&1 < /dev/null
+done < bench/experiments/2026-12-02-ncu-l2-production.txt
+part "end"
+grep -vE "^\s*$" "$LOG" | grep -E "=====|rc |vs st_ahead|passed|failed|FAILED|natural|production [0-9]|skipped \(time" \
+    | cut -c1-220 | tail -70
