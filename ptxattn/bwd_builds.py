@@ -269,10 +269,11 @@ VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
 # The build attention_backward runs when no variant is named, per head dim: the fastest the
 # H200 measured in the same rounds against today's rows (bench/notes.md, "backward variants
-# on the device"): st_ahead at D 64 and 128, the query split at D 256. Deterministic calls
-# keep today's rows (st_ahead measured slower there; the query split's deterministic mode is
-# not measured yet). variant="default" names today's row of any head dim.
-MEASURED_DEFAULTS = {64: "st_ahead", 128: "st_ahead", 256: "qsplit"}
+# on the device", "Session 8"): st_ahead at D 64, the 80-row query blocks at D 128, the query
+# split at D 256. Deterministic calls keep today's rows (st_ahead measured slower there; m80's
+# and the query split's deterministic modes are measured once, not yet decided on).
+# variant="default" names today's row of any head dim.
+MEASURED_DEFAULTS = {64: "st_ahead", 128: "m80", 256: "qsplit"}
 
 
 def chosen_variant(head_dim: int, deterministic: bool, variant: str | None) -> str | None:

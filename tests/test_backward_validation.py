@@ -186,12 +186,13 @@ def test_a_variant_plans_its_build():
     assert p.variant == "qsplit" and p.tiles.query_split and not p.tiles.dq_red
     assert backward.defines_for(p) == {"HEAD_DIM": "256", "PTXATTN_BWD_QSPLIT": "1"}
     # "default" names today's row; a call naming none runs the measured default of its head
-    # dim (st_ahead at D 128, the query split at D 256), and today's row when deterministic
+    # dim (80-row blocks at D 128, the query split at D 256), and today's row when
+    # deterministic
     assert plan(args(), variant="default").variant is None
     assert plan(args(), variant="default").tiles is bwd_builds.build(128)
-    assert plan(args()).variant == "st_ahead" and plan(d256()).variant == "qsplit"
+    assert plan(args()).variant == "m80" and plan(d256()).variant == "qsplit"
     assert plan(args(), deterministic=True).variant is None
-    assert plan(args()).tiles is bwd_builds.build(128, "st_ahead")
+    assert plan(args()).tiles is bwd_builds.build(128, "m80")
     assert backward.defines_for(plan(args(), variant="st_ahead", causal=True)) == {
         "HEAD_DIM": "128", "PTXATTN_MASKED": "1", "PTXATTN_BWD_ST_AHEAD": "1"}
 
