@@ -4,12 +4,7 @@
 # end to end (its GPU tests and generate_bench), and decode_bench at b1_128k (the split rule).
 # One log, $OUT/call-c.log, besides the JSON records (the device returns at most 8 files).
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-c.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-c.log
 python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" | tee -a "$LOG"
 part "decode_bench b1_128k,b1_8k"
 timeout ${DEC_S:-60} python3 bench/decode_bench.py --out "$OUT" --cases b1_128k,b1_8k --rounds 6 \

@@ -4,12 +4,7 @@
 # builds and cuDNN, and the host-synchronization probe of a transformers decode step.
 # One log, $OUT/call-d.log, besides the JSON records.
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-d.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-d.log
 part "serving_bench --variants all"
 timeout ${PG_S:-150} python3 bench/serving_bench.py --out "$OUT" --parts paged --variants all \
     >> "$LOG" 2>&1; echo "paged variants rc $?"

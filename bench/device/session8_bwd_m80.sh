@@ -6,14 +6,7 @@
 # causal, GQA 32:4 and deterministic. Prediction: bench/notes.md, "Session 8".
 # One log, $OUT/m80.log, beside the JSON record. Expected wall time ~2.5 min.
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/m80.log
-if ls .whl/pcpp*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh m80.log
 part "m80 GPU tests"
 timeout ${T_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backward_variants.py \
     -k m80 >> "$LOG" 2>&1; echo "m80 tests rc $?" | tee -a "$LOG"

@@ -5,12 +5,7 @@
 # cache, batch 8 dynamic); the FP8 forward's softmax knobs (exponentials on the FMA pipe, the
 # lazy rebase) against today's FP8 build. One log: $OUT/call-a.log, besides the JSON records.
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-a.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-a.log
 part "GPU tests: backward, decode, serving, paged variants"
 timeout ${TS_S:-170} python3 -m pytest -q -rf -p no:cacheprovider --durations=5 \
     tests/test_gpu_backward.py tests/test_gpu_decode.py tests/test_gpu_serving.py \

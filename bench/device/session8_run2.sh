@@ -3,12 +3,7 @@
 # back at the power cap, ours and cuDNN alternating), with today's defaults: the sustained-speed
 # issue's table. Then, if time is left, the FP8 softmax knobs (bench/fp8_bench.py --define).
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-b.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-b.log
 part "production set, burst + sustained (${CASES:-all cases})"
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,power.limit,temperature.gpu --format=csv >> "$LOG"
 timeout ${PB_S:-470} python3 -m ptxattn bench --set production --sustained --reps ${REPS:-5} \

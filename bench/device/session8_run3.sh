@@ -4,12 +4,7 @@
 # generate() at batch 1 (static and dynamic caches, the issue's end-to-end figure), the decode
 # kernel with transformers' dynamic-cache memory order, and the FP8 benchmark's three shapes.
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-c.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-c.log
 part "GPU tests: fp8, torch fp8, generate"
 timeout ${TS_S:-150} python3 -m pytest -q -rf -p no:cacheprovider --durations=5 \
     tests/test_gpu_fp8.py tests/test_gpu_torch_fp8.py tests/test_gpu_generate.py \

@@ -4,12 +4,7 @@
 # backward, decode and serving, the generate() tests after the probe's fix, then as many of
 # the production set's ncu L2 lines as time leaves (natural clocks).
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/call-d.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh call-d.log
 part "m80"
 T_S=70 BW_S=110 bash bench/device/session8_bwd_m80.sh > /dev/null 2>&1
 cat "$OUT/m80.log" >> "$LOG"; rm -f "$OUT/m80.log"

@@ -272,12 +272,19 @@ def _dqt_gemm(b: bwd_builds.Build) -> list[str]:
     a step along a swizzled row, then the next 64 keys' block)."""
     step = K_STEP * 2 // DESC_UNIT
     jump = b.block_m * ROW_BYTES // DESC_UNIT - 3 * step
+    return _key_steps(b.ds_keys // K_STEP, lambda t: jump if t % 4 == 0 else step,
+                      f"{_wgmma(b.block_m)} DQ_ACC_N{b.block_m}, DA, DB, {{}}, 1, 1, 1, 0;")
+
+
+def _key_steps(steps: int, b_step, wgmma: str) -> list[str]:
+    """A dQ GEMM's chain of k-steps of 16 keys: DA advances 16 key rows a step, DB by
+    b_step(t) descriptor units; wgmma's {} is the scale-d operand (0 on the first step)."""
     body = []
-    for t in range(b.ds_keys // K_STEP):
+    for t in range(steps):
         if t:
             body += [f"add.s64 DA, DA, {K_STEP * ROW_BYTES // DESC_UNIT};",
-                     f"add.s64 DB, DB, {jump if t % 4 == 0 else step};"]
-        body.append(f"{_wgmma(b.block_m)} DQ_ACC_N{b.block_m}, DA, DB, {int(t > 0)}, 1, 1, 1, 0;")
+                     f"add.s64 DB, DB, {b_step(t)};"]
+        body.append(wgmma.format(int(t > 0)))
     return body
 
 
@@ -309,12 +316,8 @@ def gemm_header(b: bwd_builds.Build) -> str:
         return _guarded(f"gen_bwd_{g.lower()}.ptxh",
                         f"The backward's GEMMs at head dim {d}, {bm}-row query blocks, dQ "
                         "transposed.", out)
-    body = []
-    for t in range(b.ds_keys // K_STEP):
-        if t:
-            body += [f"add.s64 DA, DA, {K_STEP * ROW_BYTES // DESC_UNIT};",
-                     f"add.s64 DB, DB, {K_STEP * ROW_BYTES // DESC_UNIT};"]
-        body.append(f"{_wgmma(b.dq_cols)} DQ_ACC_N{b.dq_cols}, DA, DB, {int(t > 0)}, 1, 1, 1, 1;")
+    body = _key_steps(b.ds_keys // K_STEP, lambda t: K_STEP * ROW_BYTES // DESC_UNIT,
+                      f"{_wgmma(b.dq_cols)} DQ_ACC_N{b.dq_cols}, DA, DB, {{}}, 1, 1, 1, 1;")
     out += _macro(f"DQ_GEMM_D{d}", "DA, DB", body,
                   f"dQ = dS K for one consumer's slice (64 rows x {b.dq_cols} columns): "
                   f"{b.ds_keys // K_STEP} k-steps of 16 keys;\nDA (dS^T tile, read MN-major: "
