@@ -36,6 +36,7 @@ engine rewrites afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -106,6 +107,7 @@ class PrefillPlan:
         self._table = None                      # plan-owned table (host offsets)
         self._call = None                       # the first run's validated call
         self._launcher = None
+        self._torch_geometry = None             # what _run_torch checks (torch plans)
 
     def _own(self, values):
         view = _Int32View(values)
@@ -138,7 +140,22 @@ class PrefillPlan:
             # device offsets: the tile kernel reads them at every run
             self._offset_ptrs = (call.cu_q.ptr, call.cu_k.ptr,
                                  call.seqused_k.ptr if call.seqused_k is not None else 0)
-        self._call = call
+        # what later runs are checked against (the Launcher's figures and maps were built
+        # for these shapes and strides): kept as figures, so that the plan pins none of the
+        # first layer's arrays
+        self._geometry = {name: None if arr is None else (tuple(arr.shape), tuple(arr.strides))
+                          for name, arr in (("q", call.q), ("k", call.k), ("v", call.v),
+                                            ("out", call.out))}
+        if call.torch and call.out is None:
+            # torch tensors of later runs: these shapes, strides, device and stream; the
+            # output torch.empty's (contiguous, so its strides are q's shape's)
+            out_strides = tensors.contiguous_strides(call.out_shape)
+            self._torch_geometry = (
+                tuple(x for name in ("q", "k", "v") for x in self._geometry[name]),
+                call.q.device, call.stream, (out_strides[0], out_strides[1]),
+                tuple(out_strides))
+        self._call = dataclasses.replace(varlen.detached(call),
+                                         stream_object=call.stream_object)
 
     def run(self, q, k, v, out=None):
         """One layer: out (q's shape; fresh from the caller's allocator unless given), or
@@ -147,38 +164,76 @@ class PrefillPlan:
         if call is None:
             self._first_run(q, k, v, out)
             call = self._call
-        views = _varlen_views(call, q, k, v, out)
-        qv, kv, vv, ov_given = views
+        elif out is None and self._torch_geometry is not None:
+            result = self._run_torch(q, k, v)
+            if result is not None:
+                return result
+        qv, kv, vv, ov_given = _varlen_views(call, self._geometry, q, k, v, out)
+        run_call = dataclasses.replace(call, objects={"q": q})   # the allocations' device
         if ov_given is None:
-            out = varlen._empty(call.out_shape, "bfloat16", call)
+            out = varlen._empty(call.out_shape, "bfloat16", run_call)
             ov = varlen._out_view(out)
         else:
             ov = ov_given
-        lse = varlen._empty(call.lse_shape, "float32", call) if call.want_lse else None
+        lse = varlen._empty(call.lse_shape, "float32", run_call) if call.want_lse else None
         lse_ptr = varlen._ptr(lse) if lse is not None else 0
         ln = self._launcher
         if self._table is not None:
             ln.run_forward(qv, kv, vv, ov, lse_ptr, self._table.ptr)
         else:
-            ws = varlen._workspace(call.workspace_bytes, call)
+            ws = varlen._workspace(call.workspace_bytes, run_call)
             ln.run(qv, kv, vv, ov, lse_ptr, varlen._ptr(ws), *self._offset_ptrs, 0)
             del ws                           # stream-ordered (or torch's caching allocator)
         return (out, lse) if call.want_lse else out
 
+    def _run_torch(self, q, k, v):
+        """run() for plain torch tensors of the plan's geometry on its stream, without views:
+        their addresses, a check of what _varlen_views checks (shapes, strides, device,
+        16-byte bases), fresh output, LSE and workspace from torch, the launches. None when
+        anything differs: then the full run() decides (and raises its errors)."""
+        meta = tensors.torch_meta
+        mq, mk, mv = meta(q), meta(k), meta(v)
+        geometry = self._torch_geometry
+        if (mq is None or mk is None or mv is None
+                or (mq[1], mq[2], mk[1], mk[2], mv[1], mv[2]) != geometry[0]
+                or not mq[3] == mk[3] == mv[3] == geometry[1]
+                or (mq[0] | mk[0] | mv[0]) % 16
+                or tensors.torch_current_stream(mq[3]) != geometry[2]):
+            return None
+        torch = sys.modules["torch"]
+        call, ln = self._call, self._launcher
+        out = torch.empty(call.out_shape, dtype=torch.bfloat16, device=q.device)
+        lse = (torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+               if call.want_lse else None)
+        out_ptr = out.data_ptr()
+        o_row, o_head = geometry[3]
+        maps = ln.maps_at((mq[0], mq[2]), (mk[0], mk[2]), (mv[0], mv[2]),
+                          (out_ptr, geometry[4]))
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+        if self._table is not None:
+            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, self._table.ptr, None)
+        else:
+            ws = torch.empty((-(-call.workspace_bytes // 4),), dtype=torch.int32,
+                             device=q.device)
+            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, ws.data_ptr(),
+                      self._offset_ptrs)
+            del ws                           # torch's caching allocator: stream-ordered
+        return (out, lse) if call.want_lse else out
 
-def _varlen_views(call, q, k, v, out):
+def _varlen_views(call, geometry: dict, q, k, v, out):
     """The run's arrays as views, checked against the plan's geometry (shapes and strides:
-    what the Launcher's figures and maps were built for)."""
+    what the Launcher's figures and maps were built for; an out= of any strides when the
+    first run had none)."""
     stream = call.stream
     views = []
-    for name, obj, like in (("q", q, call.q), ("k", k, call.k), ("v", v, call.v),
-                            ("out", out, call.out)):
+    for name, obj in (("q", q), ("k", k), ("v", v), ("out", out)):
         if obj is None:
             views.append(None)
             continue
         arr = tensors.as_device_array(obj, name=name, stream=stream)
-        ref_shape = like.shape if like is not None else call.q.shape
-        ref_strides = like.strides if like is not None else None
+        like = geometry[name]
+        ref_shape = like[0] if like is not None else geometry["q"][0]
+        ref_strides = like[1] if like is not None else None
         if tuple(arr.shape) != tuple(ref_shape) or (ref_strides is not None and
                                                     tuple(arr.strides) != tuple(ref_strides)):
             raise ValueError(f"{name}: shape {tuple(arr.shape)} strides {tuple(arr.strides)}, "
