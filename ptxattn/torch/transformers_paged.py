@@ -52,6 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ptxattn import serving, tensors
+from ptxattn.stages import PRODUCTION
+
 from . import packed_reference, sdpa
 
 NAME = "paged|ptxattn"
@@ -116,7 +119,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     else:
         sdpa._note_fallback(why)
         out = _reference(call, attention_mask, dropout, kwargs)
-    return out.reshape(query.shape[0], -1, *out.shape[-2:]), None
+    shape = out.shape
+    return out.reshape(query.shape[0], -1, shape[-2], shape[-1]), None
 
 
 def _layer_window(module, kwargs) -> int | None:
@@ -150,7 +154,7 @@ def _translate(module, query, key, value, kwargs, scale: float):
     window = (window_tokens - 1, 0) if window_tokens else (-1, -1)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    cu_k = cu_k.to(torch.int32)
+    cu_k = _int32(cu_k)
     cache = kwargs.get("cache")
     block_table = kwargs.get("block_table")
     if block_table is not None:
@@ -168,7 +172,7 @@ def _translate(module, query, key, value, kwargs, scale: float):
         k, v = _rows(key), _rows(value)
     q = _rows(query)
     return Varlen(q=_readable(q), k=_readable(k), v=_readable(v),
-                  cu_q=cu_q.to(torch.int32).contiguous(), cu_k=cu_k.contiguous(),
+                  cu_q=_contiguous(_int32(cu_q)), cu_k=_contiguous(cu_k),
                   max_q=_as_int(max_q if max_q is not None else q.shape[0]),
                   max_k=_as_int(max_k if max_k is not None else k.shape[0]),
                   causal=causal, window=window, scale=scale)
@@ -186,10 +190,10 @@ def _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table, win
         k_cache, v_cache, table = kwargs["k_cache"], kwargs["v_cache"], block_table
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))   # (B, 1, heads, D)
     batch = q.shape[0]
-    lengths = (cu_k[1:batch + 1] - cu_k[:batch] - 1).to(torch.int32)  # before the new token
+    lengths = _int32(cu_k[1:batch + 1] - cu_k[:batch]).sub_(1)        # before the new token
     return Paged(q=_readable(q), k_cache=k_cache, v_cache=v_cache, k=_readable(k),
                  v=_readable(v), cache_seqlens=lengths,
-                 block_table=table.to(torch.int32).contiguous(), causal=True, window=window,
+                 block_table=_contiguous(_int32(table)), causal=True, window=window,
                  scale=scale)
 
 
@@ -218,16 +222,19 @@ def _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k, max_q
     k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
     k_cache.index_copy_(0, write, key.transpose(1, 2)[0])
     v_cache.index_copy_(0, write, value.transpose(1, 2)[0])
-    starts = cu_k[:-1].to(torch.int64)
-    lengths = cu_k[1:] - cu_k[:-1]
-    offsets = torch.arange(-(-int(max_k) // block), device=read.device) * block
-    inside = offsets[None, :] < lengths[:, None]
-    first = read[(starts[:, None] + offsets[None, :]).clamp(0, read.numel() - 1)]
-    table = torch.where(inside, first // block, -1).to(torch.int32)
+    # nine small device ops, each a launch on the host's side (the table is this call's:
+    # per-call device state, never kept between calls)
+    starts = cu_k[:-1]
+    lengths = cu_k[1:] - starts                                     # int32, as cu_k
+    offsets = torch.arange(0, -(-int(max_k) // block) * block, block, dtype=torch.int32,
+                           device=read.device)
+    first = read[(starts[:, None] + offsets).clamp_(0, read.numel() - 1)]
+    table = first.div_(block, rounding_mode="floor").to(torch.int32)
+    table.masked_fill_(offsets >= lengths[:, None], -1)              # past a sequence's pages
     shape = (-1, block, cache.num_key_value_heads, cache.head_dim)
     return Paged(q=_readable(query.permute(2, 0, 1, 3)), k_cache=k_cache.view(shape),
                  v_cache=v_cache.view(shape), k=None, v=None,
-                 cache_seqlens=lengths.to(torch.int32), block_table=table, causal=True,
+                 cache_seqlens=_int32(lengths), block_table=table, causal=True,
                  window=window, scale=scale)
 
 
@@ -243,9 +250,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit last stride, 16-byte aligned
     rows and base), else a contiguous copy."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
-    return t if ok else t.contiguous()
+    strides, shape = t.stride(), t.shape
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return t.contiguous()
+    for i in range(len(strides) - 1):
+        if strides[i] % 8 and shape[i] > 1:
+            return t.contiguous()
+    return t
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int32 else t.to(torch.int32)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 # --------------------------------------------------------------------------- the decision
@@ -259,29 +278,29 @@ def _reason(call, attention_mask, dropout, kwargs) -> str | None:
         return "attn_mask"
     if dropout:
         return "dropout"
-    q, k, v = (call.q, call.k, call.v) if isinstance(call, Varlen) else (
-        call.q, call.k_cache, call.v_cache)
+    varlen = type(call) is Varlen
+    q, k, v = (call.q, call.k, call.v) if varlen else (call.q, call.k_cache, call.v_cache)
     why = sdpa._device_reason(q, k, v)
     if why:
         return why
-    tensors = (q, k, v) if isinstance(call, Varlen) else tuple(
-        t for t in (q, k, v, call.k, call.v) if t is not None)
-    if any(t.dtype != torch.bfloat16 for t in tensors):
+    bf16 = torch.bfloat16
+    if q.dtype is not bf16 or k.dtype is not bf16 or v.dtype is not bf16 or (
+            not varlen and any(t.dtype is not bf16 for t in (call.k, call.v) if t is not None)):
         return "dtype"
     d = q.shape[-1]
     if d not in _head_dims() or k.shape[-1] != d or v.shape[-1] != d:
         return "head_dim"
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
         return "gqa_heads"
-    if any(t.requires_grad for t in tensors):
+    if q.requires_grad or k.requires_grad or v.requires_grad or (
+            not varlen and any(t.requires_grad for t in (call.k, call.v) if t is not None)):
         return "grad"
-    if isinstance(call, Paged) and call.k_cache.shape[1] not in PAGE_SIZES:
+    if not varlen and call.k_cache.shape[1] not in PAGE_SIZES:
         return "page_size"
     return None
 
 
 def _head_dims() -> tuple[int, ...]:
-    from ptxattn.stages import PRODUCTION
     return PRODUCTION.head_dims
 
 
@@ -312,26 +331,22 @@ _PLANS_LOCK = threading.Lock()
 
 
 def _plan_of(call: Varlen):
-    from ptxattn.serving import PrefillPlan
-    from ptxattn.tensors import torch_current_stream
     q, k = call.q, call.k
+    device = q.get_device()
     key = (call.cu_q.data_ptr(), call.cu_k.data_ptr(), call.cu_q.shape[0], call.cu_k.shape[0],
-           tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), call.v.stride(),
-           q.get_device(), torch_current_stream(q.get_device()), call.causal, call.window,
-           call.scale)
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = PrefillPlan(call.cu_q, call.cu_k, heads=q.shape[1], heads_kv=k.shape[1],
+           q.shape, k.shape, q.stride(), k.stride(), call.v.stride(), device,
+           tensors.torch_current_stream(device), call.causal, call.window, call.scale)
+    plan = _PLANS.get(key)          # a plain lookup (the GIL's); inserts take the lock
+    if plan is not None:
+        return plan
+    plan = serving.PrefillPlan(call.cu_q, call.cu_k, heads=q.shape[1], heads_kv=k.shape[1],
                        head_dim=q.shape[2], total_q=q.shape[0], total_k=k.shape[0],
                        max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
                        window_size=call.window, softmax_scale=call.scale)
     with _PLANS_LOCK:
         _PLANS[key] = plan
         while len(_PLANS) > _PLANS_MAX:
-            _PLANS.popitem(last=False)
+            _PLANS.popitem(last=False)      # the oldest layout first
     return plan
 
 
