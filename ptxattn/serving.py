@@ -150,10 +150,12 @@ class PrefillPlan:
             # torch tensors of later runs: these shapes, strides, device and stream; the
             # output torch.empty's (contiguous, so its strides are q's shape's)
             out_strides = tensors.contiguous_strides(call.out_shape)
+            shapes = tuple(x for name in ("q", "k", "v") for x in self._geometry[name])
             self._torch_geometry = (
-                tuple(x for name in ("q", "k", "v") for x in self._geometry[name]),
-                call.q.device, call.stream, (out_strides[0], out_strides[1]),
-                tuple(out_strides))
+                shapes, call.q.device, call.stream,
+                # what run_at reads, worked out once
+                shapes, (out_strides[0], out_strides[1]), tuple(out_strides), call.out_shape,
+                call.lse_shape if call.want_lse else None, -(-call.workspace_bytes // 4))
         self._call = dataclasses.replace(varlen.detached(call),
                                          stream_object=call.stream_object)
 
@@ -189,8 +191,8 @@ class PrefillPlan:
     def _run_torch(self, q, k, v):
         """run() for plain torch tensors of the plan's geometry on its stream, without views:
         their addresses, a check of what _varlen_views checks (shapes, strides, device,
-        16-byte bases), fresh output, LSE and workspace from torch, the launches. None when
-        anything differs: then the full run() decides (and raises its errors)."""
+        16-byte bases), the launches. None when anything differs: then the full run()
+        decides (and raises its errors)."""
         meta = tensors.torch_meta
         mq, mk, mv = meta(q), meta(k), meta(v)
         geometry = self._torch_geometry
@@ -200,25 +202,41 @@ class PrefillPlan:
                 or (mq[0] | mk[0] | mv[0]) % 16
                 or tensors.torch_current_stream(mq[3]) != geometry[2]):
             return None
+        return self.run_at(q.device, mq[0], mk[0], mv[0])
+
+    def run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int):
+        """One layer from the addresses of torch tensors that have the plan's shapes and
+        strides, on its device (a torch.device) and torch's current stream there, 16-byte
+        aligned: what _run_torch checks, which a caller of this must have checked (the
+        transformers integration keys its layouts on exactly these). Fresh output, LSE and
+        workspace from torch's allocator (stream-ordered), then the launches."""
         torch = sys.modules["torch"]
-        call, ln = self._call, self._launcher
-        out = torch.empty(call.out_shape, dtype=torch.bfloat16, device=q.device)
-        lse = (torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
-               if call.want_lse else None)
+        ln, geometry = self._launcher, self._torch_geometry
+        shapes, (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
+        out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+        lse = (torch.empty(lse_shape, dtype=torch.float32, device=device)
+               if lse_shape is not None else None)
         out_ptr = out.data_ptr()
-        o_row, o_head = geometry[3]
-        maps = ln.maps_at((mq[0], mq[2]), (mk[0], mk[2]), (mv[0], mv[2]),
-                          (out_ptr, geometry[4]))
+        maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
+                          (out_ptr, out_strides))
         lse_ptr = lse.data_ptr() if lse is not None else 0
         if self._table is not None:
             ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, self._table.ptr, None)
         else:
-            ws = torch.empty((-(-call.workspace_bytes // 4),), dtype=torch.int32,
-                             device=q.device)
+            ws = torch.empty((ws_words,), dtype=torch.int32, device=device)
             ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, ws.data_ptr(),
                       self._offset_ptrs)
             del ws                           # torch's caching allocator: stream-ordered
-        return (out, lse) if call.want_lse else out
+        return (out, lse) if lse is not None else out
+
+    @property
+    def torch_geometry(self):
+        """((q shape, q strides, k shape, k strides, v shape, v strides), device index,
+        stream) of the runs run_at takes, once a first run of torch tensors without out=
+        has fixed them; else None."""
+        g = self._torch_geometry
+        return None if g is None else g[:3]
+
 
 def _varlen_views(call, geometry: dict, q, k, v, out):
     """The run's arrays as views, checked against the plan's geometry (shapes and strides:

@@ -329,21 +329,23 @@ class Launcher:
 
     def maps_at(self, q, k, v, out) -> tuple:
         """The four maps for (ptr, strides) pairs of arrays of this geometry (the plans' torch
-        path: no views built)."""
+        path: no views built). A map seen before is one dict lookup (_map_at's key)."""
         call = self.call
         if not call.total_k:
             k = v = q                                           # as _maps_of
             k_rows = call.total_q
         else:
             k_rows = call.total_k
-        return (self._map_at("q", q[0], q[1], call.total_q, call.heads, call.total_q,
-                             builds.Q_BOX_ROWS),
-                self._map_at("k", k[0], k[1], k_rows, call.heads_kv, call.total_k,
-                             self.stage.block_n),
-                self._map_at("v", v[0], v[1], k_rows, call.heads_kv, call.total_k,
-                             self.stage.block_n),
-                self._map_at("out", out[0], out[1], call.total_q, call.heads, call.total_q,
-                             builds.Q_BOX_ROWS))
+        get, heads, heads_kv = self._maps.get, call.heads, call.heads_kv
+        tq, tk, bn, qb = call.total_q, call.total_k, self.stage.block_n, builds.Q_BOX_ROWS
+        maps = []
+        for key in (("q", q[0], q[1], tq, heads, tq, qb),
+                    ("k", k[0], k[1], k_rows, heads_kv, tk, bn),
+                    ("v", v[0], v[1], k_rows, heads_kv, tk, bn),
+                    ("out", out[0], out[1], tq, heads, tq, qb)):
+            tmap = get(key)
+            maps.append(tmap if tmap is not None else self._map_at(*key))
+        return maps
 
     def _forward_locked(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
                         table_ptr: int) -> None:

@@ -106,6 +106,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: float | None = None, **kwargs):
     """transformers' attention-function signature for a packed call; returns
     (output (1, total_q, H, D), None)."""
+    if attention_mask is None and not dropout:
+        out = _remembered(module, query, key, value, scaling, kwargs)
+        if out is not None:
+            return out, None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     call = _translate(module, query, key, value, kwargs, scale)
     why = _reason(call, attention_mask, dropout, kwargs)
@@ -140,8 +144,17 @@ def _per_layer(value, window_tokens: int | None):
     return value["sliding_attention" if sliding else "full_attention"]
 
 
-def _as_int(x) -> int:
-    return int(x)                   # a tensor max (padding-free batches) syncs once, here
+def _as_int(x, name: str) -> int:
+    """max_seqlen_q / max_seqlen_k as an int >= 0, checked at every call (a layout's plan
+    would take any value: the kernels size nothing from it). A tensor max (padding-free
+    batches) syncs once, here."""
+    value = int(x)
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return value
+
+
+_MAX_NAMES = ("max_seqlen_q", "max_length_q", "max_seqlen_k", "max_length_k")
 
 
 def _translate(module, query, key, value, kwargs, scale: float):
@@ -173,8 +186,10 @@ def _translate(module, query, key, value, kwargs, scale: float):
     q = _rows(query)
     return Varlen(q=_readable(q), k=_readable(k), v=_readable(v),
                   cu_q=_contiguous(_int32(cu_q)), cu_k=_contiguous(cu_k),
-                  max_q=_as_int(max_q if max_q is not None else q.shape[0]),
-                  max_k=_as_int(max_k if max_k is not None else k.shape[0]),
+                  max_q=_as_int(max_q if max_q is not None else q.shape[0], _MAX_NAMES[0]
+                                if "max_seqlen_q" in kwargs else _MAX_NAMES[1]),
+                  max_k=_as_int(max_k if max_k is not None else k.shape[0], _MAX_NAMES[2]
+                                if "max_seqlen_k" in kwargs else _MAX_NAMES[3]),
                   causal=causal, window=window, scale=scale)
 
 
@@ -249,13 +264,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit last stride, 16-byte aligned
-    rows and base), else a contiguous copy."""
+    rows and base), else a contiguous copy (a fresh one: a misaligned contiguous view's
+    contiguous() would be the view itself)."""
     strides, shape = t.stride(), t.shape
     if strides[-1] != 1 or t.data_ptr() % 16:
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     for i in range(len(strides) - 1):
         if strides[i] % 8 and shape[i] > 1:
-            return t.contiguous()
+            return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
@@ -316,26 +332,31 @@ def _varlen_kernel(call: Varlen) -> torch.Tensor:
     return _plan_of(call).run(call.q, call.k, call.v)
 
 
-# Every layer of a step hands the same offsets tensors (transformers' static buffers) and
-# tensors of the same geometry: one PrefillPlan per such layout validates and builds the
-# launch once, and its run() is the two launches for each layer. A plan built from device
-# offsets reads them on the device at every run (the tile kernel), so a later step whose
-# offsets tensors hold other values at the same addresses, with the same geometry, runs
-# right on the same plan. A plan keeps its offsets tensors alive, so their addresses in the
-# key name them. max_seqlen_q / max_seqlen_k size nothing on ptxattn's side (the kernels
-# size their work from the offsets), so they are not part of the layout.
+# The plan of a batch layout, made once per forward and reused by its layers. Every layer of
+# a step hands the same offsets tensors (transformers' static buffers) and tensors of the
+# same geometry: one PrefillPlan per such layout validates and builds the launch once (the
+# first layer, through the full path), and each later layer is the two launches
+# (_remembered: no translation, no views). What a plan holds is host-side only: the
+# validated figures, the launch geometry, the packed parameters, tensor maps by address;
+# per-call memory (output, workspace with the tile table) comes fresh from torch's
+# allocator at every run, so a run can be captured in a CUDA graph.
+# Why the key needs no offsets' values (nor torch's _version counter, which inference
+# tensors do not have): a plan built from device offsets never reads them on the host. The
+# tile kernel reads them on the device at every run, so the same tensors refilled in place
+# by transformers (a later step), or other tensors at the same addresses, run right on the
+# same plan; a different address, length or geometry is another key, so another plan.
+# max_seqlen_q / max_seqlen_k size nothing on ptxattn's side (the kernels size their work
+# from the offsets), so they are not part of the layout either. A plan keeps its offsets
+# tensors alive (the addresses it reads), none of the layers' q, k, v.
 _PLANS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
-_PLANS_MAX = 4                  # a step's layout, and the few before it (a plan keeps its
-                                # first layer's q, k, v alive)
+_PLANS_MAX = 4                  # a step's layouts (two for hybrid models), and those before
 _PLANS_LOCK = threading.Lock()
 
 
 def _plan_of(call: Varlen):
-    q, k = call.q, call.k
-    device = q.get_device()
-    key = (call.cu_q.data_ptr(), call.cu_k.data_ptr(), call.cu_q.shape[0], call.cu_k.shape[0],
-           q.shape, k.shape, q.stride(), k.stride(), call.v.stride(), device,
-           tensors.torch_current_stream(device), call.causal, call.window, call.scale)
+    q, k, v = call.q, call.k, call.v
+    key = _plan_key(call.cu_q, call.cu_k, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+                    v.stride(), q.get_device(), call.causal, call.window, call.scale)
     plan = _PLANS.get(key)          # a plain lookup (the GIL's); inserts take the lock
     if plan is not None:
         return plan
@@ -354,6 +375,78 @@ def clear_plans() -> None:
     """Forget the cached plans (and the offsets tensors they keep alive)."""
     with _PLANS_LOCK:
         _PLANS.clear()
+
+
+def _plan_key(cu_q, cu_k, q_shape, k_shape, v_shape, q_strides, k_strides, v_strides,
+              device: int, causal: bool, window, scale: float) -> tuple:
+    """A layout's key in _PLANS: what its plan was validated and built for (the offsets'
+    addresses and lengths, the rows views' shapes and strides, the device and torch's current
+    stream there, the flags), never the offsets' values (read on the device at every run)."""
+    return (cu_q.data_ptr(), cu_k.data_ptr(), cu_q.shape[0], cu_k.shape[0], q_shape, k_shape,
+            v_shape, q_strides, k_strides, v_strides, device,
+            tensors.torch_current_stream(device), causal, window, scale)
+
+
+def _remembered(module, query, key, value, scaling, kwargs):
+    """The call's output when a plan in _PLANS takes it, else None (then the full path).
+
+    The layers of a forward after its first: transformers 5.24's packed call (no cache and
+    no block table: the keys gathered before the call; or a padding-free batch), a batch of
+    one, plain bf16 CUDA tensors read in place. The key is _plan_of's, computed from the
+    arguments without building the rows views (their shapes and strides are the 4-D
+    tensors' with the head and sequence axes swapped), so a hit means the full path would
+    build a Varlen of exactly that layout and run that plan on these addresses; what the key
+    leaves out is checked here as the full path checks it (the fallback reasons, int32
+    contiguous offsets, 16-byte bases). Plans come only from the real kernels' seam
+    (_varlen_kernel), so a seam replaced by a test or a timer sees every call."""
+    if (not _PLANS or kwargs.get("cache") is not None or kwargs.get("block_table") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            or kwargs.get("output_attentions", False)):
+        return None
+    tensor = torch.Tensor
+    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor:
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or qs[0] != 1 or ks[0] != 1 or vs[0] != 1:
+        return None
+    window_tokens = _layer_window(module, kwargs)
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = _per_layer(kwargs.get("cu_seq_lens_k"), window_tokens)
+    int32 = torch.int32
+    if (type(cu_q) is not tensor or type(cu_k) is not tensor or cu_q.dtype is not int32
+            or cu_k.dtype is not int32 or not cu_q.is_contiguous() or not cu_k.is_contiguous()):
+        return None
+    max_q = kwargs.get("max_seqlen_q", kwargs.get("max_length_q"))
+    max_k = _per_layer(kwargs.get("max_seqlen_k", kwargs.get("max_length_k")), window_tokens)
+    if not (max_q is None or type(max_q) is int and max_q >= 0) or not (
+            max_k is None or type(max_k) is int and max_k >= 0):
+        return None                  # (a tensor's value, a bad one: the full path's int())
+    if not (scaling is None or type(scaling) is float or type(scaling) is int):
+        return None
+    bf16 = torch.bfloat16
+    if (query.dtype is not bf16 or key.dtype is not bf16 or value.dtype is not bf16
+            or query.requires_grad or key.requires_grad or value.requires_grad
+            or not query.is_cuda or sdpa._device_reason(query, key, value) is not None):
+        return None
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    window = (window_tokens - 1, 0) if window_tokens else (-1, -1)
+    scale = float(scaling) if scaling is not None else qs[3] ** -0.5
+    sq, sk, sv = query.stride(), key.stride(), value.stride()
+    rows = ((qs[2], qs[1], qs[3]), (ks[2], ks[1], ks[3]), (vs[2], vs[1], vs[3]),
+            (sq[2], sq[1], sq[3]), (sk[2], sk[1], sk[3]), (sv[2], sv[1], sv[3]))
+    device = query.get_device()
+    plan = _PLANS.get(_plan_key(cu_q, cu_k, *rows, device, causal, window, scale))
+    if plan is None:
+        return None
+    geometry = plan.torch_geometry
+    q_ptr, k_ptr, v_ptr = query.data_ptr(), key.data_ptr(), value.data_ptr()
+    if (geometry is None or (q_ptr | k_ptr | v_ptr) % 16
+            or geometry[0] != (rows[0], rows[3], rows[1], rows[4], rows[2], rows[5])):
+        return None
+    out = plan.run_at(query.device, q_ptr, k_ptr, v_ptr)
+    sdpa._note_packed("varlen")
+    return out.view(1, qs[2], qs[1], qs[3])
 
 
 def _paged_kernel(call: Paged) -> torch.Tensor:
