@@ -171,19 +171,18 @@ class PrefillPlan:
             if result is not None:
                 return result
         qv, kv, vv, ov_given = _varlen_views(call, self._geometry, q, k, v, out)
-        run_call = dataclasses.replace(call, objects={"q": q})   # the allocations' device
         if ov_given is None:
-            out = varlen._empty(call.out_shape, "bfloat16", run_call)
+            out = _empty(call, q, call.out_shape, "bfloat16")
             ov = varlen._out_view(out)
         else:
             ov = ov_given
-        lse = varlen._empty(call.lse_shape, "float32", run_call) if call.want_lse else None
+        lse = _empty(call, q, call.lse_shape, "float32") if call.want_lse else None
         lse_ptr = varlen._ptr(lse) if lse is not None else 0
         ln = self._launcher
         if self._table is not None:
             ln.run_forward(qv, kv, vv, ov, lse_ptr, self._table.ptr)
         else:
-            ws = varlen._workspace(call.workspace_bytes, run_call)
+            ws = _workspace(call, q)
             ln.run(qv, kv, vv, ov, lse_ptr, varlen._ptr(ws), *self._offset_ptrs, 0)
             del ws                           # stream-ordered (or torch's caching allocator)
         return (out, lse) if call.want_lse else out
@@ -236,6 +235,26 @@ class PrefillPlan:
         has fixed them; else None."""
         g = self._torch_geometry
         return None if g is None else g[:3]
+
+
+def _empty(call, q, shape, dtype: str):
+    """A run's output or LSE from the caller's allocator (varlen._empty's, on q's device: the
+    plan keeps no array to read it from)."""
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=q.device)
+    return tensors.empty(shape, stream=call.stream, stream_owner=call.stream_object,
+                         dtype=np.dtype(np.float32) if dtype == "float32" else tensors.BF16)
+
+
+def _workspace(call, q):
+    """A run's tile table and scratch (varlen._workspace's, on q's device)."""
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty((-(-call.workspace_bytes // 4),), dtype=torch.int32,
+                           device=q.device)
+    return driver.DeviceBuffer(call.workspace_bytes, stream=call.stream,
+                               stream_owner=call.stream_object)
 
 
 def _varlen_views(call, geometry: dict, q, k, v, out):

@@ -364,3 +364,25 @@ def test_a_varlen_launcher_pins_no_caller_arrays(pretend):
     gc.collect()
     assert [r() for r in refs] == [None] * 3
     assert np.all([ln.call.q is None for ln in varlen._LAUNCHERS.values()])
+
+
+# --------------------------------------------------------------------------- the 5.17 table
+
+@pytest.mark.parametrize("cache_rows", [12 * 16, 1 << 31], ids=["low_words", "int64"])
+def test_the_page_table_names_each_sequences_pages(cache_rows):
+    """_page_table against a walk of the read indices, both ways of reading them (the int64
+    positions' low words, or a conversion when the cache has 2**31 rows or more): the entries
+    within a sequence's pages are its pages, the others some page of the cache."""
+    gen = torch.Generator().manual_seed(11)
+    page, pages = 16, 12
+    lengths = [37, 1, 16, 17, 0]
+    table = pc.random_pages(gen, 5, [max(n, 1) for n in lengths], page, pages, 4)
+    import test_transformers_paged as cpu
+    read = cpu.allocator_indices(table, lengths, page)
+    cu_k = pc.offsets(lengths)
+    got = tp._page_table(read, cu_k[:-1], max(lengths), page, cache_rows)
+    assert got.dtype == torch.int32 and got.shape == (5, -(-max(lengths) // page))
+    for b, n in enumerate(lengths):
+        reached = -(-n // page)
+        assert got[b, :reached].tolist() == table[b, :reached].tolist(), f"sequence {b}"
+        assert bool(((got[b] >= 0) & (got[b] < pages)).all()), f"sequence {b}: {got[b]}"

@@ -237,20 +237,34 @@ def _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k, max_q
     k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
     k_cache.index_copy_(0, write, key.transpose(1, 2)[0])
     v_cache.index_copy_(0, write, value.transpose(1, 2)[0])
-    # nine small device ops, each a launch on the host's side (the table is this call's:
-    # per-call device state, never kept between calls)
     starts = cu_k[:-1]
     lengths = cu_k[1:] - starts                                     # int32, as cu_k
-    offsets = torch.arange(0, -(-int(max_k) // block) * block, block, dtype=torch.int32,
-                           device=read.device)
-    first = read[(starts[:, None] + offsets).clamp_(0, read.numel() - 1)]
-    table = first.div_(block, rounding_mode="floor").to(torch.int32)
-    table.masked_fill_(offsets >= lengths[:, None], -1)              # past a sequence's pages
+    table = _page_table(read, starts, int(max_k), block, k_cache.shape[0])
     shape = (-1, block, cache.num_key_value_heads, cache.head_dim)
     return Paged(q=_readable(query.permute(2, 0, 1, 3)), k_cache=k_cache.view(shape),
                  v_cache=v_cache.view(shape), k=None, v=None,
                  cache_seqlens=_int32(lengths), block_table=table, causal=True,
                  window=window, scale=scale)
+
+
+def _page_table(read: torch.Tensor, starts: torch.Tensor, max_k: int, block: int,
+                cache_rows: int) -> torch.Tensor:
+    """The (B, pages) int32 block table of a decode step: entry [b, p] is the page of
+    sequence b's read index at starts[b] + p * block. Five small device ops (each a launch
+    on the host's side; the table is this call's, per-call device state never kept between
+    calls). Entries past a sequence's last page name some page of the cache (the next
+    sequence's, or the last read index's): the kernels never read an entry past a
+    sequence's pages (flash_attn_with_kvcache's contract), so no mask is spent on them.
+    The positions are int64; when every cache row fits 31 bits (cache_rows < 2**31) their
+    low words are read in place (a little-endian view: the device's byte order) and the page
+    is a shift, so no int64 -> int32 conversion is launched."""
+    pages = -(-max_k // block)
+    offsets = torch.arange(0, pages * block, block, dtype=torch.int32, device=read.device)
+    at = (starts[:, None] + offsets).clamp_(0, read.numel() - 1)
+    if cache_rows < 1 << 31 and read.dim() == 1 and read.stride(0) == 1:
+        low = read.view(torch.int32)[::2]
+        return low[at].bitwise_right_shift_(block.bit_length() - 1)
+    return read[at].div_(block, rounding_mode="floor").to(torch.int32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
