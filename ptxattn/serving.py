@@ -27,6 +27,9 @@ What a plan decides, once:
   table the kernels read (device arrays, read on the device at every run; host copies are
   uploaded once into buffers the plan owns). A Launcher per layer's caches (their tensor maps
   and packed parameters), built at a layer's first run.
+A plan keeps figures, not the first layer's arrays: a PrefillPlan's runs are checked against
+the shapes and strides it was validated with, and a run of plain torch tensors builds no
+views (run_at: their addresses; what the transformers integration calls per layer).
 A plan holds only read-only device state (its table, its copies of lengths and block table);
 per-call memory (outputs, LSE, split-KV workspace) comes fresh from the caller's allocator
 every run, so runs can be in flight together and a run can be captured in a CUDA graph. Re-plan

@@ -21,15 +21,18 @@ the attention function once per layer with:
     same (5.17 with `cache`, 5.24 with k_cache / v_cache).
 Both paths run on ptxattn, causal (bottom-right: chunked prefill sees its past) with the
 layer's sliding window, if any, as (window - 1, 0), as transformers' flash path:
-- packed keys: ptxattn.flash_attn_varlen_func on views of q, k, v with the device offsets
-  (two launches, no host sync; capturable in a CUDA graph); the layers of a step share one
-  PrefillPlan (_plan_of);
+- packed keys: ptxattn.flash_attn_varlen_func's kernels on views of q, k, v with the device
+  offsets (two launches, no host sync; capturable in a CUDA graph). The layers of a forward
+  share one PrefillPlan per batch layout (_plan_of: made by the first layer, host-side
+  decisions only), and once it exists a layer's call is its launches (_remembered: the
+  plan's key read off transformers' arguments, no translation, no views; the 5.24 contract,
+  which hands every step, decode included, this way);
 - a block table: ptxattn.flash_attn_with_kvcache(block_table=...), the new keys appended
-  into the pages by the kernel;
+  into the pages by the kernel (its remembered launch per layer and shape);
 - transformers 5.17, a decode-only step (one query a sequence, no padding) of a
   full-attention layer: instead of gathering every sequence's keys, the new keys are written
   at write_index and the decode kernel reads transformers' pages in place, through a block
-  table read off read_index on the device (_decode_on_pages).
+  table read off read_index on the device (_decode_on_pages, _page_table: five small ops).
 Calls the kernels do not take (not bf16, not on ptxattn's sm_90 device, a head dim outside
 64/128/256 or a value head dim unlike the query's, tensors that require grad, dropout,
 softcap, attention sinks, an explicit mask, output_attentions, a page size that is no power
