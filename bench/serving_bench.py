@@ -469,11 +469,13 @@ def run_integration(fake: bool, repeats: int, names=None) -> dict:
     import torch
     cb = _sibling("callpath")
     integration = _sibling("serving_integration")
+    threads = torch.get_num_threads()
     with contextlib.ExitStack() as stack:
         if fake:
             stack.enter_context(cb.fake_driver(binding_packing=True))
             stack.enter_context(cb.torch_pretends_cuda(torch))
             torch.set_num_threads(1)             # torch's CPU ops: no thread pool noise
+            stack.callback(torch.set_num_threads, threads)
         out = integration.run(cb, torch, fake, repeats, names)
     import ptxattn.torch.transformers_paged as tp
     out["ptxattn"] = str(Path(tp.__file__).resolve().parents[2])
