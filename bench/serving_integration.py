@@ -199,9 +199,9 @@ def run(cb, torch, fake: bool, repeats: int, names=None) -> dict:
         rec.update(layers=layers, forwards_per_loop=FORWARDS, per="layer call",
                    kernel_calls=dict(packed_call_counts()), fallbacks=dict(fallback_counts()))
         results[name] = rec
+        fallbacks = f", fallbacks {rec['fallbacks']}" if rec["fallbacks"] else ""
         print(f"integration {name:20s} {rec['median_us']:8.1f} µs per layer call (cpu "
               f"{rec['cpu_median_us']:.1f}, min {rec['cpu_min_us']:.1f}); kernels "
-              f"{rec['kernel_calls']}{', fallbacks ' + str(rec['fallbacks']) if rec['fallbacks'] else ''}",
-              flush=True)
+              f"{rec['kernel_calls']}{fallbacks}", flush=True)
     tp.clear_plans()
     return results

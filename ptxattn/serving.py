@@ -29,7 +29,7 @@ What a plan decides, once:
   and packed parameters), built at a layer's first run.
 A plan keeps figures, not the first layer's arrays: a PrefillPlan's runs are checked against
 the shapes and strides it was validated with, and a run of plain torch tensors builds no
-views (run_at: their addresses; what the transformers integration calls per layer).
+views (their addresses; what the transformers integration runs per layer).
 A plan holds only read-only device state (its table, its copies of lengths and block table);
 per-call memory (outputs, LSE, split-KV workspace) comes fresh from the caller's allocator
 every run, so runs can be in flight together and a run can be captured in a CUDA graph. Re-plan
@@ -156,8 +156,8 @@ class PrefillPlan:
             shapes = tuple(x for name in ("q", "k", "v") for x in self._geometry[name])
             self._torch_geometry = (
                 shapes, call.q.device, call.stream,
-                # what run_at reads, worked out once
-                shapes, (out_strides[0], out_strides[1]), tuple(out_strides), call.out_shape,
+                # what _run_at reads, worked out once
+                (out_strides[0], out_strides[1]), tuple(out_strides), call.out_shape,
                 call.lse_shape if call.want_lse else None, -(-call.workspace_bytes // 4))
         self._call = dataclasses.replace(varlen.detached(call),
                                          stream_object=call.stream_object)
@@ -204,17 +204,19 @@ class PrefillPlan:
                 or (mq[0] | mk[0] | mv[0]) % 16
                 or tensors.torch_current_stream(mq[3]) != geometry[2]):
             return None
-        return self.run_at(q.device, mq[0], mk[0], mv[0])
+        return self._run_at(q.device, mq[0], mk[0], mv[0])
 
-    def run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int):
+    def _run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int):
         """One layer from the addresses of torch tensors that have the plan's shapes and
         strides, on its device (a torch.device) and torch's current stream there, 16-byte
         aligned: what _run_torch checks, which a caller of this must have checked (the
-        transformers integration keys its layouts on exactly these). Fresh output, LSE and
+        transformers integration, which keys its layouts on exactly these: nothing here
+        validates the addresses, so this is no public entry). Fresh output, LSE and
         workspace from torch's allocator (stream-ordered), then the launches."""
         torch = sys.modules["torch"]
         ln, geometry = self._launcher, self._torch_geometry
-        shapes, (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
+        shapes = geometry[0]
+        (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
         lse = (torch.empty(lse_shape, dtype=torch.float32, device=device)
                if lse_shape is not None else None)
@@ -232,9 +234,9 @@ class PrefillPlan:
         return (out, lse) if lse is not None else out
 
     @property
-    def torch_geometry(self):
+    def _torch_layout(self):
         """((q shape, q strides, k shape, k strides, v shape, v strides), device index,
-        stream) of the runs run_at takes, once a first run of torch tensors without out=
+        stream) of the runs _run_at takes, once a first run of torch tensors without out=
         has fixed them; else None."""
         g = self._torch_geometry
         return None if g is None else g[:3]

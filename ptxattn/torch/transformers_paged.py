@@ -456,12 +456,12 @@ def _remembered(module, query, key, value, scaling, kwargs):
     plan = _PLANS.get(_plan_key(cu_q, cu_k, *rows, device, causal, window, scale))
     if plan is None:
         return None
-    geometry = plan.torch_geometry
+    geometry = plan._torch_layout
     q_ptr, k_ptr, v_ptr = query.data_ptr(), key.data_ptr(), value.data_ptr()
     if (geometry is None or (q_ptr | k_ptr | v_ptr) % 16
             or geometry[0] != (rows[0], rows[3], rows[1], rows[4], rows[2], rows[5])):
         return None
-    out = plan.run_at(query.device, q_ptr, k_ptr, v_ptr)
+    out = plan._run_at(query.device, q_ptr, k_ptr, v_ptr)
     sdpa._note_packed("varlen")
     return out.view(1, qs[2], qs[1], qs[3])
 
