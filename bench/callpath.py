@@ -120,10 +120,15 @@ class _FakeContext:
 
 
 @contextlib.contextmanager
-def fake_driver():
+def fake_driver(binding_packing: bool = False):
     """Every cu* function answers CUDA_SUCCESS with a plausible value; nothing reaches libcuda.
     Addresses come from a bump allocator (cuMemAllocAsync hands a freed block back, as the
-    driver's pool does for a same-size request in stream order)."""
+    driver's pool does for a same-size request in stream order).
+
+    binding_packing: cuLaunchKernelEx also does what the real binding does with its
+    kernelParams before calling the driver (cuda.bindings' _HelperKernelParams: the tuple
+    form packed in C, ~6-9 us a launch on this machine's CPU; a void*[] address is read as
+    it is), so that the CPU figures include that part of a launch's host cost."""
     d = driver.cu()
     ok = d.CUresult.CUDA_SUCCESS
     heap = {"next": 0x7E00_0000_0000, "free": []}
@@ -149,6 +154,12 @@ def fake_driver():
         "cuStreamIsCapturing": lambda *a: (ok, d.CUstreamCaptureStatus(0)),
         "cuMemGetInfo": lambda *a: (ok, 1 << 30, 1 << 31),
     }
+    helper = getattr(d, "_HelperKernelParams", None)
+    if binding_packing and helper is not None:
+        def launch(config, function, params, extra):
+            helper(params)                      # the binding's packing, then "the driver"
+            return (ok,)
+        answers["cuLaunchKernelEx"] = launch
     saved = {}
     for name in dir(d):
         fn = getattr(d, name)

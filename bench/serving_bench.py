@@ -29,7 +29,14 @@ with a 95% bootstrap interval; plain calls and CUDA-graph replays):
           a PrefillPlan's run() (host offsets: one launch), flash_attn_with_kvcache and
           flash_attn_varlen_func on the same arguments. Target: run() <= 10 µs per layer.
           --fake: a pretend driver (bench/callpath.py's; CPU torch tensors or DLPack producers
-          stand in), the Python side only, on this machine's CPU.
+          stand in, the binding's own packing of a launch's parameters included), the Python
+          side only, on this machine's CPU.
+  integration  host µs per layer call of the transformers integration ("paged|ptxattn",
+          transformers_paged.py) with the arguments transformers 5.17 and 5.24 pass: one
+          forward of 32 layers per step layout (bench/serving_integration.py lists the
+          cases). Needs torch (not transformers); with --fake, CPU torch tensors pass for
+          CUDA ones. PYTHONPATH at another tree's copy of ptxattn times that tree's
+          integration (before / after in one run: bench/device/session8_host.sh).
 Results: <out>/<date>-<gpu>-serving.json (-serving-variants.json with --variants; or
 serving-host-fake.json).
 """
@@ -443,7 +450,7 @@ class _DeviceInt32:
 def run_host(fake: bool, torch, calls: int, repeats: int) -> dict:
     cb = _sibling("callpath")
     out = {}
-    ctx = cb.fake_driver() if fake else contextlib.nullcontext()
+    ctx = cb.fake_driver(binding_packing=True) if fake else contextlib.nullcontext()
     with ctx:
         paths = host_paths(fake, torch)
         block = cb._blocker(fake, torch) if not fake else (lambda: None)
@@ -456,12 +463,32 @@ def run_host(fake: bool, torch, calls: int, repeats: int) -> dict:
     return out
 
 
+def run_integration(fake: bool, repeats: int, names=None) -> dict:
+    """serving_integration's cases (torch needed; with fake, CPU tensors passing for CUDA
+    ones under the pretend driver)."""
+    import torch
+    cb = _sibling("callpath")
+    integration = _sibling("serving_integration")
+    threads = torch.get_num_threads()
+    with contextlib.ExitStack() as stack:
+        if fake:
+            stack.enter_context(cb.fake_driver(binding_packing=True))
+            stack.enter_context(cb.torch_pretends_cuda(torch))
+            torch.set_num_threads(1)             # torch's CPU ops: no thread pool noise
+            stack.callback(torch.set_num_threads, threads)
+        out = integration.run(cb, torch, fake, repeats, names)
+    import ptxattn.torch.transformers_paged as tp
+    out["ptxattn"] = str(Path(tp.__file__).resolve().parents[2])
+    out["target_us"] = HOST_TARGET_US
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="paged,varlen,host")
+    ap.add_argument("--parts", default="paged,varlen,host,integration")
     ap.add_argument("--pages", default=None,
                     help=f"page sizes (default {','.join(map(str, PAGE_SIZES))}; with "
                          f"--variants {','.join(map(str, VARIANT_PAGES))})")
@@ -475,15 +502,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--fake", action="store_true", help="host part only, a pretend driver")
+    ap.add_argument("--fake", action="store_true",
+                    help="host and integration parts only, a pretend driver")
+    ap.add_argument("--integration-cases", default=None,
+                    help="integration part: these cases only (comma-separated)")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     variants = variant_names(args.variants) if args.variants else None
     result = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "set": "serving",
               "source": source_id(ROOT), "fake_driver": args.fake,
               "protocol": {"rounds": args.rounds, "reps": args.reps}}
+    cases = args.integration_cases.split(",") if args.integration_cases else None
     if args.fake:
-        result["host"] = run_host(True, None, args.calls, args.repeats)
+        if "host" in parts:
+            result["host"] = run_host(True, None, args.calls, args.repeats)
+        if "integration" in parts:
+            result["integration"] = run_integration(True, args.repeats, cases)
         path = Path(args.out) / "serving-host-fake.json"
         write_results(result, path)
         print(f"wrote {path}")
@@ -542,6 +576,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if "host" in parts:
         result["host"] = run_host(False, torch, args.calls, args.repeats)
+    if "integration" in parts:
+        result["integration"] = run_integration(False, args.repeats, cases)
     result["clocks_after"] = gpu_clocks()
     gpu = (result["env"].get("gpu") or "gpu").lower().replace("nvidia", "").strip()
     slug = "-".join(part for part in gpu.replace("_", " ").split() if part) or "gpu"

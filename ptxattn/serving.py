@@ -27,6 +27,9 @@ What a plan decides, once:
   table the kernels read (device arrays, read on the device at every run; host copies are
   uploaded once into buffers the plan owns). A Launcher per layer's caches (their tensor maps
   and packed parameters), built at a layer's first run.
+A plan keeps figures, not the first layer's arrays: a PrefillPlan's runs are checked against
+the shapes and strides it was validated with, and a run of plain torch tensors builds no
+views (their addresses; what the transformers integration runs per layer).
 A plan holds only read-only device state (its table, its copies of lengths and block table);
 per-call memory (outputs, LSE, split-KV workspace) comes fresh from the caller's allocator
 every run, so runs can be in flight together and a run can be captured in a CUDA graph. Re-plan
@@ -36,6 +39,7 @@ engine rewrites afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -106,6 +110,7 @@ class PrefillPlan:
         self._table = None                      # plan-owned table (host offsets)
         self._call = None                       # the first run's validated call
         self._launcher = None
+        self._torch_geometry = None             # what _run_torch checks (torch plans)
 
     def _own(self, values):
         view = _Int32View(values)
@@ -138,7 +143,24 @@ class PrefillPlan:
             # device offsets: the tile kernel reads them at every run
             self._offset_ptrs = (call.cu_q.ptr, call.cu_k.ptr,
                                  call.seqused_k.ptr if call.seqused_k is not None else 0)
-        self._call = call
+        # what later runs are checked against (the Launcher's figures and maps were built
+        # for these shapes and strides): kept as figures, so that the plan pins none of the
+        # first layer's arrays
+        self._geometry = {name: None if arr is None else (tuple(arr.shape), tuple(arr.strides))
+                          for name, arr in (("q", call.q), ("k", call.k), ("v", call.v),
+                                            ("out", call.out))}
+        if call.torch and call.out is None:
+            # torch tensors of later runs: these shapes, strides, device and stream; the
+            # output torch.empty's (contiguous, so its strides are q's shape's)
+            out_strides = tensors.contiguous_strides(call.out_shape)
+            shapes = tuple(x for name in ("q", "k", "v") for x in self._geometry[name])
+            self._torch_geometry = (
+                shapes, call.q.device, call.stream,
+                # what _run_at reads, worked out once
+                (out_strides[0], out_strides[1]), tuple(out_strides), call.out_shape,
+                call.lse_shape if call.want_lse else None, -(-call.workspace_bytes // 4))
+        self._call = dataclasses.replace(varlen.detached(call),
+                                         stream_object=call.stream_object)
 
     def run(self, q, k, v, out=None):
         """One layer: out (q's shape; fresh from the caller's allocator unless given), or
@@ -147,38 +169,113 @@ class PrefillPlan:
         if call is None:
             self._first_run(q, k, v, out)
             call = self._call
-        views = _varlen_views(call, q, k, v, out)
-        qv, kv, vv, ov_given = views
+        elif out is None and self._torch_geometry is not None:
+            result = self._run_torch(q, k, v)
+            if result is not None:
+                return result
+        qv, kv, vv, ov_given = _varlen_views(call, self._geometry, q, k, v, out)
         if ov_given is None:
-            out = varlen._empty(call.out_shape, "bfloat16", call)
+            out = _empty(call, q, call.out_shape, "bfloat16")
             ov = varlen._out_view(out)
         else:
             ov = ov_given
-        lse = varlen._empty(call.lse_shape, "float32", call) if call.want_lse else None
+        lse = _empty(call, q, call.lse_shape, "float32") if call.want_lse else None
         lse_ptr = varlen._ptr(lse) if lse is not None else 0
         ln = self._launcher
         if self._table is not None:
             ln.run_forward(qv, kv, vv, ov, lse_ptr, self._table.ptr)
         else:
-            ws = varlen._workspace(call.workspace_bytes, call)
+            ws = _workspace(call, q)
             ln.run(qv, kv, vv, ov, lse_ptr, varlen._ptr(ws), *self._offset_ptrs, 0)
             del ws                           # stream-ordered (or torch's caching allocator)
         return (out, lse) if call.want_lse else out
 
+    def _run_torch(self, q, k, v):
+        """run() for plain torch tensors of the plan's geometry on its stream, without views:
+        their addresses, a check of what _varlen_views checks (shapes, strides, device,
+        16-byte bases), the launches. None when anything differs: then the full run()
+        decides (and raises its errors)."""
+        meta = tensors.torch_meta
+        mq, mk, mv = meta(q), meta(k), meta(v)
+        geometry = self._torch_geometry
+        if (mq is None or mk is None or mv is None
+                or (mq[1], mq[2], mk[1], mk[2], mv[1], mv[2]) != geometry[0]
+                or not mq[3] == mk[3] == mv[3] == geometry[1]
+                or (mq[0] | mk[0] | mv[0]) % 16
+                or tensors.torch_current_stream(mq[3]) != geometry[2]):
+            return None
+        return self._run_at(q.device, mq[0], mk[0], mv[0])
 
-def _varlen_views(call, q, k, v, out):
+    def _run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int):
+        """One layer from the addresses of torch tensors that have the plan's shapes and
+        strides, on its device (a torch.device) and torch's current stream there, 16-byte
+        aligned: what _run_torch checks, which a caller of this must have checked (the
+        transformers integration, which keys its layouts on exactly these: nothing here
+        validates the addresses, so this is no public entry). Fresh output, LSE and
+        workspace from torch's allocator (stream-ordered), then the launches."""
+        torch = sys.modules["torch"]
+        ln, geometry = self._launcher, self._torch_geometry
+        shapes = geometry[0]
+        (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
+        out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+        lse = (torch.empty(lse_shape, dtype=torch.float32, device=device)
+               if lse_shape is not None else None)
+        out_ptr = out.data_ptr()
+        maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
+                          (out_ptr, out_strides))
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+        if self._table is not None:
+            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, self._table.ptr, None)
+        else:
+            ws = torch.empty((ws_words,), dtype=torch.int32, device=device)
+            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, ws.data_ptr(),
+                      self._offset_ptrs)
+            del ws                           # torch's caching allocator: stream-ordered
+        return (out, lse) if lse is not None else out
+
+    @property
+    def _torch_layout(self):
+        """((q shape, q strides, k shape, k strides, v shape, v strides), device index,
+        stream) of the runs _run_at takes, once a first run of torch tensors without out=
+        has fixed them; else None."""
+        g = self._torch_geometry
+        return None if g is None else g[:3]
+
+
+def _empty(call, q, shape, dtype: str):
+    """A run's output or LSE from the caller's allocator (varlen._empty's, on q's device: the
+    plan keeps no array to read it from)."""
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=q.device)
+    return tensors.empty(shape, stream=call.stream, stream_owner=call.stream_object,
+                         dtype=np.dtype(np.float32) if dtype == "float32" else tensors.BF16)
+
+
+def _workspace(call, q):
+    """A run's tile table and scratch (varlen._workspace's, on q's device)."""
+    if call.torch:
+        torch = sys.modules["torch"]
+        return torch.empty((-(-call.workspace_bytes // 4),), dtype=torch.int32,
+                           device=q.device)
+    return driver.DeviceBuffer(call.workspace_bytes, stream=call.stream,
+                               stream_owner=call.stream_object)
+
+
+def _varlen_views(call, geometry: dict, q, k, v, out):
     """The run's arrays as views, checked against the plan's geometry (shapes and strides:
-    what the Launcher's figures and maps were built for)."""
+    what the Launcher's figures and maps were built for; an out= of any strides when the
+    first run had none)."""
     stream = call.stream
     views = []
-    for name, obj, like in (("q", q, call.q), ("k", k, call.k), ("v", v, call.v),
-                            ("out", out, call.out)):
+    for name, obj in (("q", q), ("k", k), ("v", v), ("out", out)):
         if obj is None:
             views.append(None)
             continue
         arr = tensors.as_device_array(obj, name=name, stream=stream)
-        ref_shape = like.shape if like is not None else call.q.shape
-        ref_strides = like.strides if like is not None else None
+        like = geometry[name]
+        ref_shape = like[0] if like is not None else geometry["q"][0]
+        ref_strides = like[1] if like is not None else None
         if tuple(arr.shape) != tuple(ref_shape) or (ref_strides is not None and
                                                     tuple(arr.strides) != tuple(ref_strides)):
             raise ValueError(f"{name}: shape {tuple(arr.shape)} strides {tuple(arr.strides)}, "

@@ -21,6 +21,8 @@ the offsets' contract and the NumPy model of the table.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import os
 import sys
@@ -219,7 +221,9 @@ class Launcher:
     re-fills the per-call addresses and enqueues the tile kernel, then the forward kernel."""
 
     def __init__(self, call: VarlenCall, sm_count: int):
-        self.call = call
+        # the call's figures only: a Launcher is cached (_LAUNCHERS, a plan's) and must pin
+        # none of the caller's memory
+        self.call = detached(call)
         self.stage = forward_build(call.head_dim)
         self.forward_fn = launch.kernel(self.stage)
         self.tiles_fn = tiles_function()
@@ -245,26 +249,45 @@ class Launcher:
             (self.grid, 1, 1), (self.stage.threads, 1, 1), self.stage.smem_bytes, (1, 1, 1),
             call.stream)[0]
         self.lock = threading.Lock()
-        # the forward kernel's parameters as a template: what a call fills, by slot
+        # Both kernels' parameters packed once into void*[] arrays of our own (_Packed): a
+        # call rewrites its slots in place and passes the array's address, so the binding
+        # packs nothing per call (its tuple form costs ~6-9 us a launch on the host)
         names = [p.name for p in self.params]
-        self._template = [self.values.get(n, 0) for n in names]
-        self._types = tuple(p.ctype for p in self.params)
-        self._slots = tuple(names.index(n) for n in (
-            "tmap_q", "tmap_k", "tmap_v", "tmap_o", "o_ptr", "o_row_stride", "o_head_stride",
-            "o_batch_stride", "lse_ptr", "tiles_ptr"))
+        self._forward = _Packed([self.values.get(n, 0) for n in names],
+                                [p.ctype for p in self.params],
+                                ("tmap_q", "tmap_k", "tmap_v", "tmap_o"), names)
+        self._forward_slots = self._forward.holders_of(
+            names, ("o_ptr", "o_row_stride", "o_head_stride", "o_batch_stride", "lse_ptr",
+                    "tiles_ptr"))
+        self._forward_maps = tuple(names.index(n) for n in ("tmap_q", "tmap_k", "tmap_v",
+                                                             "tmap_o"))
+        tiles_names = [n for n, _ in TILES_PARAMS]
+        self._tiles = _Packed([self.tiles_values.get(n, 0) for n in tiles_names],
+                              [t for _, t in TILES_PARAMS], (), tiles_names)
+        self._tiles_slots = self._tiles.holders_of(tiles_names, (
+            "cu_q_ptr", "cu_k_ptr", "seqused_k_ptr", "table_ptr", "scratch_ptr", "bounds_ptr"))
+        self._scratch_offset = 16 + 16 * call.max_entries
         self._maps: dict = {}
 
     def _map(self, arr, heads: int, rows: int, box_rows: int, name: str):
-        """The tensor map of one of q, k, v, out at its address (remembered per address and
-        strides: a layer's activations come back at the same addresses step after step). The
-        key holds everything the map encodes: a map of another row count would bound the box
-        walk at the wrong row."""
-        key = (name, arr.ptr, tuple(arr.strides), heads, max(rows, 1), box_rows)
+        """The tensor map of one of q, k, v, out (a view) at its address."""
+        return self._map_at(name, arr.ptr, tuple(arr.strides), arr.shape[0], heads, rows,
+                            box_rows)
+
+    def _map_at(self, name: str, ptr: int, strides: tuple, array_rows: int, heads: int,
+                rows: int, box_rows: int):
+        """The tensor map of an array of `array_rows` rows with these element strides at ptr
+        (remembered per address and strides: a layer's activations come back at the same
+        addresses step after step). The key holds everything the map encodes: a map of
+        another row count would bound the box walk at the wrong row."""
+        key = (name, ptr, strides, array_rows, heads, rows, box_rows)
         tmap = self._maps.get(key)
         if tmap is None:
-            tmap = tma.encode_qkvo_map(arr.ptr, "bshd", 1, heads, max(rows, 1),
+            s_row, s_head, s_dim = (int(x) for x in strides)
+            tmap = tma.encode_qkvo_map(ptr, "bshd", 1, heads, max(rows, 1),
                                        self.call.head_dim, box_rows, SWIZZLE_128B, TMA_CHUNK,
-                                       _strides4(arr), name=name)
+                                       (s_row * max(array_rows, 1), s_row, s_head, s_dim),
+                                       name=name)
             if len(self._maps) >= 256:
                 self._maps.pop(next(iter(self._maps)), None)
             self._maps[key] = tmap
@@ -273,41 +296,124 @@ class Launcher:
     def run_tiles(self, workspace_ptr: int, cu_q_ptr: int, cu_k_ptr: int, seqused_ptr: int,
                   bounds_ptr: int) -> None:
         """Enqueue varlen_tiles.ptx: the table at workspace_ptr (its scratch after it)."""
-        call = self.call
-        tiles = dict(self.tiles_values, cu_q_ptr=cu_q_ptr, cu_k_ptr=cu_k_ptr,
-                     seqused_k_ptr=seqused_ptr, table_ptr=workspace_ptr,
-                     scratch_ptr=workspace_ptr + 16 + 16 * call.max_entries,
-                     bounds_ptr=bounds_ptr)
-        args = (tuple(tiles[n] for n, _ in TILES_PARAMS), tuple(t for _, t in TILES_PARAMS))
-        _check(self._launch(self.tiles_config, self.tiles_fn.handle, args, 0), TILES_ENTRY)
+        with self.lock:
+            self._tiles_locked(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
+
+    def _tiles_locked(self, workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr):
+        for holder, value in zip(self._tiles_slots, (
+                cu_q_ptr, cu_k_ptr, seqused_ptr, workspace_ptr,
+                workspace_ptr + self._scratch_offset, bounds_ptr)):
+            holder.value = value
+        _check(self._launch(self.tiles_config, self.tiles_fn.handle, self._tiles.address, 0),
+               TILES_ENTRY)
 
     def run_forward(self, q, k, v, out, lse_ptr: int, table_ptr: int) -> None:
         """Enqueue the forward kernel's varlen build over the table at table_ptr. q, k, v and
         out: views of this geometry (their tensor maps are encoded once per address)."""
+        maps = self._maps_of(q, k, v, out)
+        with self.lock:
+            self._forward_locked(maps, out.ptr, out.strides[0], out.strides[1], lse_ptr,
+                                 table_ptr)
+
+    def _maps_of(self, q, k, v, out) -> tuple:
         call = self.call
         if not call.total_k:
             # no key in the whole batch: every sequence has seq_k 0 and no row sees a key; k
             # and v may have no memory at all, so their maps get one row of q's (read as
             # zeros: the one K/V tile of such a sequence lies before row 0)
             k = v = q
-        o_row, o_head = out.strides[0], out.strides[1]
-        values = self._template[:]
-        for slot, value in zip(self._slots, (
-                self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
+        return (self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
                 self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
                 self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
-                self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"),
-                out.ptr, o_row, o_head, o_row * max(call.total_q, 1), lse_ptr, table_ptr)):
-            values[slot] = value
+                self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"))
+
+    def maps_at(self, q, k, v, out) -> tuple:
+        """The four maps for (ptr, strides) pairs of arrays of this geometry (the plans' torch
+        path: no views built). A map seen before is one dict lookup (_map_at's key)."""
+        call = self.call
+        if not call.total_k:
+            k = v = q                                           # as _maps_of
+            k_rows = call.total_q
+        else:
+            k_rows = call.total_k
+        get, heads, heads_kv = self._maps.get, call.heads, call.heads_kv
+        tq, tk, bn, qb = call.total_q, call.total_k, self.stage.block_n, builds.Q_BOX_ROWS
+        maps = []
+        for key in (("q", q[0], q[1], tq, heads, tq, qb),
+                    ("k", k[0], k[1], k_rows, heads_kv, tk, bn),
+                    ("v", v[0], v[1], k_rows, heads_kv, tk, bn),
+                    ("out", out[0], out[1], tq, heads, tq, qb)):
+            tmap = get(key)
+            maps.append(tmap if tmap is not None else self._map_at(*key))
+        return maps
+
+    def _forward_locked(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
+                        table_ptr: int) -> None:
+        entries = self._forward.array
+        for slot, tmap in zip(self._forward_maps, maps):
+            entries[slot] = tmap.getPtr()
+        for holder, value in zip(self._forward_slots, (
+                out_ptr, o_row, o_head, o_row * max(self.call.total_q, 1), lse_ptr,
+                table_ptr)):
+            holder.value = value
+        # the maps stay referenced (maps) until the driver has copied their bytes
         _check(self._launch(self.forward_config, self.forward_fn.handle,
-                            (tuple(values), self._types), 0), "ptxattn_fwd (varlen)")
+                            self._forward.address, 0), "ptxattn_fwd (varlen)")
 
     def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
             cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
         """The call's two launches, in stream order: the table, then the attention."""
+        maps = self._maps_of(q, k, v, out)
         with self.lock:
-            self.run_tiles(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
-            self.run_forward(q, k, v, out, lse_ptr, workspace_ptr)
+            self._tiles_locked(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
+            self._forward_locked(maps, out.ptr, out.strides[0], out.strides[1], lse_ptr,
+                                 workspace_ptr)
+
+    def run_at(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
+               workspace_ptr: int, offsets: tuple | None) -> None:
+        """run() from maps_at()'s maps and raw addresses: the tile kernel first when
+        offsets (cu_q_ptr, cu_k_ptr, seqused_ptr) are given, else the forward kernel alone
+        over the table at workspace_ptr."""
+        with self.lock:
+            if offsets is not None:
+                self._tiles_locked(workspace_ptr, *offsets, 0)
+            self._forward_locked(maps, out_ptr, o_row, o_head, lse_ptr, workspace_ptr)
+
+
+class _Packed:
+    """A kernel's parameters as a void*[] of our own (driver.pack_params' layout), built once:
+    numbers sit in ctypes holders that a call rewrites in place, and the by-value tensor maps
+    (`maps`, by name) are entries that a call points at a map's 128 bytes. Rewritten and
+    launched under the Launcher's lock: the driver copies the bytes at cuLaunchKernelEx, so
+    the next call may rewrite them."""
+
+    _PLACEHOLDER = (ctypes.c_char * 128)()      # a map slot before its first call
+
+    def __init__(self, values, types, maps, names):
+        self.holders = []
+        addresses = []
+        for name, value, ctype in zip(names, values, types):
+            if ctype is None:
+                if name not in maps:
+                    raise ValueError(f"{name}: a by-value parameter without a per-call map")
+                self.holders.append(None)
+                addresses.append(ctypes.addressof(self._PLACEHOLDER))
+            else:
+                held = ctype(value)
+                self.holders.append(held)
+                addresses.append(ctypes.addressof(held))
+        self.array = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
+        self.address = ctypes.addressof(self.array)
+
+    def holders_of(self, names, wanted) -> tuple:
+        return tuple(self.holders[list(names).index(n)] for n in wanted)
+
+
+def detached(call: VarlenCall) -> VarlenCall:
+    """The call's shape fields without the caller's arrays and offsets (for what is kept)."""
+    return dataclasses.replace(call, q=None, k=None, v=None, out=None, out_given=None,
+                               cu_q=None, cu_k=None, seqused_k=None, stream_object=None,
+                               objects={})
 
 
 def _check(result, what: str) -> None:

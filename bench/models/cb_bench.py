@@ -22,8 +22,9 @@ timestamp - its creation: queueing behind the other prompts included, as a serve
 median and p90. The figure per backend is the median over rounds; the speedup is the median of
 the per-round ratios with a 95% bootstrap interval. Also recorded: how many attention calls
 ran on ptxattn's kernels and its fallbacks (a fallback would time torch: none expected), the
-host time of ptxattn's kernel calls (varlen; with transformers 5.17 also the decode steps on
-its pages), whether the greedy tokens agree between the backends (random weights: near-ties
+host time of the attention function's calls that ran on them (the whole call: translation,
+plan lookup, launches; varlen, and with transformers 5.17 also the decode steps on its
+pages; until 2026-12-02 this field timed the kernels' seam alone), whether the greedy tokens agree between the backends (random weights: near-ties
 may flip a token; informational), the transformers and torch versions. --eager adds "paged|eager" (slow: it materializes the scores).
 
 Writes cb-bench[-tiny]-<date>.json into --out (or $OUT, or bench/results/models/) and prints
@@ -150,33 +151,47 @@ class Runner:
 
 
 class HostTimer:
-    """Times ptxattn's kernel calls on the host while active, per kernel (the seams
-    transformers_paged calls: plan, launches; the GPU is not waited for)."""
+    """Times the attention function's calls on the host while active (the GPU is not waited
+    for), by the kernel each ran on: translation, plan lookup and launches, what a layer's
+    call costs transformers. The function is wrapped where transformers finds it: the
+    module attribute transformers_backend calls (5.24 runs "ptxattn") and the registry's
+    "paged|ptxattn" entry (5.17 calls it directly). A call is a kernel's when it counted one
+    (packed_call_counts); fallbacks are not timed."""
 
-    SEAMS = {"varlen": "_varlen_kernel", "paged": "_paged_kernel"}
+    KINDS = ("varlen", "paged")
 
     def __init__(self, tp):
         self.tp = tp
-        self.kernels = {kind: getattr(tp, seam) for kind, seam in self.SEAMS.items()}
-        self.spent = {kind: [] for kind in self.SEAMS}
+        self.spent = {kind: [] for kind in self.KINDS}
 
     def __enter__(self):
-        for kind, seam in self.SEAMS.items():
-            setattr(self.tp, seam, self._timed(self.kernels[kind], self.spent[kind]))
+        from transformers import AttentionInterface
+
+        from ptxattn.torch import sdpa
+        self.mapping = AttentionInterface._global_mapping
+        self.original = self.tp.paged_attention_forward
+        self.registered = self.mapping.get(self.tp.NAME)
+        packed, spent, original = sdpa._packed, self.spent, self.original
+
+        def timed(*args, **kwargs):
+            before = packed["varlen"], packed["paged"]
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            dt = time.perf_counter() - t0
+            if packed["varlen"] != before[0]:
+                spent["varlen"].append(dt)
+            elif packed["paged"] != before[1]:
+                spent["paged"].append(dt)
+            return out
+        self.tp.paged_attention_forward = timed
+        if self.registered is original:
+            self.mapping[self.tp.NAME] = timed
         return self.spent
 
-    @staticmethod
-    def _timed(kernel, spent):
-        def timed(call):
-            t0 = time.perf_counter()
-            out = kernel(call)
-            spent.append(time.perf_counter() - t0)
-            return out
-        return timed
-
     def __exit__(self, *exc):
-        for kind, seam in self.SEAMS.items():
-            setattr(self.tp, seam, self.kernels[kind])
+        self.tp.paged_attention_forward = self.original
+        if self.registered is self.original:
+            self.mapping[self.tp.NAME] = self.original
 
 
 def main(argv=None) -> int:

@@ -21,15 +21,18 @@ the attention function once per layer with:
     same (5.17 with `cache`, 5.24 with k_cache / v_cache).
 Both paths run on ptxattn, causal (bottom-right: chunked prefill sees its past) with the
 layer's sliding window, if any, as (window - 1, 0), as transformers' flash path:
-- packed keys: ptxattn.flash_attn_varlen_func on views of q, k, v with the device offsets
-  (two launches, no host sync; capturable in a CUDA graph); the layers of a step share one
-  PrefillPlan (_plan_of);
+- packed keys: ptxattn.flash_attn_varlen_func's kernels on views of q, k, v with the device
+  offsets (two launches, no host sync; capturable in a CUDA graph). The layers of a forward
+  share one PrefillPlan per batch layout (_plan_of: made by the first layer, host-side
+  decisions only), and once it exists a layer's call is its launches (_remembered: the
+  plan's key read off transformers' arguments, no translation, no views; the 5.24 contract,
+  which hands every step, decode included, this way);
 - a block table: ptxattn.flash_attn_with_kvcache(block_table=...), the new keys appended
-  into the pages by the kernel;
+  into the pages by the kernel (its remembered launch per layer and shape);
 - transformers 5.17, a decode-only step (one query a sequence, no padding) of a
   full-attention layer: instead of gathering every sequence's keys, the new keys are written
   at write_index and the decode kernel reads transformers' pages in place, through a block
-  table read off read_index on the device (_decode_on_pages).
+  table read off read_index on the device (_decode_on_pages, _page_table: five small ops).
 Calls the kernels do not take (not bf16, not on ptxattn's sm_90 device, a head dim outside
 64/128/256 or a value head dim unlike the query's, tensors that require grad, dropout,
 softcap, attention sinks, an explicit mask, output_attentions, a page size that is no power
@@ -51,6 +54,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
+
+from ptxattn import serving, tensors
+from ptxattn.stages import PRODUCTION
 
 from . import packed_reference, sdpa
 
@@ -103,6 +109,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: float | None = None, **kwargs):
     """transformers' attention-function signature for a packed call; returns
     (output (1, total_q, H, D), None)."""
+    if attention_mask is None and not dropout:
+        out = _remembered(module, query, key, value, scaling, kwargs)
+        if out is not None:
+            return out, None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     call = _translate(module, query, key, value, kwargs, scale)
     why = _reason(call, attention_mask, dropout, kwargs)
@@ -116,7 +126,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     else:
         sdpa._note_fallback(why)
         out = _reference(call, attention_mask, dropout, kwargs)
-    return out.reshape(query.shape[0], -1, *out.shape[-2:]), None
+    shape = out.shape
+    return out.reshape(query.shape[0], -1, shape[-2], shape[-1]), None
 
 
 def _layer_window(module, kwargs) -> int | None:
@@ -136,8 +147,17 @@ def _per_layer(value, window_tokens: int | None):
     return value["sliding_attention" if sliding else "full_attention"]
 
 
-def _as_int(x) -> int:
-    return int(x)                   # a tensor max (padding-free batches) syncs once, here
+def _as_int(x, name: str) -> int:
+    """max_seqlen_q / max_seqlen_k as an int >= 0, checked at every call (a layout's plan
+    would take any value: the kernels size nothing from it). A tensor max (padding-free
+    batches) syncs once, here."""
+    value = int(x)
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return value
+
+
+_MAX_NAMES = ("max_seqlen_q", "max_length_q", "max_seqlen_k", "max_length_k")
 
 
 def _translate(module, query, key, value, kwargs, scale: float):
@@ -150,7 +170,7 @@ def _translate(module, query, key, value, kwargs, scale: float):
     window = (window_tokens - 1, 0) if window_tokens else (-1, -1)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    cu_k = cu_k.to(torch.int32)
+    cu_k = _int32(cu_k)
     cache = kwargs.get("cache")
     block_table = kwargs.get("block_table")
     if block_table is not None:
@@ -168,9 +188,11 @@ def _translate(module, query, key, value, kwargs, scale: float):
         k, v = _rows(key), _rows(value)
     q = _rows(query)
     return Varlen(q=_readable(q), k=_readable(k), v=_readable(v),
-                  cu_q=cu_q.to(torch.int32).contiguous(), cu_k=cu_k.contiguous(),
-                  max_q=_as_int(max_q if max_q is not None else q.shape[0]),
-                  max_k=_as_int(max_k if max_k is not None else k.shape[0]),
+                  cu_q=_contiguous(_int32(cu_q)), cu_k=_contiguous(cu_k),
+                  max_q=_as_int(max_q if max_q is not None else q.shape[0], _MAX_NAMES[0]
+                                if "max_seqlen_q" in kwargs else _MAX_NAMES[1]),
+                  max_k=_as_int(max_k if max_k is not None else k.shape[0], _MAX_NAMES[2]
+                                if "max_seqlen_k" in kwargs else _MAX_NAMES[3]),
                   causal=causal, window=window, scale=scale)
 
 
@@ -186,10 +208,10 @@ def _paged_call(module, query, key, value, kwargs, cache, cu_k, block_table, win
         k_cache, v_cache, table = kwargs["k_cache"], kwargs["v_cache"], block_table
     q, k, v = (x.permute(2, 0, 1, 3) for x in (query, key, value))   # (B, 1, heads, D)
     batch = q.shape[0]
-    lengths = (cu_k[1:batch + 1] - cu_k[:batch] - 1).to(torch.int32)  # before the new token
+    lengths = _int32(cu_k[1:batch + 1] - cu_k[:batch]).sub_(1)        # before the new token
     return Paged(q=_readable(q), k_cache=k_cache, v_cache=v_cache, k=_readable(k),
                  v=_readable(v), cache_seqlens=lengths,
-                 block_table=table.to(torch.int32).contiguous(), causal=True, window=window,
+                 block_table=_contiguous(_int32(table)), causal=True, window=window,
                  scale=scale)
 
 
@@ -218,17 +240,34 @@ def _decode_on_pages(module, query, key, value, kwargs, cache, cu_q, cu_k, max_q
     k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
     k_cache.index_copy_(0, write, key.transpose(1, 2)[0])
     v_cache.index_copy_(0, write, value.transpose(1, 2)[0])
-    starts = cu_k[:-1].to(torch.int64)
-    lengths = cu_k[1:] - cu_k[:-1]
-    offsets = torch.arange(-(-int(max_k) // block), device=read.device) * block
-    inside = offsets[None, :] < lengths[:, None]
-    first = read[(starts[:, None] + offsets[None, :]).clamp(0, read.numel() - 1)]
-    table = torch.where(inside, first // block, -1).to(torch.int32)
+    starts = cu_k[:-1]
+    lengths = cu_k[1:] - starts                                     # int32, as cu_k
+    table = _page_table(read, starts, int(max_k), block, k_cache.shape[0])
     shape = (-1, block, cache.num_key_value_heads, cache.head_dim)
     return Paged(q=_readable(query.permute(2, 0, 1, 3)), k_cache=k_cache.view(shape),
                  v_cache=v_cache.view(shape), k=None, v=None,
-                 cache_seqlens=lengths.to(torch.int32), block_table=table, causal=True,
+                 cache_seqlens=_int32(lengths), block_table=table, causal=True,
                  window=window, scale=scale)
+
+
+def _page_table(read: torch.Tensor, starts: torch.Tensor, max_k: int, block: int,
+                cache_rows: int) -> torch.Tensor:
+    """The (B, pages) int32 block table of a decode step: entry [b, p] is the page of
+    sequence b's read index at starts[b] + p * block. Five small device ops (each a launch
+    on the host's side; the table is this call's, per-call device state never kept between
+    calls). Entries past a sequence's last page name some page of the cache (the next
+    sequence's, or the last read index's): the kernels never read an entry past a
+    sequence's pages (flash_attn_with_kvcache's contract), so no mask is spent on them.
+    The positions are int64; when every cache row fits 31 bits (cache_rows < 2**31) their
+    low words are read in place (a little-endian view: the device's byte order) and the page
+    is a shift, so no int64 -> int32 conversion is launched."""
+    pages = -(-max_k // block)
+    offsets = torch.arange(0, pages * block, block, dtype=torch.int32, device=read.device)
+    at = (starts[:, None] + offsets).clamp_(0, read.numel() - 1)
+    if cache_rows < 1 << 31 and read.dim() == 1 and read.stride(0) == 1:
+        low = read.view(torch.int32)[::2]
+        return low[at].bitwise_right_shift_(block.bit_length() - 1)
+    return read[at].div_(block, rounding_mode="floor").to(torch.int32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -242,10 +281,23 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _readable(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (unit last stride, 16-byte aligned
-    rows and base), else a contiguous copy."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
-    return t if ok else t.contiguous()
+    rows and base), else a contiguous copy (a fresh one: a misaligned contiguous view's
+    contiguous() would be the view itself)."""
+    strides, shape = t.stride(), t.shape
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return t.clone(memory_format=torch.contiguous_format)
+    for i in range(len(strides) - 1):
+        if strides[i] % 8 and shape[i] > 1:
+            return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int32 else t.to(torch.int32)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 # --------------------------------------------------------------------------- the decision
@@ -259,29 +311,29 @@ def _reason(call, attention_mask, dropout, kwargs) -> str | None:
         return "attn_mask"
     if dropout:
         return "dropout"
-    q, k, v = (call.q, call.k, call.v) if isinstance(call, Varlen) else (
-        call.q, call.k_cache, call.v_cache)
+    varlen = type(call) is Varlen
+    q, k, v = (call.q, call.k, call.v) if varlen else (call.q, call.k_cache, call.v_cache)
     why = sdpa._device_reason(q, k, v)
     if why:
         return why
-    tensors = (q, k, v) if isinstance(call, Varlen) else tuple(
-        t for t in (q, k, v, call.k, call.v) if t is not None)
-    if any(t.dtype != torch.bfloat16 for t in tensors):
+    bf16 = torch.bfloat16
+    if q.dtype is not bf16 or k.dtype is not bf16 or v.dtype is not bf16 or (
+            not varlen and any(t.dtype is not bf16 for t in (call.k, call.v) if t is not None)):
         return "dtype"
     d = q.shape[-1]
     if d not in _head_dims() or k.shape[-1] != d or v.shape[-1] != d:
         return "head_dim"
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
         return "gqa_heads"
-    if any(t.requires_grad for t in tensors):
+    if q.requires_grad or k.requires_grad or v.requires_grad or (
+            not varlen and any(t.requires_grad for t in (call.k, call.v) if t is not None)):
         return "grad"
-    if isinstance(call, Paged) and call.k_cache.shape[1] not in PAGE_SIZES:
+    if not varlen and call.k_cache.shape[1] not in PAGE_SIZES:
         return "page_size"
     return None
 
 
 def _head_dims() -> tuple[int, ...]:
-    from ptxattn.stages import PRODUCTION
     return PRODUCTION.head_dims
 
 
@@ -297,41 +349,42 @@ def _varlen_kernel(call: Varlen) -> torch.Tensor:
     return _plan_of(call).run(call.q, call.k, call.v)
 
 
-# Every layer of a step hands the same offsets tensors (transformers' static buffers) and
-# tensors of the same geometry: one PrefillPlan per such layout validates and builds the
-# launch once, and its run() is the two launches for each layer. A plan built from device
-# offsets reads them on the device at every run (the tile kernel), so a later step whose
-# offsets tensors hold other values at the same addresses, with the same geometry, runs
-# right on the same plan. A plan keeps its offsets tensors alive, so their addresses in the
-# key name them. max_seqlen_q / max_seqlen_k size nothing on ptxattn's side (the kernels
-# size their work from the offsets), so they are not part of the layout.
+# The plan of a batch layout, made once per forward and reused by its layers. Every layer of
+# a step hands the same offsets tensors (transformers' static buffers) and tensors of the
+# same geometry: one PrefillPlan per such layout validates and builds the launch once (the
+# first layer, through the full path), and each later layer is the two launches
+# (_remembered: no translation, no views). What a plan holds is host-side only: the
+# validated figures, the launch geometry, the packed parameters, tensor maps by address;
+# per-call memory (output, workspace with the tile table) comes fresh from torch's
+# allocator at every run, so a run can be captured in a CUDA graph.
+# Why the key needs no offsets' values (nor torch's _version counter, which inference
+# tensors do not have): a plan built from device offsets never reads them on the host. The
+# tile kernel reads them on the device at every run, so the same tensors refilled in place
+# by transformers (a later step), or other tensors at the same addresses, run right on the
+# same plan; a different address, length or geometry is another key, so another plan.
+# max_seqlen_q / max_seqlen_k size nothing on ptxattn's side (the kernels size their work
+# from the offsets), so they are not part of the layout either. A plan keeps its offsets
+# tensors alive (the addresses it reads), none of the layers' q, k, v.
 _PLANS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
-_PLANS_MAX = 4                  # a step's layout, and the few before it (a plan keeps its
-                                # first layer's q, k, v alive)
+_PLANS_MAX = 4                  # a step's layouts (two for hybrid models), and those before
 _PLANS_LOCK = threading.Lock()
 
 
 def _plan_of(call: Varlen):
-    from ptxattn.serving import PrefillPlan
-    from ptxattn.tensors import torch_current_stream
-    q, k = call.q, call.k
-    key = (call.cu_q.data_ptr(), call.cu_k.data_ptr(), call.cu_q.shape[0], call.cu_k.shape[0],
-           tuple(q.shape), tuple(k.shape), q.stride(), k.stride(), call.v.stride(),
-           q.get_device(), torch_current_stream(q.get_device()), call.causal, call.window,
-           call.scale)
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = PrefillPlan(call.cu_q, call.cu_k, heads=q.shape[1], heads_kv=k.shape[1],
+    q, k, v = call.q, call.k, call.v
+    key = _plan_key(call.cu_q, call.cu_k, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+                    v.stride(), q.get_device(), call.causal, call.window, call.scale)
+    plan = _PLANS.get(key)          # a plain lookup (the GIL's); inserts take the lock
+    if plan is not None:
+        return plan
+    plan = serving.PrefillPlan(call.cu_q, call.cu_k, heads=q.shape[1], heads_kv=k.shape[1],
                        head_dim=q.shape[2], total_q=q.shape[0], total_k=k.shape[0],
                        max_seqlen_q=call.max_q, max_seqlen_k=call.max_k, causal=call.causal,
                        window_size=call.window, softmax_scale=call.scale)
     with _PLANS_LOCK:
         _PLANS[key] = plan
         while len(_PLANS) > _PLANS_MAX:
-            _PLANS.popitem(last=False)
+            _PLANS.popitem(last=False)      # the oldest layout first
     return plan
 
 
@@ -339,6 +392,78 @@ def clear_plans() -> None:
     """Forget the cached plans (and the offsets tensors they keep alive)."""
     with _PLANS_LOCK:
         _PLANS.clear()
+
+
+def _plan_key(cu_q, cu_k, q_shape, k_shape, v_shape, q_strides, k_strides, v_strides,
+              device: int, causal: bool, window, scale: float) -> tuple:
+    """A layout's key in _PLANS: what its plan was validated and built for (the offsets'
+    addresses and lengths, the rows views' shapes and strides, the device and torch's current
+    stream there, the flags), never the offsets' values (read on the device at every run)."""
+    return (cu_q.data_ptr(), cu_k.data_ptr(), cu_q.shape[0], cu_k.shape[0], q_shape, k_shape,
+            v_shape, q_strides, k_strides, v_strides, device,
+            tensors.torch_current_stream(device), causal, window, scale)
+
+
+def _remembered(module, query, key, value, scaling, kwargs):
+    """The call's output when a plan in _PLANS takes it, else None (then the full path).
+
+    The layers of a forward after its first: transformers 5.24's packed call (no cache and
+    no block table: the keys gathered before the call; or a padding-free batch), a batch of
+    one, plain bf16 CUDA tensors read in place. The key is _plan_of's, computed from the
+    arguments without building the rows views (their shapes and strides are the 4-D
+    tensors' with the head and sequence axes swapped), so a hit means the full path would
+    build a Varlen of exactly that layout and run that plan on these addresses; what the key
+    leaves out is checked here as the full path checks it (the fallback reasons, int32
+    contiguous offsets, 16-byte bases). Plans come only from the real kernels' seam
+    (_varlen_kernel), so a seam replaced by a test or a timer sees every call."""
+    if (not _PLANS or kwargs.get("cache") is not None or kwargs.get("block_table") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            or kwargs.get("output_attentions", False)):
+        return None
+    tensor = torch.Tensor
+    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor:
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or qs[0] != 1 or ks[0] != 1 or vs[0] != 1:
+        return None
+    window_tokens = _layer_window(module, kwargs)
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = _per_layer(kwargs.get("cu_seq_lens_k"), window_tokens)
+    int32 = torch.int32
+    if (type(cu_q) is not tensor or type(cu_k) is not tensor or cu_q.dtype is not int32
+            or cu_k.dtype is not int32 or not cu_q.is_contiguous() or not cu_k.is_contiguous()):
+        return None
+    max_q = kwargs.get("max_seqlen_q", kwargs.get("max_length_q"))
+    max_k = _per_layer(kwargs.get("max_seqlen_k", kwargs.get("max_length_k")), window_tokens)
+    if not (max_q is None or type(max_q) is int and max_q >= 0) or not (
+            max_k is None or type(max_k) is int and max_k >= 0):
+        return None                  # (a tensor's value, a bad one: the full path's int())
+    if not (scaling is None or type(scaling) is float or type(scaling) is int):
+        return None
+    bf16 = torch.bfloat16
+    if (query.dtype is not bf16 or key.dtype is not bf16 or value.dtype is not bf16
+            or query.requires_grad or key.requires_grad or value.requires_grad
+            or not query.is_cuda or sdpa._device_reason(query, key, value) is not None):
+        return None
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    window = (window_tokens - 1, 0) if window_tokens else (-1, -1)
+    scale = float(scaling) if scaling is not None else qs[3] ** -0.5
+    sq, sk, sv = query.stride(), key.stride(), value.stride()
+    rows = ((qs[2], qs[1], qs[3]), (ks[2], ks[1], ks[3]), (vs[2], vs[1], vs[3]),
+            (sq[2], sq[1], sq[3]), (sk[2], sk[1], sk[3]), (sv[2], sv[1], sv[3]))
+    device = query.get_device()
+    plan = _PLANS.get(_plan_key(cu_q, cu_k, *rows, device, causal, window, scale))
+    if plan is None:
+        return None
+    geometry = plan._torch_layout
+    q_ptr, k_ptr, v_ptr = query.data_ptr(), key.data_ptr(), value.data_ptr()
+    if (geometry is None or (q_ptr | k_ptr | v_ptr) % 16
+            or geometry[0] != (rows[0], rows[3], rows[1], rows[4], rows[2], rows[5])):
+        return None
+    out = plan._run_at(query.device, q_ptr, k_ptr, v_ptr)
+    sdpa._note_packed("varlen")
+    return out.view(1, qs[2], qs[1], qs[3])
 
 
 def _paged_kernel(call: Paged) -> torch.Tensor:
