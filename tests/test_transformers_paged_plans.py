@@ -37,12 +37,7 @@ from ptxattn.torch import transformers_paged as tp  # noqa: E402
 BF = torch.bfloat16
 
 
-class Module(torch.nn.Module):
-    def __init__(self, sliding_window=None, layer_idx=0):
-        super().__init__()
-        self.is_causal, self.layer_idx = True, layer_idx
-        if sliding_window is not None:
-            self.sliding_window = sliding_window
+from test_transformers_paged import Module  # noqa: E402  (the attention module stand-in)
 
 
 @pytest.fixture

@@ -12,12 +12,7 @@
 # FAKE=1: the pretend driver and CPU tensors (a plumbing check on a machine without a GPU).
 # Files: $OUT/{before,after}{1,2}/*serving*.json and $OUT/host.log.
 set -uo pipefail
-OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
-LOG=$OUT/host.log
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pcpp*.whl
-export PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
-t0=$SECONDS
-part() { echo "===== $* (at $((SECONDS - t0))s)" | tee -a "$LOG"; }
+source bench/device/call_setup.sh host.log     # each run below sets its own PYTHONPATH
 ROOT=$PWD
 if [ -d .before/ptxattn ]; then
     mkdir -p .before/bench
