@@ -409,6 +409,7 @@ def host_paths(fake: bool, torch):
         pk = torch.randn(1024, hkv, D, device="cuda", dtype=torch.bfloat16)
         pv = torch.randn_like(pk)
         cu_dev = torch.arange(0, 1025, 128, dtype=torch.int32, device="cuda")
+        pout = torch.empty_like(pq)
     else:
         # ptxattn's own DeviceArrays (what a non-torch caller holds; a DLPack producer's
         # capsule, built per call on its side, would dominate a pretend driver's figures)
@@ -418,6 +419,7 @@ def host_paths(fake: bool, torch):
         kp, vp = (wrap(tensors.empty((b * per, page, hkv, D))) for _ in range(2))
         pq, pk, pv = (wrap(tensors.empty(s)) for s in ((1024, h, D), (1024, hkv, D),
                                                        (1024, hkv, D)))
+        pout = wrap(tensors.empty((1024, h, D)))
         table, lens = _DeviceInt32(table_host), _DeviceInt32(lens_host)
         cu_dev = _DeviceInt32(np.arange(0, 1025, 128, dtype=np.int32))
     cu_host = np.arange(0, 1025, 128, dtype=np.int32)
@@ -431,6 +433,7 @@ def host_paths(fake: bool, torch):
         "flash_attn_with_kvcache_paged": lambda: ptxattn.flash_attn_with_kvcache(
             q, kp, vp, k=kn, v=vn, cache_seqlens=lens, block_table=table, causal=True),
         "prefill_plan_run": lambda: prefill.run(pq, pk, pv),
+        "prefill_plan_run_out": lambda: prefill.run(pq, pk, pv, out=pout),
         "flash_attn_varlen_func": lambda: ptxattn.flash_attn_varlen_func(
             pq, pk, pv, cu_dev, cu_dev, 128, 128, causal=True),
     }

@@ -47,7 +47,7 @@ import numpy as np
 from . import decode, driver, tensors, varlen
 from .decode_builds import build_for, paged_variant
 from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
-                          choose_splits, m_tiles_of, scaled_paged_splits)
+                          check_out_view, choose_splits, m_tiles_of, scaled_paged_splits)
 from .device_args import foreign, host_int32
 from .varlen_plan import table_bytes, tile_table, window_params
 
@@ -149,9 +149,9 @@ class PrefillPlan:
         self._geometry = {name: None if arr is None else (tuple(arr.shape), tuple(arr.strides))
                           for name, arr in (("q", call.q), ("k", call.k), ("v", call.v),
                                             ("out", call.out))}
-        if call.torch and call.out is None:
+        if call.torch:
             # torch tensors of later runs: these shapes, strides, device and stream; the
-            # output torch.empty's (contiguous, so its strides are q's shape's)
+            # output torch.empty's or a caller's of the same (contiguous) strides
             out_strides = tensors.contiguous_strides(call.out_shape)
             shapes = tuple(x for name in ("q", "k", "v") for x in self._geometry[name])
             self._torch_geometry = (
@@ -169,8 +169,8 @@ class PrefillPlan:
         if call is None:
             self._first_run(q, k, v, out)
             call = self._call
-        elif out is None and self._torch_geometry is not None:
-            result = self._run_torch(q, k, v)
+        elif self._torch_geometry is not None:
+            result = self._run_torch(q, k, v, out)
             if result is not None:
                 return result
         qv, kv, vv, ov_given = _varlen_views(call, self._geometry, q, k, v, out)
@@ -190,11 +190,12 @@ class PrefillPlan:
             del ws                           # stream-ordered (or torch's caching allocator)
         return (out, lse) if call.want_lse else out
 
-    def _run_torch(self, q, k, v):
+    def _run_torch(self, q, k, v, out=None):
         """run() for plain torch tensors of the plan's geometry on its stream, without views:
         their addresses, a check of what _varlen_views checks (shapes, strides, device,
-        16-byte bases), the launches. None when anything differs: then the full run()
-        decides (and raises its errors)."""
+        16-byte bases; a given out: contiguous, of q's shape, not overlapping q, k or v),
+        the launches. None when anything differs: then the full run() decides (and raises
+        its errors)."""
         meta = tensors.torch_meta
         mq, mk, mv = meta(q), meta(k), meta(v)
         geometry = self._torch_geometry
@@ -204,20 +205,27 @@ class PrefillPlan:
                 or (mq[0] | mk[0] | mv[0]) % 16
                 or tensors.torch_current_stream(mq[3]) != geometry[2]):
             return None
-        return self._run_at(q.device, mq[0], mk[0], mv[0])
+        if out is not None:
+            mo = meta(out)
+            if (mo is None or mo[1] != geometry[5] or mo[2] != geometry[4]
+                    or mo[3] != mq[3] or mo[0] % 16 or _aliases(mo, (mq, mk, mv))):
+                return None
+        return self._run_at(q.device, mq[0], mk[0], mv[0], out)
 
-    def _run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int):
+    def _run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
         """One layer from the addresses of torch tensors that have the plan's shapes and
         strides, on its device (a torch.device) and torch's current stream there, 16-byte
         aligned: what _run_torch checks, which a caller of this must have checked (the
         transformers integration, which keys its layouts on exactly these: nothing here
-        validates the addresses, so this is no public entry). Fresh output, LSE and
-        workspace from torch's allocator (stream-ordered), then the launches."""
+        validates the addresses, so this is no public entry). The output is `out` (checked
+        by _run_torch) or fresh; LSE and workspace fresh from torch's allocator
+        (stream-ordered); then the launches."""
         torch = sys.modules["torch"]
         ln, geometry = self._launcher, self._torch_geometry
         shapes = geometry[0]
         (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
-        out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
+        if out is None:
+            out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
         lse = (torch.empty(lse_shape, dtype=torch.float32, device=device)
                if lse_shape is not None else None)
         out_ptr = out.data_ptr()
@@ -240,6 +248,17 @@ class PrefillPlan:
         has fixed them; else None."""
         g = self._torch_geometry
         return None if g is None else g[:3]
+
+
+def _aliases(mo, inputs) -> bool:
+    """Whether the bytes of a torch_meta'd output overlap those of any torch_meta'd input
+    (bf16 elements; spans as DeviceArray.span works them out)."""
+    lo, hi = tensors._span(mo[0], tuple(mo[1]), tuple(mo[2]), 2)
+    for m in inputs:
+        a, b = tensors._span(m[0], tuple(m[1]), tuple(m[2]), 2)
+        if a < hi and lo < b:
+            return True
+    return False
 
 
 def _empty(call, q, shape, dtype: str):
@@ -284,6 +303,9 @@ def _varlen_views(call, geometry: dict, q, k, v, out):
         if arr.ptr % 16:
             raise ValueError(f"{name}: base address 0x{arr.ptr:x} is not 16-byte aligned")
         views.append(arr)
+    if views[3] is not None:
+        # a later run's out is checked as the first run's was (it may alias this run's inputs)
+        check_out_view(views[3], dict(zip(("q", "k", "v"), views[:3])))
     return views
 
 

@@ -410,3 +410,75 @@ def test_serving_bench_times_the_integration_on_the_pretend_driver(tmp_path, cap
         assert 0 < rec["min_us"] <= rec["median_us"] and rec["per"] == "layer call"
     out = capsys.readouterr().out
     assert all(f"integration {name}" in out for name in cases)
+
+
+# --------------------------------------------------------------------------- PrefillPlan.run(out=)
+
+def _rows(et, gen, total, heads, D=64):
+    return et.to_device(torch.randn(total, heads, D, generator=gen).to(BF))
+
+
+def test_prefill_plan_run_into_a_callers_out_matches_a_fresh_output(emu):
+    """Later runs with out= take the torch fast path: the same bits as a fresh output, the
+    reference's values, and the caller's tensor is the one written."""
+    import ptxattn
+    gen = torch.Generator().manual_seed(31)
+    lens = (70, 1, 129)
+    cu = pc.offsets(lens)
+    plan = ptxattn.plan_varlen(cu.numpy(), cu.numpy(), heads=2, heads_kv=1, head_dim=64,
+                               causal=True, softmax_scale=0.125)
+    for layer in range(3):
+        q, k, v = (_rows(emu, gen, 200, h) for h in (2, 1, 1))
+        fresh = plan.run(q, k, v).clone()
+        out = emu.empty((200, 2, 64), BF)
+        out.fill_(float("nan"))
+        got = plan.run(q, k, v, out=out)
+        assert got is out, f"layer {layer}: run(out=) returned another tensor"
+        assert torch.equal(out, fresh), f"layer {layer}: out= differs from a fresh output"
+        ref = pc.varlen_reference(q, k, v, cu.clone(), cu.clone(), scale=0.125)
+        pc.check_packed(out, ref, cu, f"layer {layer}")
+
+
+def test_prefill_plan_run_refuses_an_out_that_aliases_an_input_on_a_later_run(emu):
+    import ptxattn
+    gen = torch.Generator().manual_seed(32)
+    cu = pc.offsets((40, 24))
+    plan = ptxattn.plan_varlen(cu.numpy(), cu.numpy(), heads=2, heads_kv=2, head_dim=64,
+                               causal=False)
+    q, k, v = (_rows(emu, gen, 64, 2) for _ in range(3))
+    plan.run(q, k, v, out=emu.empty((64, 2, 64), BF))        # the first run: validated
+    before = [x.clone() for x in (q, k, v)]
+    launches = len(emu.fake.launches)
+    for alias in (q, k, v):
+        with pytest.raises(ValueError, match="overlaps"):
+            plan.run(q, k, v, out=alias)
+    assert len(emu.fake.launches) == launches, "a refused run launched"
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before)), "a refused run wrote"
+
+
+def test_prefill_plan_run_out_takes_no_views(pretend, monkeypatch):
+    """A later run with a contiguous out of the plan's shape: one launch, no DeviceArray views
+    (the fast path); an out of other strides goes the full way, which refuses it (the
+    plan's maps were built for the first run's strides)."""
+    import ptxattn
+    from ptxattn import tensors
+    gen = torch.Generator().manual_seed(33)
+    cu = pc.offsets((128,) * 4)
+    plan = ptxattn.plan_varlen(cu.numpy(), cu.numpy(), heads=4, heads_kv=2, head_dim=128,
+                               causal=True)
+    q = torch.randn(512, 4, 128, generator=gen).to(BF)
+    k, v = (torch.randn(512, 2, 128, generator=gen).to(BF) for _ in range(2))
+    out = torch.empty_like(q)
+    plan.run(q, k, v, out=out)
+    views = []
+    real = tensors.as_device_array
+    monkeypatch.setattr(tensors, "as_device_array",
+                        lambda *a, **kw: views.append(1) or real(*a, **kw))
+    launches = pretend["cuLaunchKernelEx"]
+    assert plan.run(q, k, v, out=out) is out
+    assert pretend["cuLaunchKernelEx"] - launches == 1 and views == []
+    strided = torch.empty(4, 512, 128, dtype=BF).transpose(0, 1)
+    with pytest.raises(ValueError, match="plan again"):
+        plan.run(q, k, v, out=strided)
+    assert views, "an out of other strides took the fast path"
+    assert pretend["cuLaunchKernelEx"] - launches == 1
