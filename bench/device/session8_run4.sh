@@ -13,14 +13,7 @@ timeout ${TS_S:-150} python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu
     tests/test_gpu_decode.py tests/test_gpu_serving.py tests/test_gpu_generate.py \
     >> "$LOG" 2>&1; echo "tests rc $?" | tee -a "$LOG"
 part "ncu L2, production lines"
-while read -r line; do
-    [[ -z $line || $line == \#* ]] && continue
-    left=$(( ${END_S:-440} - (SECONDS - t0) ))
-    (( left < 15 )) && { echo "skipped (time): $line" >> "$LOG"; continue; }
-    # shellcheck disable=SC2086
-    timeout $left python3 bench/experiments/ncu_bind.py --profile $line --timeout $left \
-        --out "$OUT/ncu-l2-production.jsonl" >> "$LOG" 2>&1 < /dev/null
-done < bench/experiments/2026-12-02-ncu-l2-production.txt
+ncu_lines bench/experiments/2026-12-02-ncu-l2-production.txt "$OUT/ncu-l2-production.jsonl"
 part "end"
 grep -vE "^\s*$" "$LOG" | grep -E "=====|rc |vs st_ahead|passed|failed|FAILED|natural|production [0-9]|skipped \(time" \
     | cut -c1-220 | tail -70

@@ -15,14 +15,7 @@ part "GPU tests of the serving path"
 timeout 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_serving.py \
     tests/test_gpu_transformers_paged.py >> "$LOG" 2>&1; echo "tests rc $?" | tee -a "$LOG"
 part "ncu L2, remaining production lines"
-while read -r line; do
-    [[ -z $line || $line == \#* ]] && continue
-    left=$(( ${END_S:-420} - (SECONDS - t0) ))
-    (( left < 15 )) && { echo "skipped (time): $line" >> "$LOG"; continue; }
-    # shellcheck disable=SC2086
-    timeout $left python3 bench/experiments/ncu_bind.py --profile $line --timeout $left \
-        --out "$OUT/ncu-l2-production.jsonl" >> "$LOG" 2>&1 < /dev/null
-done < bench/experiments/2026-12-02-ncu-l2-remaining.txt
+END_S=${END_S:-420} ncu_lines bench/experiments/2026-12-02-ncu-l2-remaining.txt "$OUT/ncu-l2-production.jsonl"
 part "end"
 grep -E "=====|host_parts|host  |rc |passed|failed|FAILED|natural|production [0-9]|skipped \(time" \
     "$LOG" | cut -c1-220 | tail -60
