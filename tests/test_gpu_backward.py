@@ -90,7 +90,8 @@ def test_postprocess_alone_reads_the_accumulator_layout(stage, head_dim):
     values = rng.standard_normal((B, H, Lq, head_dim)).astype(np.float32)
     acc = np.full((B, H, plan.seq_q_pad * head_dim), np.nan, np.float32)
     rows, cols = np.meshgrid(np.arange(Lq), np.arange(head_dim), indexing="ij")
-    off = bwd_builds.dq_accum_offset(rows, cols, head_dim, plan.block_m, plan.dq_cols)
+    off = bwd_builds.dq_accum_offset(rows, cols, head_dim, plan.block_m, plan.dq_cols,
+                                     plan.tiles.dq_t)       # m80 (D 128's default): dQ^T
     assert len(np.unique(off)) == off.size, "dq_accum_offset is not one-to-one"
     acc[:, :, off] = values
     driver.memcpy_htod(p.dq_accum.ptr, acc)
