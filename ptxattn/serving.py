@@ -154,6 +154,11 @@ class PrefillPlan:
             # output torch.empty's or a caller's of the same (contiguous) strides
             out_strides = tensors.contiguous_strides(call.out_shape)
             shapes = tuple(x for name in ("q", "k", "v") for x in self._geometry[name])
+            # the byte extents of q, k, v and such an output about their base addresses: a
+            # caller's out= is checked against the inputs with these, per call only additions
+            self._extents = tuple(tensors._span(0, *self._geometry[name], 2)
+                                  for name in ("q", "k", "v")) + (
+                tensors._span(0, tuple(call.out_shape), tuple(out_strides), 2),)
             self._torch_geometry = (
                 shapes, call.q.device, call.stream,
                 # what _run_at reads, worked out once
@@ -208,7 +213,8 @@ class PrefillPlan:
         if out is not None:
             mo = meta(out)
             if (mo is None or mo[1] != geometry[5] or mo[2] != geometry[4]
-                    or mo[3] != mq[3] or mo[0] % 16 or _aliases(mo, (mq, mk, mv))):
+                    or mo[3] != mq[3] or mo[0] % 16
+                    or _aliases(mo[0], (mq[0], mk[0], mv[0]), self._extents)):
                 return None
         return self._run_at(q.device, mq[0], mk[0], mv[0], out)
 
@@ -250,13 +256,14 @@ class PrefillPlan:
         return None if g is None else g[:3]
 
 
-def _aliases(mo, inputs) -> bool:
-    """Whether the bytes of a torch_meta'd output overlap those of any torch_meta'd input
-    (bf16 elements; spans as DeviceArray.span works them out)."""
-    lo, hi = tensors._span(mo[0], tuple(mo[1]), tuple(mo[2]), 2)
-    for m in inputs:
-        a, b = tensors._span(m[0], tuple(m[1]), tuple(m[2]), 2)
-        if a < hi and lo < b:
+def _aliases(out_ptr: int, input_ptrs: tuple, extents: tuple) -> bool:
+    """Whether an output at out_ptr overlaps any input at input_ptrs, from their byte extents
+    about their bases (PrefillPlan._extents: the inputs', then the output's), as
+    decode_plan.overlaps decides it for views."""
+    o_lo, o_hi = extents[-1]
+    lo, hi = out_ptr + o_lo, out_ptr + o_hi
+    for ptr, (a, b) in zip(input_ptrs, extents):
+        if ptr + a < hi and lo < ptr + b:
             return True
     return False
 
