@@ -107,20 +107,13 @@ class CudnnVariant:
         return o.transpose(0, 2, 1, 3) if self.layout == "bshd" else o
 
 
-def sustained_figures(runs: dict, per_round: dict, flops: int, args, rng) -> dict:
-    """Each variant's sustained window (a seeded random order), {label: figures}; a sampler
-    that is missing stops with its one-line reason before any window."""
-    cfg = sustained.Config(seconds=args.sustained_seconds, cooldown_s=args.cooldown)
-    sampler = sustained.make_sampler(cfg.period_s, pci_bus_id=sustained.pci_bus_id()).start()
-    rows = {lab: {"name": lab, "status": "ok", "ms": bench.median(per_round[lab])}
-            for lab in runs}
-    try:
-        sustained.measure_case(flops, [(lab, rows[lab], runs[lab].launch, runs[lab].stream)
-                                       for lab in runs], sampler, cfg, rng=rng, log=print)
-    finally:
-        sampler.stop()
-    return {lab: row.get("sustained") or {"error": row.get("sustained_error")}
-            for lab, row in rows.items()}
+def sustained_figures(runs: dict, per_round: dict, flops: int, cfg, rng) -> dict:
+    """Each variant's sustained window (sustained.figures: a seeded random order, the first
+    variant the peer of the others' pct_of_peer), {label: figures}; a sampler that is missing
+    stops with its one-line reason before any window."""
+    kernels = {lab: sustained.Kernel(runs[lab].launch, runs[lab].stream, flops,
+                                     bench.median(per_round[lab])) for lab in runs}
+    return sustained.figures(kernels, cfg, rng=rng, peer=next(iter(runs)), log=print)
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -134,10 +127,7 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--causal", action="store_true", help="causal (bottom-right diagonal)")
     ap.add_argument("--window", default=None, help="LEFT,RIGHT sliding window (-1: unbounded)")
     ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (GQA); 0: as many as q")
-    ap.add_argument("--sustained", action="store_true",
-                    help="also a sustained window per variant (power cap; NVML or nvidia-smi)")
-    ap.add_argument("--sustained-seconds", type=float, default=3.0)
-    ap.add_argument("--cooldown", type=float, default=1.0)
+    sustained.add_arguments(ap)
     ap.add_argument("--out", default=None, help="append one JSON line here")
     return ap
 
@@ -145,6 +135,7 @@ def arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = arg_parser()
     args = ap.parse_args(argv)
+    cfg = sustained.config_from_args(ap, args)
     dims = [int(x) for x in args.shape.lower().split("x")]
     if len(dims) == 4:
         b, h, lq, d = dims
@@ -219,16 +210,15 @@ def main(argv=None) -> int:
         print(f"  {lab:<12} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
               f"{100 * row['ratio_to_first']:6.1f}% of {first} ({100 * lo:.1f}-{100 * hi:.1f})  "
               f"spread {row['spread_pct']:.1f}%")
-    if args.sustained and labels:
-        figures = sustained_figures(runs, per_round, flops, args, rng)
-        base = figures[first].get("tflops")
+    if cfg is not None and labels:
+        figures = sustained_figures(runs, per_round, flops, cfg, rng)
         for lab in labels:
             s = figures[lab]
-            if base and s.get("tflops"):
-                s["pct_of_first"] = 100.0 * s["tflops"] / base
+            if s.get("tflops"):
+                s["pct_of_first"] = 100.0 if lab == first else s.get("pct_of_peer")
             result["variants"][lab]["sustained"] = s
             print(f"  {lab:<12} sustained "
-                  + (f"{s['tflops']:7.1f} TFLOP/s {s.get('pct_of_first', 0):6.1f}% of {first}  "
+                  + (f"{s['tflops']:7.1f} TFLOP/s {s.get('pct_of_first') or 0:6.1f}% of {first}  "
                      f"{s.get('sm_mhz_median') or 0:.0f} MHz  {s.get('power_w_median') or 0:.0f} W"
                      f"  {s.get('tflop_per_j') or 0:.3f} TFLOP/J" if s.get("tflops")
                      else f"error: {s.get('error')}"))

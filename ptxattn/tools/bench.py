@@ -1047,7 +1047,8 @@ def run_cases(cases, stage_list=None, *, reps: int, rounds: int, warmup: int = 3
         "shapes": {}, "cases": {}, "results": [], "peer": [], "clocks": {},
     }
     if sampler is not None:
-        result["protocol"]["sustained"] = _sustained_protocol(sustained, sampler)
+        from . import sustained as _sus
+        result["protocol"]["sustained"] = _sus.protocol(sustained, sampler)
     try:
         _run_each_case(result, cases, stage_list, reps=reps, rounds=rounds, warmup=warmup,
                        block=block, peer=peer, check=check, seed=seed, say=say, torch=torch,
@@ -1064,14 +1065,7 @@ def _sustained_sampler(cfg):
     if cfg is None:
         return None
     from . import sustained
-    return sustained.make_sampler(cfg.period_s, pci_bus_id=sustained.pci_bus_id()).start()
-
-
-def _sustained_protocol(cfg, sampler) -> dict:
-    from . import sustained
-    return {**dataclasses.asdict(cfg), "sampler": sampler.kind,
-            "power_field": sampler.power_field, "rule": sustained.PROTOCOL,
-            "note": sustained.NOTE}
+    return sustained.start_sampler(cfg)
 
 
 def _run_each_case(result, cases, stage_list, *, reps, rounds, warmup, block, peer, check, seed,

@@ -3,7 +3,8 @@
 The benchmark's burst figures (reps x rounds of short launches) run before the GPU's clock has
 settled. A model that runs attention for minutes runs at the power cap (700 W on the H200), and
 then the clock the power budget leaves decides the speed: energy per FLOP. This module measures
-that, for `ptxattn bench --sustained` (bench.run_cases calls measure_case per case):
+that, for `ptxattn bench --sustained` (bench.run_cases calls run_case per case) and the
+scripts' --sustained (variants.py, backward_bench.py, fp8_bench.py), all through figures():
 
   - a cool-down before each kernel: at least `cooldown_s`, then until the sampled power reads
     below `idle_w` (at most `cooldown_max_s`); what was waited and the power then are written down;
@@ -455,66 +456,150 @@ def measure(launch, events, sampler, cfg: Config, *, flops: int, launch_ms: floa
     return chosen
 
 
-def measure_case(flops: int, kernels: list[tuple[str, dict, Callable, object]], sampler,
-                 cfg: Config, *, rng, log=None, events_of=None, sleep=None,
-                 now=None) -> list[str]:
-    """Every kernel of a case in a random order (rng.permutation): kernels are (label, row,
-    launch, stream); each row gets row["sustained"] (or row["sustained_error"]). Then each of
-    ours gets pct_of_peer (sustained TFLOP/s and TFLOP/J in % of the peer's, same run).
-    Returns the order."""
+class Kernel(NamedTuple):
+    """One timed callable of a sustained run (figures): launch() enqueues one call on
+    `stream` (the stream the window's events are recorded on), `flops` are credited per
+    call, `launch_ms` is its burst time (it sets the launches between queue syncs)."""
+    launch: Callable[[], object]
+    stream: object
+    flops: float
+    launch_ms: float | None = None
+
+
+def figures(kernels: dict[str, Kernel], cfg: Config, *, rng, peer: str | None = None,
+            sampler=None, log=None, events_of=None, sleep=None, now=None) -> dict[str, dict]:
+    """The sustained measurement every benchmark shares (ptxattn bench, variants.py,
+    backward_bench.py, fp8_bench.py): each kernel, in a seeded random order
+    (rng.permutation), gets measure()'s window after its cool-down. Returns {label: figures}
+    in the order they ran; a kernel that raised gets {"error": its first line} and the others
+    go on. With `peer` (one of the labels) every other kernel's figures also get pct_of_peer
+    and energy_pct_of_peer (sustained TFLOP/s and TFLOP/J in % of the peer's, same run).
+    sampler: a started one (a benchmark of many cases starts one for all, so a missing
+    sampler stops it before any case); None: one is started here and stopped after."""
+    if peer is not None and peer not in kernels:
+        raise ValueError(f"peer {peer!r}: not one of the kernels ({', '.join(kernels)})")
     say = log or (lambda _m: None)
-    order = [kernels[i] for i in rng.permutation(len(kernels))]
-    for label, row, launch, stream in order:
-        events = (events_of or Events)(stream)
-        try:
-            row["sustained"] = measure(launch, events, sampler, cfg, flops=flops,
-                                       launch_ms=row.get("ms") or 1.0, sleep=sleep, now=now)
-        except Exception as exc:       # noqa: BLE001 - recorded, the other kernels go on
-            row["sustained_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-            say(f"  {label} sustained: {row['sustained_error']}")
-            continue
-        finally:
-            close = getattr(events, "close", None)
-            if close:
-                close()
-        s = row["sustained"]
-        say(f"  {label} sustained: {s['tflops']:.1f} TFLOP/s, "
-            f"{_num(s.get('sm_mhz_median'), '.0f')} MHz, {_num(s.get('power_w_median'), '.0f')} W, "
-            f"{_num(s.get('tflop_per_j'), '.3f')} TFLOP/J over {s['window_ms'] / 1e3:.2f} s")
-    return [label for label, *_ in order]
+    own = sampler is None
+    if own:
+        sampler = start_sampler(cfg)
+    labels = list(kernels)
+    out: dict[str, dict] = {}
+    try:
+        for i in rng.permutation(len(labels)):
+            label = labels[int(i)]
+            k = kernels[label]
+            events = (events_of or Events)(k.stream)
+            try:
+                out[label] = measure(k.launch, events, sampler, cfg, flops=k.flops,
+                                     launch_ms=k.launch_ms or 1.0, sleep=sleep, now=now)
+            except Exception as exc:   # noqa: BLE001 - recorded, the other kernels go on
+                out[label] = {"error": f"{type(exc).__name__}: "
+                                       f"{(str(exc).strip().splitlines() or [''])[0]}"}
+                say(f"  {label} sustained: {out[label]['error']}")
+                continue
+            finally:
+                close = getattr(events, "close", None)
+                if close:
+                    close()
+            f = out[label]
+            say(f"  {label} sustained: {_num(f['tflops'], '.1f')} TFLOP/s, "
+                f"{_num(f.get('sm_mhz_median'), '.0f')} MHz, "
+                f"{_num(f.get('power_w_median'), '.0f')} W, "
+                f"{_num(f.get('tflop_per_j'), '.3f')} TFLOP/J over {f['window_ms'] / 1e3:.2f} s")
+    finally:
+        if own:
+            sampler.stop()
+    if peer is not None:
+        for label, fig in out.items():
+            if label != peer:
+                ratio_to(fig, out[peer])
+    return out
 
 
 def run_case(flops: int, entries: dict, peer, sampler, cfg: Config, *, rng, log=None,
              **kw) -> list[str]:
     """bench.run_cases' hook: entries {label: (row, launch, stream)} of our timed kernels and
-    peer (row, launch, stream) or None; the kernels that were timed (burst ms) run sustained,
-    then the same-run ratios to the peer. Returns the order they ran in."""
-    kernels = [(label, row, fn, stream) for label, (row, fn, stream) in entries.items()
-               if row.get("status") == "ok" and row.get("ms")]
-    peer_row = None
+    peer (row, launch, stream) or None; the kernels that were timed (burst ms) run sustained
+    (figures), into row["sustained"] (or row["sustained_error"]), ours with the same-run
+    ratios to the peer. Returns the order they ran in."""
+    rows, kernels = {}, {}
+    for label, (row, fn, stream) in entries.items():
+        if row.get("status") == "ok" and row.get("ms"):
+            rows[label], kernels[label] = row, Kernel(fn, stream, flops, row["ms"])
+    peer_label = None
     if peer is not None:
         peer_row, fn, stream = peer
         if peer_row.get("status") == "ok" and peer_row.get("ms"):
-            kernels.append((peer_row["name"], peer_row, fn, stream))
-    order = measure_case(flops, kernels, sampler, cfg, rng=rng, log=log, **kw)
-    peer_ratios([row for row, _, _ in entries.values()], peer_row)
-    return order
+            peer_label = peer_row["name"]
+            rows[peer_label] = peer_row
+            kernels[peer_label] = Kernel(fn, stream, flops, peer_row["ms"])
+    figs = figures(kernels, cfg, rng=rng, peer=peer_label, sampler=sampler, log=log, **kw)
+    for label, fig in figs.items():
+        if "error" in fig:
+            rows[label]["sustained_error"] = fig["error"]
+        else:
+            rows[label]["sustained"] = fig
+    return list(figs)
+
+
+def ratio_to(fig: dict, peer: dict | None) -> None:
+    """fig's sustained TFLOP/s and TFLOP/J in % of peer's (same case, same run: one window
+    each, so no interval): pct_of_peer, energy_pct_of_peer, where both have the figure."""
+    peer = peer or {}
+    if fig.get("tflops") and peer.get("tflops"):
+        fig["pct_of_peer"] = 100.0 * fig["tflops"] / peer["tflops"]
+    if fig.get("tflop_per_j") and peer.get("tflop_per_j"):
+        fig["energy_pct_of_peer"] = 100.0 * fig["tflop_per_j"] / peer["tflop_per_j"]
 
 
 def peer_ratios(rows: list[dict], peer_row: dict | None) -> None:
-    """Each of our rows' sustained TFLOP/s and TFLOP/J in % of the peer's (same case, same run:
-    one window each, so no interval)."""
+    """ratio_to for bench rows: each row's row["sustained"] against peer_row["sustained"]."""
     peer = (peer_row or {}).get("sustained")
     if not peer:
         return
     for row in rows:
-        s = row.get("sustained")
-        if not s:
-            continue
-        if s.get("tflops") and peer.get("tflops"):
-            s["pct_of_peer"] = 100.0 * s["tflops"] / peer["tflops"]
-        if s.get("tflop_per_j") and peer.get("tflop_per_j"):
-            s["energy_pct_of_peer"] = 100.0 * s["tflop_per_j"] / peer["tflop_per_j"]
+        if row.get("sustained"):
+            ratio_to(row["sustained"], peer)
+
+
+# --------------------------------------------------------------------------- the scripts' side
+
+def start_sampler(cfg: Config) -> _Sampler:
+    """make_sampler for the CUDA device ptxattn runs on, started (SamplerUnavailable, one
+    line, when neither NVML nor nvidia-smi is there)."""
+    return make_sampler(cfg.period_s, pci_bus_id=pci_bus_id()).start()
+
+
+def protocol(cfg: Config, sampler) -> dict:
+    """What a results file says of its sustained windows: the config, the sampler, the rule."""
+    return {**dataclasses.asdict(cfg), "sampler": getattr(sampler, "kind", "?"),
+            "power_field": getattr(sampler, "power_field", "?"), "rule": PROTOCOL, "note": NOTE}
+
+
+def add_arguments(ap) -> None:
+    """--sustained, --sustained-seconds, --cooldown on a benchmark script's argparse parser."""
+    ap.add_argument("--sustained", action="store_true",
+                    help="also a sustained window per kernel after the burst rounds (seconds "
+                         "back to back at the power cap; power and clock through NVML or "
+                         "nvidia-smi)")
+    ap.add_argument("--sustained-seconds", type=float, default=Config.seconds,
+                    help="--sustained: the measured window (seconds)")
+    ap.add_argument("--cooldown", type=float, default=Config.cooldown_s,
+                    help="--sustained: the least pause before each kernel (then until idle "
+                         "power)")
+
+
+def config_from_args(ap, args) -> Config | None:
+    """The Config that add_arguments' options ask for, None without --sustained; a bad value
+    is ap.error (the option named) before anything runs."""
+    if not args.sustained:
+        return None
+    try:
+        return Config(seconds=args.sustained_seconds, cooldown_s=args.cooldown)
+    except ValueError as exc:      # Config names its field; the user typed the option
+        field, _, why = str(exc).partition(":")
+        option = {"seconds": "--sustained-seconds", "cooldown_s": "--cooldown"}.get(field, field)
+        ap.error(f"{option}:{why}")
 
 
 def _num(value, spec: str) -> str:
