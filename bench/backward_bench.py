@@ -24,6 +24,13 @@ build at its head dim (and, for the deterministic cases, that can run determinis
 each checked against cuDNN before timing; each row also gets ratio_vs_default = median over
 rounds of (today's time / the variant's) with its 95% bootstrap interval. --stages is then
 ignored. Writes bench/results/<date>-h200-backward-variants.json.
+
+--sustained: after each case's rounds, each of its timed backwards and cuDNN's run a
+sustained window at the power cap (ptxattn/tools/sustained.py figures(), as `ptxattn bench
+--sustained`: a cool-down, seconds back to back, power and SM clock sampled; seeded order):
+each row gets sustained (TFLOP/s, median clock and power, TFLOP/J, pct_of_peer),
+cudnn_sustained (cuDNN's window of that case) and sustained_ratio (our sustained TFLOP/s over
+cuDNN's, beside the burst `ratio`); the file's sustained_protocol says how.
 Needs a GPU and torch. Writes bench/results/<date>-h200-backward.json.
 """
 
@@ -47,6 +54,7 @@ try:                      # the tools are moving to ptxattn/tools/ (bench.py kep
     from ptxattn.tools import bench as fwd_bench  # type: ignore  # noqa: E402
 except ImportError:
     from ptxattn.tools import bench as fwd_bench  # noqa: E402
+from ptxattn.tools import sustained  # noqa: E402
 
 CASES = {  # name: (B, H, Hkv, L, D, mask kwargs, deterministic)
     "dense": (4, 16, 16, 8192, 128, {}, False),
@@ -157,6 +165,28 @@ def _timed_row(row, timed, label, seed):
     return row
 
 
+def add_sustained(rows: dict, ours: dict, peer, cfg, *, rng, sampler, **kw) -> list:
+    """A case's sustained windows (sustained.figures, after its burst rounds, same inputs):
+    rows {label: row} of its timed backwards (those with a burst `ms`), ours {label: (launch,
+    stream)}, peer (launch, stream): cuDNN's backward. Each timed row gets sustained,
+    cudnn_sustained and sustained_ratio (our sustained TFLOP/s / cuDNN's, the burst ratio's
+    twin; None where a window failed). Returns the order the windows ran in."""
+    timed = {lab: row for lab, row in rows.items() if row.get("ms")}
+    if not timed:
+        return []
+    first = next(iter(timed.values()))
+    kernels = {lab: sustained.Kernel(*ours[lab], row["flops"], row["ms"])
+               for lab, row in timed.items()}
+    kernels[fwd_bench.PEER] = sustained.Kernel(*peer, first["flops"], first["cudnn_ms"])
+    figs = sustained.figures(kernels, cfg, rng=rng, peer=fwd_bench.PEER, sampler=sampler,
+                             log=print, **kw)
+    for lab, row in timed.items():
+        pct = figs[lab].get("pct_of_peer")
+        row.update(sustained=figs[lab], cudnn_sustained=figs[fwd_bench.PEER],
+                   sustained_ratio=pct / 100.0 if pct else None)
+    return list(figs)
+
+
 def run(args) -> dict:
     torch = fwd_bench._import_torch()
     if torch is None:
@@ -166,6 +196,22 @@ def run(args) -> dict:
               "source": fwd_bench.source_id(ROOT), "rounds": args.rounds, "reps": args.reps,
               "environment": fwd_bench.environment(driver.device_info(), torch), "rows": []}
     rng = np.random.default_rng(args.seed)
+    cfg = args.sustained_cfg
+    sampler = sustained.start_sampler(cfg) if cfg else None     # missing: before any case
+    if sampler is not None:
+        result["sustained_protocol"] = sustained.protocol(cfg, sampler)
+        result["sustained_orders"] = {}
+    try:
+        _run_cases(args, torch, result, rng, cfg, sampler)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    return result
+
+
+def _run_cases(args, torch, result, rng, cfg, sampler) -> None:
+    """run()'s loop: per stage and case, the check, the burst rounds, the sustained windows."""
+    sustained_rng = np.random.default_rng([args.seed, 23])
     stages = ["production"] if args.variants else args.stages
     for stage in stages:
         for name in args.cases:
@@ -187,6 +233,7 @@ def run(args) -> dict:
             timed = fwd_bench.time_rounds(ours, peer, rounds=args.rounds, reps=args.reps,
                                           rng=rng)
             base = bwd_builds.DEFAULT_VARIANT
+            case_rows = {}
             for lab in ours:
                 if lab in timed["errors"]:
                     row = {"case": name, **infos[lab], "error": timed["errors"][lab]}
@@ -207,12 +254,24 @@ def run(args) -> dict:
                       f"  ratio {row['ratio']:.3f} [{row['ratio_ci'][0]:.3f}, "
                       f"{row['ratio_ci'][1]:.3f}]{vs}")
                 result["rows"].append(row)
+                case_rows[lab] = row
+            if sampler is not None and case_rows:
+                result["sustained_orders"][f"{stage} {name}"] = add_sustained(
+                    case_rows, ours, peer, cfg, rng=sustained_rng, sampler=sampler)
+                for lab, row in case_rows.items():
+                    print(f"{stage:>10} {name:<22} {lab:<15} sustained ratio "
+                          f"{_fmt(row['sustained_ratio'], '.3f')} (burst {row['ratio']:.3f})")
             del ours, peer
             torch.cuda.empty_cache()
-    return result
 
 
-def main(argv=None) -> int:
+def _fmt(value, spec) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def parse_args(argv=None):
+    """The command line, checked (unknown cases and variants, bad sustained values: ap.error
+    before anything runs); args.sustained_cfg is the sustained.Config or None."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=10)
@@ -223,7 +282,9 @@ def main(argv=None) -> int:
                     help="'all', or names from ptxattn.bwd_builds.VARIANT_NAMES: time them "
                          "against today's build and cuDNN (see the docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    sustained.add_arguments(ap)
     args = ap.parse_args(argv)
+    args.sustained_cfg = sustained.config_from_args(ap, args)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if args.variants.strip() == "all":
@@ -237,6 +298,11 @@ def main(argv=None) -> int:
     for c in args.cases:
         if c not in CASES:
             ap.error(f"--cases: unknown case {c!r} (known: {', '.join(CASES)})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,13 @@ median over rounds, TFLOP/s, % of cuDNN and of our bf16 kernel as medians of sam
 with 95% bootstrap intervals. FP8 appears twice: the forward alone on operands quantized once
 (quantization outside the figure) and quantize + forward per launch (inside), and the
 quantizer alone is timed too.
+
+--sustained: after a shape's rounds, the FP8 forward (quantized once), our bf16 kernel and
+cuDNN bf16 each run a sustained window at the power cap (ptxattn/tools/sustained.py
+figures(), as `ptxattn bench --sustained`: a cool-down, seconds back to back, power and SM
+clock sampled; seeded order): their rows get sustained (TFLOP/s, median clock and power,
+TFLOP/J, pct_of_peer: % of cuDNN's), the FP8 row x_bf16_sustained, the shape cudnn_sustained;
+the file's sustained_protocol says how.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ptxattn import fp8, fp8_forward
-from ptxattn.tools import bench                              # noqa: E402
+from ptxattn.tools import bench, sustained                   # noqa: E402
 from ptxattn import api as attn_module                                    # noqa: E402
 from ptxattn.reference import attention_reference, error_metrics, sample_rows   # noqa: E402
 
@@ -37,6 +44,7 @@ SHAPES = {   # name: (B, H, L, D, layout), the issue's targets in TFLOP/s or x o
 }
 FP8_BAR = 0.075          # rel L2 on sampled rows: the model's ~0.053 x 1.25 + 5e-3 (notes.md)
 LABELS = ("fp8 forward", "fp8 + quantize", "quantize alone", "bf16 production")
+SUSTAINED = ("fp8 forward", "bf16 production")   # and cuDNN: attention FLOPs, no quantizer
 
 
 def inputs(torch, shape, layout, seed):
@@ -63,7 +71,34 @@ def check(name, q, k, v, out, layout, bar):
     return m
 
 
-def run_shape(torch, name, rounds, reps, seed, defines=None):
+def add_sustained(record: dict, ours: dict, peer, cfg, *, rng, sampler, **kw) -> list:
+    """A shape's sustained windows (sustained.figures, after its rounds, same inputs): the
+    SUSTAINED kernels of ours {label: (launch, stream)} that have a burst row, and peer
+    (launch, stream), cuDNN, when it was timed. Into record (run_shape's): rows[label]
+    ["sustained"], the FP8 row's x_bf16_sustained (its sustained TFLOP/s over our bf16's),
+    cudnn_sustained. Returns the order the windows ran in."""
+    rows, flops = record["rows"], record["flops"]
+    kernels = {lab: sustained.Kernel(*ours[lab], flops, rows[lab]["ms"]) for lab in SUSTAINED
+               if lab in ours and rows.get(lab, {}).get("ms")}
+    with_peer = peer is not None and record.get("cudnn_ms")
+    if with_peer:
+        kernels[bench.PEER] = sustained.Kernel(*peer, flops, record["cudnn_ms"])
+    if not kernels:
+        return []
+    figs = sustained.figures(kernels, cfg, rng=rng, peer=bench.PEER if with_peer else None,
+                             sampler=sampler, log=print, **kw)
+    for lab in kernels:
+        if lab != bench.PEER:
+            rows[lab]["sustained"] = figs[lab]
+    if with_peer:
+        record["cudnn_sustained"] = figs[bench.PEER]
+    f8, bf = (figs.get(lab, {}).get("tflops") for lab in SUSTAINED)
+    if "fp8 forward" in kernels:
+        rows["fp8 forward"]["x_bf16_sustained"] = f8 / bf if f8 and bf else None
+    return list(figs)
+
+
+def run_shape(torch, name, rounds, reps, seed, defines=None, cfg=None, sampler=None):
     (b, h, length, d), layout, target = SHAPES[name]
     print(f"{name}: (B, H, L, D) = {(b, h, length, d)} {layout.upper()}; target {target}")
     q, k, v = inputs(torch, (b, h, length, d), layout, seed)
@@ -130,14 +165,24 @@ def run_shape(torch, name, rounds, reps, seed, defines=None):
     if cudnn_ms:
         print(f"  {'cuDNN bf16':16s} {cudnn_ms:8.3f} ms, {flops / (cudnn_ms * 1e-3) / 1e12:7.1f} "
               f"TFLOP/s")
+    record = {"shape": [b, h, length, d], "layout": layout, "target": target, "flops": flops,
+              "checks": checks, "rows": rows, "cudnn_ms": cudnn_ms, "orders": timed["orders"],
+              "clocks": timed["clocks"]}
+    if sampler is not None:
+        record["sustained_order"] = add_sustained(record, ours, peer, cfg, sampler=sampler,
+                                                  rng=np.random.default_rng([seed, 23]))
+        f8 = rows.get("fp8 forward", {})
+        if f8.get("x_bf16_sustained"):
+            print(f"  fp8 forward sustained: {f8['x_bf16_sustained']:.3f}x our bf16 "
+                  f"(burst {f8.get('x_bf16') or 0:.3f}x)")
     prepared.close()
     bf16.close()
-    return {"shape": [b, h, length, d], "layout": layout, "target": target, "flops": flops,
-            "checks": checks, "rows": rows, "cudnn_ms": cudnn_ms, "orders": timed["orders"],
-            "clocks": timed["clocks"]}
+    return record
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """The command line, checked (ap.error before anything runs): args.names (the shapes),
+    args.defines {NAME: VALUE}, args.sustained_cfg (a sustained.Config or None)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -148,7 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a preprocessor define of the FP8 build (a measurement knob, e.g. "
                          "SW_EXP2_PER_8=1); repeatable")
+    sustained.add_arguments(ap)
     args = ap.parse_args(argv)
+    args.sustained_cfg = sustained.config_from_args(ap, args)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
@@ -161,6 +208,13 @@ def main(argv=None) -> int:
         if not sep or not key.isidentifier():
             ap.error(f"--define: expected NAME=VALUE, got {text!r}")
         defines[key] = value
+    args.names, args.defines = names, defines
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names, defines, cfg = args.names, args.defines, args.sustained_cfg
     torch = bench._import_torch()
     from ptxattn import driver
     info = driver.device_info()
@@ -168,9 +222,16 @@ def main(argv=None) -> int:
               "environment": bench.environment(info, torch), "source": bench.source_id(),
               "rounds": args.rounds, "reps": args.reps, "fp8_bar": FP8_BAR, "defines": defines,
               "shapes": {}}
-    for name in names:
-        result["shapes"][name] = run_shape(torch, name, args.rounds, args.reps, args.seed,
-                                           defines)
+    sampler = sustained.start_sampler(cfg) if cfg else None     # missing: before any shape
+    if sampler is not None:
+        result["sustained_protocol"] = sustained.protocol(cfg, sampler)
+    try:
+        for name in names:
+            result["shapes"][name] = run_shape(torch, name, args.rounds, args.reps, args.seed,
+                                               defines, cfg, sampler)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     if args.out:
         knobs = "".join(f"-{k}{v}" for k, v in sorted(defines.items()))
         path = Path(args.out) / f"{result['date']}-h200-fp8{knobs}.json"
