@@ -86,7 +86,9 @@ def test_ratios_are_against_the_first_variant(variants, tmp_path):
     (["a=production", "--window", "3"], "--window '3': expected LEFT,RIGHT"),
     (["a=production:PTXATTN_L2_WALK=1"], "PTXATTN_L2_WALK is no build knob any more"),
     (["a=production:PTXATTN_HEAD_MAJOR=1"], "PTXATTN_HEAD_MAJOR is no build knob any more"),
-    (["a=production:walk=snake"], "walk=snake: expected one of today, head-major, l2-walk"),
+    (["a=production:walk=snake"], "walk=snake: walk_rule: expected one of today, head-major, "
+                                   "l2-whole-kv, l2-walk or section:N"),
+    (["a=production:walk=section:0"], "walk=section:0: walk_rule: expected"),
 ])
 def test_bad_arguments_are_named(variants, argv, message):
     with pytest.raises(SystemExit, match=message):
