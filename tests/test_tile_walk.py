@@ -616,3 +616,17 @@ def test_walk_build_bshd_window_and_full_grid_on_the_gpu(monkeypatch):
     _check_walk_build((2, 16, 1024, 1024, 128), causal=True, layout="bshd")
     _check_walk_build((1, 4, 1100, 900, 128), window=(200, 30))
     _check_walk_build((2, 16, 2048, 2048, 128), causal=True, ctas=132, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+def test_window_band_sections_on_the_gpu(monkeypatch):
+    """The band rule's sections on the full grid: the production window case's own section
+    (17 of 32 pairs: a narrower last section of 15), and a shorter run of it with that
+    section and the old one forced, and a bidirectional window (GQA)."""
+    p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
+    assert tile_walk.host_section(p, None, 132) == 17
+    _check_walk_build((2, 16, 16384, 16384, 128), window=(1024, 0))
+    for section in (4, 17, 30):
+        _check_walk_build((2, 16, 4096, 4096, 128), window=(1024, 0), section=section,
+                          ctas=132, monkeypatch=monkeypatch)
+    _check_walk_build((2, 16, 4096, 4096, 128), heads_kv=4, window=(512, 512))
