@@ -104,9 +104,8 @@ class Problem:
         every key (kv_head_bytes)."""
         if self.window is None or self.window[0] < 0 or self.window[1] < 0:
             return self.kv_head_bytes
-        import numpy as np
         run = max(1, min(m_blocks, self.m_blocks))
-        first, count = np.array([self.kv_range(m) for m in range(self.m_blocks)]).T
+        first, count = kv_ranges(self)
         end = first + count                          # both rise with m (the band slides)
         tiles = int((end[run - 1:] - first[:self.m_blocks - run + 1]).max())
         return min(self.kv_head_bytes, 2 * tiles * self.block_n * self.head_dim * 2)
@@ -127,6 +126,16 @@ class Problem:
         key_last = min(max(key_last, key_first), self.seq_k - 1)
         first = key_first // self.block_n
         return first, key_last // self.block_n - first + 1
+
+
+@functools.lru_cache(maxsize=64)
+def kv_ranges(p: Problem):
+    """Problem.kv_range of every query block as two read-only NumPy arrays (first, count):
+    what section_pairs' candidates share (computed once per problem)."""
+    import numpy as np
+    first, count = np.array([p.kv_range(m) for m in range(p.m_blocks)], dtype=np.int64).T
+    first.flags.writeable = count.flags.writeable = False
+    return first, count
 
 
 # ---- the walks ----------------------------------------------------------------------------
@@ -217,7 +226,7 @@ def balance(p: Problem, section: int, *, grid: int | None = None, snake: bool | 
         m = np.where((sections - 1 - sec) % 2 == 1, p.m_blocks - 1 - m, m)
     if p.masked:
         m = p.m_blocks - 1 - m
-    steps = np.array([p.kv_range(i)[1] for i in range(p.m_blocks)], dtype=np.float64)
+    steps = kv_ranges(p)[1].astype(np.float64)
     k, pos = t // grid, t % grid
     cta = np.where(snake & (k % 2 == 1), grid - 1 - pos, pos)
     loads = np.bincount(cta, weights=steps[m] + overhead, minlength=grid)
