@@ -14,7 +14,7 @@ timeout 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_productio
     "sliding_window or causal_square or causal_cross or causal_gqa or many_tiles or masked or head_dim_window or head_dim_causal" \
     >> "$LOG" 2>&1; echo "production mask tests rc $?" | tee -a "$LOG"
 part "ncu L2: window and causal 4k, old and new sections"
-END_S=${END_S:-220} ncu_lines bench/experiments/2026-12-02-ncu-l2-walk-s10.txt "$OUT/ncu-l2-walk.jsonl"
+END_S=${END_S:-260} ncu_lines bench/experiments/2026-12-02-ncu-l2-walk-s10.txt "$OUT/ncu-l2-walk.jsonl"
 part "sustained: window 1024 (2, 16, 16384)"
 timeout 60 python3 bench/experiments/variants.py old=production:walk=l2-whole-kv new=production \
     s30=production:walk=section:30 --shape 2x16x16384x128 --window 1024,0 --rounds 10 --reps 5 \
