@@ -131,11 +131,11 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     pairs, follow the table's parameters (launch.params_of), e.g. the trace
     buffer: ((trace_ptr, launch.TRACE_BUF.ctype),); `walk_rule` (a measurement's) names
     the section rule of the production walk (tile_walk.WALKS: "l2-walk", what attention()
-    runs; "today", "head-major": the walks before it).
+    runs; "today", "head-major", "l2-whole-kv": the walks before it; "section:N": N pairs).
     """
-    from .tile_walk import WALKS
-    if walk_rule not in WALKS:
-        raise ValueError(f"walk_rule: expected one of {', '.join(WALKS)}, got {walk_rule!r}")
+    from .tile_walk import is_rule, rule_error
+    if not is_rule(walk_rule):
+        raise ValueError(rule_error(walk_rule))
     plan = validate(q, k, v, stage=stage, scale=scale, layout=layout, out=out, stream=stream,
                     return_lse=return_lse, causal=causal, window=window, diagonal=diagonal,
                     lse_out=lse_out)

@@ -97,6 +97,19 @@ class Problem:
         """K and V of one (batch, K/V head), bf16."""
         return 2 * self.seq_k * self.head_dim * 2
 
+    def kv_band_bytes(self, m_blocks: int) -> int:
+        """K and V of one (batch, K/V head) that `m_blocks` consecutive query blocks of it see
+        together, the widest such run: a window's band slides with the query block, so it is
+        ~(left + right + m_blocks * block_m) keys, not seq_k; causal and unmasked calls see
+        every key (kv_head_bytes)."""
+        if self.window is None or self.window[0] < 0 or self.window[1] < 0:
+            return self.kv_head_bytes
+        run = max(1, min(m_blocks, self.m_blocks))
+        first, count = kv_ranges(self)
+        end = first + count                          # both rise with m (the band slides)
+        tiles = int((end[run - 1:] - first[:self.m_blocks - run + 1]).max())
+        return min(self.kv_head_bytes, 2 * tiles * self.block_n * self.head_dim * 2)
+
     def kv_range(self, m_block: int) -> tuple[int, int]:
         """(first K/V tile, count) that Q block m_block visits, as the kernel clamps it: the
         keys of its first row's window start to its last row's window end (bottom-right
@@ -115,19 +128,38 @@ class Problem:
         return first, key_last // self.block_n - first + 1
 
 
+@functools.lru_cache(maxsize=64)
+def kv_ranges(p: Problem):
+    """Problem.kv_range of every query block as two read-only NumPy arrays (first, count):
+    what section_pairs' candidates share (computed once per problem)."""
+    import numpy as np
+    first, count = np.array([p.kv_range(m) for m in range(p.m_blocks)], dtype=np.int64).T
+    first.flags.writeable = count.flags.writeable = False
+    return first, count
+
+
 # ---- the walks ----------------------------------------------------------------------------
 
 def section_pairs(p: Problem, l2_bytes: int = H200_L2_BYTES, share: float = L2_SHARE,
-                  grid: int | None = None) -> int:
+                  grid: int | None = None, band: bool = True) -> int:
     """The host's section: a number of (batch, head) pairs in whole GQA groups (the query
-    heads of one K/V head share its K/V) whose K/V fit share * L2 (at least one group, at
-    most BH), and among those sizes the one whose static walk balances best (balance();
-    within BALANCE_TIE of the best, the smallest: the fewest heads' K/V in flight)."""
-    kv_heads = max(1, int(share * l2_bytes) // p.kv_head_bytes)
-    most = min(p.bh, max(1, kv_heads) * p.group)
-    sizes = list(range(p.group, most + 1, p.group)) or [most]
+    heads of one K/V head share its K/V) whose K/V working set fits share * L2 (at least one
+    group, at most BH), and among those sizes the one whose static walk balances best
+    (balance(); within BALANCE_TIE of the best, the smallest: the fewest heads' K/V in
+    flight). The working set of S pairs: S / group K/V heads, each with the K/V that its
+    ceil(grid / S) query blocks running at once see (band, Problem.kv_band_bytes: a window's
+    band, not the head's whole K/V; session 10); band=False sizes every head by its whole K/V
+    (the rule of sessions 6-9, walk "l2-whole-kv")."""
+    grid = min(H200_SMS, p.tiles) if grid is None else grid
+    budget = int(share * l2_bytes)
+
+    def fits(s):
+        per_head = p.kv_band_bytes(-(-grid // s)) if band else p.kv_head_bytes
+        return (s // p.group) * per_head <= budget
+
+    sizes = [s for s in range(p.group, p.bh + 1, p.group) if fits(s)] or [p.group]
     if len(sizes) > MAX_CANDIDATES:                  # many pairs fit: the smallest ones
-        sizes = sizes[:MAX_CANDIDATES - 1] + [most]
+        sizes = sizes[:MAX_CANDIDATES - 1] + [sizes[-1]]
     scores = {s: balance(p, s, grid=grid) for s in sizes}
     best = min(scores.values())
     return min(s for s, v in scores.items() if v <= best + BALANCE_TIE)
@@ -194,7 +226,7 @@ def balance(p: Problem, section: int, *, grid: int | None = None, snake: bool | 
         m = np.where((sections - 1 - sec) % 2 == 1, p.m_blocks - 1 - m, m)
     if p.masked:
         m = p.m_blocks - 1 - m
-    steps = np.array([p.kv_range(i)[1] for i in range(p.m_blocks)], dtype=np.float64)
+    steps = kv_ranges(p)[1].astype(np.float64)
     k, pos = t // grid, t % grid
     cta = np.where(snake & (k % 2 == 1), grid - 1 - pos, pos)
     loads = np.bincount(cta, weights=steps[m] + overhead, minlength=grid)
@@ -302,10 +334,47 @@ def simulate(p: Problem, section: int, *, grid: int | None = None, snake: bool |
                       kv_dram_bytes=(reads - hits) * line_bytes, kv_read_bytes=reads * line_bytes)
 
 
+def sector_hit_ceiling(p: Problem) -> float:
+    """The best L2 hit rate over every sector the kernel moves (K/V and Q reads, O stores)
+    that any walk can get: each K/V and Q byte misses once (from HBM), nothing else misses.
+    What ncu's lts__t_sector_hit_rate can reach at most (bench/notes.md, session 10): a
+    window's K/V tile is read by only ~(window + block_m) / block_m query blocks, so with a
+    short window the first reads alone keep it low (1024 at 16k: 84.6%) whatever the walk."""
+    line = 2 * p.block_n * p.head_dim * 2
+    ranges = [p.kv_range(m) for m in range(p.m_blocks)]
+    kv_reads = p.bh * sum(n for _, n in ranges) * line
+    seen = len({t for first, n in ranges for t in range(first, first + n)})  # tiles read
+    q = p.bh * p.seq_q * p.head_dim * 2                       # = O's bytes
+    first_reads = p.batch * p.heads_kv * seen * line + q
+    return 1 - first_reads / (kv_reads + 2 * q)
+
+
 # ---- predictions for the benchmark -------------------------------------------------------
 
-WALKS = ("today", "head-major", "l2-walk")
+WALKS = ("today", "head-major", "l2-whole-kv", "l2-walk")
+SECTION_RULE = "section:"   # "section:N", a measurement's forced section of N pairs
 COUNTER_JITTER = 0.05   # the drift with which the model's strict rate met ncu's 92.5% at dense 8k
+
+
+def is_rule(name) -> bool:
+    """A walk rule: one of WALKS, or "section:N" with N >= 1."""
+    if name in WALKS:
+        return True
+    n = name[len(SECTION_RULE):] if isinstance(name, str) and name.startswith(SECTION_RULE) \
+        else ""
+    return n.isdigit() and int(n) >= 1
+
+
+def rule_error(name) -> str:
+    return (f"walk_rule: expected one of {', '.join(WALKS)} or {SECTION_RULE}N (N >= 1), "
+            f"got {name!r}")
+
+
+def check_rule(name: str) -> str:
+    """name if it is a walk rule (is_rule), else ValueError."""
+    if not is_rule(name):
+        raise ValueError(rule_error(name))
+    return name
 
 
 def walk_section(p: Problem, name: str, l2_bytes: int = H200_L2_BYTES,
@@ -313,15 +382,21 @@ def walk_section(p: Problem, name: str, l2_bytes: int = H200_L2_BYTES,
     """(section, alternate) of a named walk as the kernel runs it when given that section
     (walk_section): "today" the rule of the walk before the sectioned one (today_section),
     "head-major" section 1, "l2-walk" the host's section (section_pairs), what attention()
-    passes. The kernel alternates the sections' directions always (alternate=False models
-    the builds before it: with section B*H, one section, the same walk)."""
+    passes, "l2-whole-kv" section_pairs with every head's whole K/V as its working set (the
+    host's rule of sessions 6-9: windows sized as if they saw every key), "section:N" N pairs
+    (at most B*H: the kernel clamps it too). The kernel alternates the sections' directions
+    always (alternate=False models the builds before it: with section B*H, one section, the
+    same walk)."""
+    check_rule(name)
     if name == "today":
         return today_section(p), True
     if name == "head-major":
         return 1, True
     if name == "l2-walk":
         return section_pairs(p, l2_bytes, grid=grid), True
-    raise ValueError(f"walk: expected one of {', '.join(WALKS)}, got {name!r}")
+    if name == "l2-whole-kv":
+        return section_pairs(p, l2_bytes, grid=grid, band=False), True
+    return min(int(name[len(SECTION_RULE):]), p.bh), True
 
 
 def predict(problems: dict, *, l2_bytes: int = H200_L2_BYTES, sm_count: int = H200_SMS,

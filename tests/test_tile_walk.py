@@ -335,6 +335,100 @@ def test_section_pairs_fit_the_share_in_whole_groups_and_balance():
                                    l2_bytes=16 << 20) == 1
 
 
+# (B, H, L, D, H_kv, window): old (whole K/V a head) and new (the band) sections
+WINDOW_SECTIONS = [
+    ((2, 16, 16384, 128, 0, (1024, 0)), 4, 17),      # the production window case
+    ((4, 8, 32768, 128, 0, (4096, 4096)), 2, 5),
+    ((2, 16, 16384, 64, 0, (256, 256)), 1, 16),
+    ((8, 16, 4096, 128, 0, (1024, 0)), 15, 24),
+    ((1, 16, 131072, 128, 0, (4096, 0)), 1, 7),
+    ((1, 32, 8192, 128, 8, (512, 0)), 32, 32),       # every head fitted already: no change
+]
+
+
+@pytest.mark.parametrize("case, old, new", WINDOW_SECTIONS,
+                         ids=lambda c: "x".join(map(str, c[:5])) + f"-w{c[5]}"
+                         if isinstance(c, tuple) else str(c))
+def test_window_sections_size_the_band_not_the_whole_kv(case, old, new):
+    """A window's section is sized by its band (the keys its concurrent query blocks see), so
+    more heads fit and the rule finds a better balanced size; its band fits the share, it
+    balances within the tie of every fitting size, never worse than the whole-K/V rule's."""
+    b, h, seq, d, hkv, window = case
+    p = Problem.of(b, h, seq, seq, d, hkv, window=window)
+    assert tile_walk.section_pairs(p, band=False) == old
+    s = tile_walk.section_pairs(p)
+    assert s == new and s % p.group == 0
+    budget = tile_walk.L2_SHARE * tile_walk.H200_L2_BYTES
+    grid = min(tile_walk.H200_SMS, p.tiles)
+
+    def fits(x):
+        return (x // p.group) * p.kv_band_bytes(-(-grid // x)) <= budget
+
+    assert fits(s)
+    fitting = [x for x in range(p.group, p.bh + 1, p.group) if fits(x)]
+    assert tile_walk.balance(p, s) <= min(map(lambda x: tile_walk.balance(p, x), fitting)) \
+        + tile_walk.BALANCE_TIE
+    assert tile_walk.balance(p, s) <= tile_walk.balance(p, old) + tile_walk.BALANCE_TIE
+
+
+def test_masks_that_see_every_key_keep_their_sections():
+    """Causal, unmasked and half-unbounded windows see a head's whole K/V: the band rule gives
+    the whole-K/V rule's section (the production set's only change is the window case)."""
+    from ptxattn.tools import bench
+    for c in bench.select_set("production").cases:
+        p = tile_walk.problem_of_case(c)
+        new, old = tile_walk.section_pairs(p), tile_walk.section_pairs(p, band=False)
+        assert (new == old) == (c.name != "window1024-16k"), (c.name, old, new)
+    for window in ((1024, -1), (-1, 1024), (-1, -1), (-1, 0), None):
+        for b, h, seq, d, hkv in ((2, 16, 16384, 128, 0), (1, 32, 8192, 128, 8)):
+            p = Problem.of(b, h, seq, seq, d, hkv, window=window)
+            assert p.kv_band_bytes(1) == p.kv_head_bytes
+            assert tile_walk.section_pairs(p) == tile_walk.section_pairs(p, band=False)
+
+
+def test_a_windows_band_is_its_keys_not_its_heads():
+    p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
+    tile = 2 * 128 * 128 * 2                           # K and V of one 128-key tile
+    assert p.kv_band_bytes(1) == 9 * tile              # 1024 keys back + the block's own
+    assert p.kv_band_bytes(8) == 16 * tile
+    assert p.kv_band_bytes(10**6) == p.kv_head_bytes   # capped at the head's K/V
+    wide = Problem.of(1, 1, 4096, 4096, 128, window=(8192, 8192))   # wider than the keys
+    assert wide.kv_band_bytes(1) == wide.kv_head_bytes
+
+
+def test_the_sector_ceiling_bounds_what_ncu_measured():
+    """No walk beats first reads from HBM: the window case's ceiling is below issue 23's 85%
+    (so no section reaches it), and every ncu figure of sessions 8-9 (natural clocks) lies
+    below its case's ceiling."""
+    measured = {  # (B, H, L, D, H_kv, causal, window): L2 hit %, bench/results/s8, s9
+        (2, 16, 16384, 128, 0, False, (1024, 0)): 75.9, (8, 16, 4096, 128, 0, True, None): 81.84,
+        (4, 16, 8192, 128, 0, True, None): 89.81, (8, 16, 4096, 128, 0, False, None): 94.9,
+        (4, 32, 8192, 128, 4, True, None): 96.03, (1, 32, 8192, 128, 8, True, None): 97.19,
+        (2, 16, 16384, 128, 0, False, None): 93.6, (1, 32, 6930, 64, 0, False, None): 91.98,
+    }
+    for (b, h, seq, d, hkv, causal, window), hit in measured.items():
+        p = Problem.of(b, h, seq, seq, d, hkv, causal=causal, window=window)
+        assert 100 * tile_walk.sector_hit_ceiling(p) >= hit, (b, h, seq, d, causal, window)
+    window = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
+    assert 0.84 < tile_walk.sector_hit_ceiling(window) < 0.85
+    # a short query run against long keys: only the keys its window reaches count as firsts
+    short = Problem.of(1, 1, 128, 16384, 128, window=(256, 0))
+    assert tile_walk.sector_hit_ceiling(short) == pytest.approx(1 - (3 * 65536 + 32768)
+                                                                / (3 * 65536 + 2 * 32768))
+
+
+def test_walk_rules_and_forced_sections():
+    p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
+    assert tile_walk.walk_section(p, "section:3") == (3, True)
+    assert tile_walk.walk_section(p, "section:1000") == (32, True)     # the kernel clamps too
+    assert tile_walk.walk_section(p, "l2-whole-kv")[0] == tile_walk.section_pairs(p, band=False)
+    assert tile_walk.host_section(p, None, 132, "l2-whole-kv") == 4
+    assert tile_walk.host_section(p, None, 132) == 17
+    for bad in ("section:0", "section:", "section:-2", "section:x", "snake", "Section:3"):
+        with pytest.raises(ValueError, match="walk_rule: expected one of"):
+            tile_walk.check_rule(bad)
+
+
 # ---- the launcher's side ------------------------------------------------------------------
 
 def launched_section(calls) -> int:
@@ -363,11 +457,15 @@ def test_the_launcher_passes_the_hosts_section(tagged):
         p = Problem.of(b, h, seq, seq, d, causal=causal)
         want = tile_walk.section_pairs(p, grid=min(132, p.tiles))
         assert launched_section(tagged) == want, ((b, h, seq, d), causal)
-        for rule, section in (("today", tile_walk.today_section(p)), ("head-major", 1)):
+        whole_kv = tile_walk.section_pairs(p, grid=min(132, p.tiles), band=False)
+        rules = (("today", tile_walk.today_section(p)), ("head-major", 1),
+                 ("section:3", min(3, p.bh)), ("l2-whole-kv", whole_kv))
+        for rule, section in rules:
             attn.prepare(q, k, v, causal=causal, walk_rule=rule).launch()
             assert launched_section(tagged) == section, (rule, (b, h, seq, d))
     launches = len(tagged["cuLaunchKernelEx"])
-    with pytest.raises(ValueError, match="walk_rule: expected one of today, head-major, l2-walk"):
+    with pytest.raises(ValueError, match="walk_rule: expected one of today, head-major, "
+                                         "l2-whole-kv, l2-walk or section:N"):
         attn.prepare(q, k, v, walk_rule="snake")
     assert len(tagged["cuLaunchKernelEx"]) == launches
     from ptxattn import driver
@@ -518,3 +616,17 @@ def test_walk_build_bshd_window_and_full_grid_on_the_gpu(monkeypatch):
     _check_walk_build((2, 16, 1024, 1024, 128), causal=True, layout="bshd")
     _check_walk_build((1, 4, 1100, 900, 128), window=(200, 30))
     _check_walk_build((2, 16, 2048, 2048, 128), causal=True, ctas=132, monkeypatch=monkeypatch)
+
+
+@pytest.mark.gpu
+def test_window_band_sections_on_the_gpu(monkeypatch):
+    """The band rule's sections on the full grid: the production window case's own section
+    (17 of 32 pairs: a narrower last section of 15), and a shorter run of it with that
+    section and the old one forced, and a bidirectional window (GQA)."""
+    p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
+    assert tile_walk.host_section(p, None, 132) == 17
+    _check_walk_build((2, 16, 16384, 16384, 128), window=(1024, 0))
+    for section in (4, 17, 30):
+        _check_walk_build((2, 16, 4096, 4096, 128), window=(1024, 0), section=section,
+                          ctas=132, monkeypatch=monkeypatch)
+    _check_walk_build((2, 16, 4096, 4096, 128), heads_kv=4, window=(512, 512))

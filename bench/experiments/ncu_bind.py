@@ -129,6 +129,14 @@ def _cudnn(q, k, v, causal):
     return o.float().cpu().numpy()
 
 
+def _walk_rule(text):
+    """--walk RULE: tile_walk.check_rule's, as argparse's error."""
+    try:
+        return tile_walk.check_rule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _window(text):
     """--window LEFT,RIGHT as FlashAttention's (left, right), or None."""
     if not text:
@@ -290,8 +298,9 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layout", default="bhld", choices=("bhld", "bshd"))
     ap.add_argument("--window", default=None, help="LEFT,RIGHT sliding window (-1: unbounded)")
     ap.add_argument("-d", "--define", action="append", default=[], help="NAME=VALUE")
-    ap.add_argument("--walk", default="l2-walk", choices=tile_walk.WALKS,
-                    help="the production walk's section rule (l2-walk: attention()'s)")
+    ap.add_argument("--walk", default="l2-walk", type=_walk_rule,
+                    help=f"the production walk's section rule ({', '.join(tile_walk.WALKS)}, "
+                         f"or section:N; l2-walk: attention()'s)")
     ap.add_argument("--profile", action="store_true",
                     help="run ncu on this at natural and locked clocks; table and JSON")
     ap.add_argument("--clocks", default="natural,locked", help="--profile: natural, locked")

@@ -17,7 +17,8 @@ TFLOP/s, median SM clock and power, TFLOP/J, and its sustained speed in % of the
 --heads-kv: GQA (K/V heads). The production walk's section (its walk_section parameter) comes
 from the host's rule, l2-walk (ptxattn/tile_walk.section_pairs: what attention() passes), or
 the one a variant names with walk=RULE among its defines, e.g. old=production:walk=today
-(tile_walk.WALKS: today, head-major, l2-walk); it is no build define.
+(tile_walk.WALKS: today, head-major, l2-whole-kv, l2-walk; or section:N, N pairs forced);
+it is no build define.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def parse_variant(text: str):
                              f"walk is every build's); walk=RULE picks the section rule "
                              f"({', '.join(tile_walk.WALKS)})")
     walk = defines.pop(WALK_KEY, "l2-walk")
-    if walk not in tile_walk.WALKS:
-        raise SystemExit(f"variant {text!r}: walk={walk}: expected one of "
-                         f"{', '.join(tile_walk.WALKS)}")
+    try:
+        tile_walk.check_rule(walk)
+    except ValueError as e:
+        raise SystemExit(f"variant {text!r}: walk={walk}: {e}") from None
     return label, kernel, defines, walk
 
 
