@@ -28,6 +28,8 @@ REGISTERS_PER_SM = 65536
 MAX_DYNAMIC_SMEM = 227 * 1024      # per CTA on sm_90
 NAMED_BARRIERS = 16                # per CTA
 WARPGROUP = 128                    # threads
+WARP = 32                          # threads
+KV_MULTICAST_CTAS = 2              # the K/V multicast build's cluster (kv_multicast.ptxh)
 MAX_REGS_PER_THREAD = 256          # setmaxnreg's ceiling; budgets are multiples of 8
 Q_BOX_ROWS = 64                    # a consumer warpgroup's query rows (the wgmma M)
 SWIZZLE_ROW_BYTES = 128            # a 128-byte swizzled row: 64 bf16 of D
@@ -197,6 +199,12 @@ class Build:
 
     def bar_o(self, consumer: int) -> int:
         return 1 + self.consumers + consumer
+
+    @property
+    def cluster_kv_empty_arrivals(self) -> int:
+        """The K/V multicast build's EMPTY count: one arrival a consumer warp, of every CTA of
+        the cluster (kv_multicast.ptxh)."""
+        return KV_MULTICAST_CTAS * self.consumers * WARPGROUP // WARP
 
     @property
     def named_barriers(self) -> int:

@@ -413,6 +413,17 @@ def launch(function: Function, grid, block, smem_bytes: int, params, *,
     LaunchSpec(function, grid, block, smem_bytes, params, cluster=cluster, stream=stream)()
 
 
+def max_active_clusters(function: Function, block, smem_bytes: int, cluster, stream=0) -> int:
+    """How many clusters of `cluster` CTAs (each `block` threads, `smem_bytes` of dynamic shared
+    memory) of `function` the device runs at once (cuOccupancyMaxActiveClusters): the bound of
+    a persistent grid of clusters. 0 when none fits."""
+    cluster = _dim3(cluster)
+    config, _attrs = _launch_config(cluster, _dim3(block), int(smem_bytes), cluster,
+                                    stream_handle(stream))
+    return int(check(cu().cuOccupancyMaxActiveClusters(function.handle, config),
+                     f"cuOccupancyMaxActiveClusters({function.name}, cluster={cluster})"))
+
+
 def _dim3(v) -> tuple[int, int, int]:
     v = (v,) if isinstance(v, int) else tuple(v)
     return tuple(int(x) for x in v) + (1,) * (3 - len(v))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import driver, tensors, tma
+from . import driver, kv_multicast, tensors, tma
 from .choice import pick_stage, specialized
 from .errors import PtxattnError
 from .plan import Plan
@@ -278,6 +278,10 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
     defines and extra_params are a build variant's, walk_rule the production walk's section
     rule (tile_walk.WALKS; a measurement's, tools: see api.prepare)."""
     ctx, stage = where.ctx, where.stage
+    # the K/V multicast build (a measurement's): refused before anything is compiled or touched
+    multicast = kv_multicast.requested(defines)
+    if multicast:
+        kv_multicast.check(plan, stage, defines)
     if stage.smem_bytes > ctx.max_smem_optin:
         raise PtxattnError(f"{stage.label} needs {stage.smem_bytes} bytes of shared memory per "
                            f"CTA; this GPU allows {ctx.max_smem_optin}")
@@ -358,8 +362,17 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
                       diag_offset=plan.diag_offset, window_left=left, window_right=right)
     cap = where.ctas_cap
     ctas = ctx.sm_count if cap is None else min(ctx.sm_count, cap)
+    cluster, grid = stage.cluster, None
+    if multicast:
+        # clusters of two CTAs walk tile pairs: the grid is 2 x the clusters that run at once
+        pairs = B * H * (-(-Lq // stage.block_m) // 2)
+        n = kv_multicast.clusters(pairs, driver.max_active_clusters(
+            function, (stage.threads, 1, 1), stage.smem_bytes, kv_multicast.CLUSTER, stream),
+            cap)
+        cluster, grid, ctas = kv_multicast.CLUSTER, (2 * n, 1, 1), n
     if stage.production and not stage.varlen:
-        values["walk_section"] = walk_section(plan, stage, ctx, ctas, walk_rule)
+        values["walk_section"] = walk_section(plan, stage, ctx, ctas, walk_rule,
+                                              pairs=multicast)
     if stage.dynamic_tiles:
         # the dynamic tile scheduler's two u32 counters: zero before the first launch, and
         # the kernel's last CTA resets them, so every later launch of this object (all on its
@@ -376,9 +389,9 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
     # Parameters a build variant adds after the table's (e.g. trace_buf with PTXATTN_TRACE).
     args += tuple(value for value, _ in extra_params)
     types += tuple(ctype for _, ctype in extra_params)
-    grid = stage.grid(B, H, Lq, ctas)
+    grid = grid or stage.grid(B, H, Lq, ctas)
     spec = driver.LaunchSpec(function, grid, (stage.threads, 1, 1), stage.smem_bytes,
-                             (args, types), cluster=stage.cluster, stream=stream)
+                             (args, types), cluster=cluster, stream=stream)
     prepared = PreparedAttention(plan, stage, out, spec, keep=tuple(keep), owned=owned, lse=lse)
     prepared.abi = abi
     # What a steady call (the fast path of attention(), fastpath.py) replaces per call: the O
@@ -388,11 +401,15 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
     return prepared
 
 
-def walk_section(plan: Plan, stage: Stage, ctx, ctas: int, rule: str = "l2-walk") -> int:
+def walk_section(plan: Plan, stage: Stage, ctx, ctas: int, rule: str = "l2-walk",
+                 pairs: bool = False) -> int:
     """The production walk's section for this call (tile_walk.host_section): from the plan's
-    shape and mask, the build's tiles, this device's L2 size and its CTAs at most."""
+    shape and mask, the build's tiles, this device's L2 size and its CTAs at most. pairs: the
+    K/V multicast build's walk over tile pairs (ctas: its clusters)."""
     from .tile_walk import Problem, host_section
     window = plan.window if plan.masked else None
     problem = Problem(plan.batch, plan.heads, plan.seq_q, plan.seq_k, plan.head_dim,
                       plan.heads_kv, window, stage.block_m, stage.block_n)
+    if pairs:
+        problem = kv_multicast.pair_problem(problem)
     return host_section(problem, getattr(ctx, "l2_bytes", None), ctas, rule)

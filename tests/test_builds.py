@@ -170,9 +170,10 @@ _NUMBER = re.compile(r"(?<![\w%.])-?(?:0x[0-9a-fA-F]+|\d+)(?![\w.])")
 # thread-index arithmetic shifts by literals (warpgroup, warp, quad row, chunk parity); and two
 # more a shift: local_tile / 2 (the two Q buffers' use count) and float32 elements to bytes;
 # the varlen epilogue's row-by-row O store: bf16 elements to bytes, and 8 rows of O's row
-# stride (elements) in bytes
+# stride (elements) in bytes; the K/V multicast build's query blocks to pairs of blocks
 _SHIFT_SOURCES = re.compile(r"^%(thread|lane|wg_thread)$")
-_SHIFT_OK = {("%local_tile", "1"), ("%lse_addr", "2"), ("%state", "1"), ("%lse_addr", "4")}
+_SHIFT_OK = {("%local_tile", "1"), ("%lse_addr", "2"), ("%state", "1"), ("%lse_addr", "4"),
+             ("%m_blocks", "1")}
 
 
 def production_sources() -> dict[str, str]:
@@ -278,7 +279,7 @@ def test_no_layout_literal_outside_the_generated_header():
     ("%ring_slot, MBAR_BYTES, %bar_empty_k;", "%ring_slot, 8, %bar_empty_k;", "shared-memory offset"),
     ("%ring_slot, KV_SLOT_DESC;", "%ring_slot, 2048;", "descriptor step"),
     ("%key_first, BLOCK_N_SHIFT;", "%key_first, 7;", "shift amount"),
-    ("MBAR_INIT_RING(%bar_empty_k, CONSUMER_THREADS)",
+    ("MBAR_INIT_RING(%bar_empty_k, KV_EMPTY_ARRIVALS)",
      "@%p_leader mbarrier.init.shared::cta.b64 [%bar_empty_k+8], 256;", "offset|arrival count"),
 ])
 def test_the_literal_scan_catches_a_planted_literal(old, new, why):

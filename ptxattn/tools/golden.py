@@ -41,6 +41,8 @@ KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_MASKED", ("1",), r"^#ifdef PTXATTN_MASKED"),     # the production kernel's masks
     ("PTXATTN_VARLEN", ("1",), r"^#ifdef PTXATTN_VARLEN"),     # its packed-sequence build
     ("HEAD_DIM", ("64", "256"), r"^#if HEAD_DIM\b"),   # production builds (128: the default)
+    # the production kernel's K/V multicast across a cluster of two (dense D = 128 only)
+    ("PTXATTN_KV_MULTICAST", ("1",), r"^#ifdef PTXATTN_KV_MULTICAST"),
     # the production kernel's FP8 builds (builds.FP8_BUILDS): every head dim, masked or not
     ("PTXATTN_FP8", tuple(f"1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
                           for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")),

@@ -81,6 +81,8 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
         ("CTA_THREADS", b.threads, "a producer warpgroup and the consumers"),
         ("CONSUMER_THREADS", b.consumers * builds.WARPGROUP,
          "the arrivals that release a K/V slot or Q"),
+        ("CLUSTER_KV_EMPTY_ARRIVALS", b.cluster_kv_empty_arrivals,
+         f"K/V multicast: a consumer warp of each of the {builds.KV_MULTICAST_CTAS} CTAs"),
         ("CONSUMER_REGS", b.consumer_regs,
          f"setmaxnreg: ({builds.REGISTERS_PER_SM} - {builds.PRODUCER_REGS} * "
          f"{builds.WARPGROUP}) / {b.consumers * builds.WARPGROUP}, to 8"),

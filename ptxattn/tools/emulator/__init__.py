@@ -19,6 +19,8 @@ What it is (one module per concern):
                 hardware may defer them, with the hazard checks.
   tensormap.py  what cuTensorMapEncodeTiled encodes, and the box geometry TMA walks.
   machine.py    CTAs, warps, groups of lanes, the scheduler, deadlock reports.
+  cluster.py    thread-block clusters: distributed shared memory addresses, multicast, the
+                cluster barrier.
   memory.py     the global address space and each CTA's shared memory with its shadow state.
   fake_driver.py  a fake of cuda.bindings.driver on top, so that ptxattn.attention() and every
                 public entry point run end to end (tests use the `emulated_gpu` fixture).
@@ -57,8 +59,12 @@ Numerics: see numeric.py (IEEE rounding modes, bf16/f16/e4m3 via ml_dtypes; ex2/
 .approx computed exactly and rounded, which the hardware approximates within 2 ulp) and
 asyncops.py (wgmma accumulates in float64 and rounds once per instruction).
 
-Not supported yet (each raises Unsupported naming it, never a silent skip): clusters of more
-than one CTA and multicast (mapa/getctarank only for a cluster of one), im2col and gather4 TMA,
+Clusters (cluster.py): a launch with cluster dims runs its CTAs as clusters: the cluster
+registers, mapa/getctarank, mbarrier arrives on a peer's barrier, TMA .multicast::cluster loads
+and barrier.cluster; a peer's shared memory or barrier touched after that peer exited is a
+hazard (cluster-peer-exited).
+Not supported yet (each raises Unsupported naming it, never a silent skip): multicast stores,
+.cta_group TMA, generic ld/st into a peer's shared memory, im2col and gather4 TMA,
 interleaved tensor maps, wgmma .sp and tf32 A-in-registers, descriptor base offsets, bar.red,
 mbarrier.arrive_drop/noComplete/pending_count, Ampere cp.async, .local/.const/.global variables,
 calls (.func), textures/surfaces, carry arithmetic (.cc), half-precision atomics and vector

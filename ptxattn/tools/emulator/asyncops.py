@@ -91,15 +91,17 @@ def _words_range(start: int, nbytes: int) -> np.ndarray:
     return np.arange(start // 4, (start + nbytes + 3) // 4, dtype=np.int64)
 
 
-def _check_smem_range(g, addr: int, nbytes: int, lane: int, what: str, align: int) -> None:
-    smem = g.cta.smem
+def _check_smem_range(g, addr: int, nbytes: int, lane: int, what: str, align: int,
+                      cta=None) -> None:
+    cta = cta or g.cta
+    smem = cta.smem
     if addr % align:
         raise MemoryFault(f"{what}: shared address 0x{addr:x} is not {align}-byte aligned",
                           lane, addr)
     if addr < 1024 or addr + nbytes > smem.window:
         raise MemoryFault(f"{what}: {nbytes} bytes at shared 0x{addr:x} leave the CTA's shared "
                           f"memory (0x400..0x{smem.window:x})", lane, addr)
-    if g.cta.mbar_words[addr // 4: (addr + nbytes + 3) // 4].any():
+    if cta.mbar_words[addr // 4: (addr + nbytes + 3) // 4].any():
         raise MemoryFault(f"{what}: the {nbytes} bytes at shared 0x{addr:x} overlap an "
                           f"mbarrier object", lane, addr)
 
@@ -121,21 +123,26 @@ def _cp_async_bulk_tensor(prog, ins):
                                            "tile::scatter4")), "tile")
     if mode != "tile":
         raise Unsupported(f"{ins.opcode}: .{mode} mode")
-    if any(p.startswith("multicast") for p in parts) or "cta_group::1" in parts:
-        raise Unsupported(f"{ins.opcode}: multicast")
+    multicast = "multicast::cluster" in parts
+    if any(p.startswith("multicast") for p in parts) and not multicast or \
+            "cta_group::1" in parts:
+        raise Unsupported(f"{ins.opcode}: {'.cta_group::1' if multicast else 'multicast'}")
     is_reduce = ins.op == "cp" and parts[1] == "reduce"
     load = "mbarrier::complete_tx::bytes" in parts
     ops = ins.operands
     if "L2::cache_hint" in parts:
         ops = ops[:-1]                      # the cache policy: a hint, no effect here
     if load:
-        if len(ops) != 3:
+        if len(ops) != 3 + multicast:
             raise Unsupported(f"{ins.opcode} with {len(ops)} operands")
         rdst = address_reader(prog, ops[0], "shared")
         rmap, rcoords = _tensor_operand(prog, ops[1])
         rbar = address_reader(prog, ops[2], "shared")
-        return prog.wrap(ins, _tma_load_fn(ins, rdst, rmap, rcoords, rbar),
+        rmask = prog.reader(ops[3], "u16") if multicast else None
+        return prog.wrap(ins, _tma_load_fn(ins, rdst, rmap, rcoords, rbar, rmask),
                          prog.regs_of(*ops))
+    if multicast:
+        raise Unsupported(f"{ins.opcode}: multicast of a store")
     if "bulk_group" not in parts:
         raise Unsupported(f"{ins.opcode}")
     if len(ops) != 2:
@@ -151,41 +158,60 @@ def _cp_async_bulk_tensor(prog, ins):
     return prog.wrap(ins, _tma_store_fn(ins, rmap, rcoords, rsrc, red), prog.regs_of(*ops))
 
 
-def _tma_load_fn(ins, rdst, rmap, rcoords, rbar):
+def _tma_load_fn(ins, rdst, rmap, rcoords, rbar, rmask=None):
+    """A TMA load; with rmask (.multicast::cluster), one load a CTA of the mask (cluster.py:
+    the same data, offsets and mbarrier offset in each)."""
     def issue(g, idx):
         dsts, maps, bars = rdst(g, idx), rmap(g, idx), rbar(g, idx)
         coords = [r(g, idx) for r in rcoords]
-        cta = g.cta
-        smem = cta.smem
+        masks = rmask(g, idx) if rmask is not None else None
         for j in range(len(idx)):
             lane = int(idx[j])
             tm = read_tensor_map(g, int(maps[j]), lane)
             if len(coords) != tm.rank:
                 raise SyncError(f"{len(coords)} coordinates for a rank-{tm.rank} tensor map")
-            op = TmaLoad()
-            op.cta, op.warp, op.ins, op.tmap = cta, g, ins, tm
-            op.coords = [int(c[j]) for c in coords]
-            op.dst = int(dsts[j])
-            op.nbytes = tm.box_bytes
-            _check_smem_range(g, op.dst, op.nbytes, lane, "TMA load destination", 128)
-            op.bar = barrier_at(g, int(bars[j]), "cp.async.bulk.tensor (its mbarrier)")
-            op.words = _words_range(op.dst, op.nbytes)
-            if smem.async_readers[op.words].any():
-                g.launch.hazard("tma-overwrite-in-flight-read",
-                                f"TMA load into shared 0x{op.dst:x}..0x{op.dst + op.nbytes:x} "
-                                f"while an issued wgmma or TMA store still reads those bytes "
-                                f"(a buffer refilled before its consumers released it?)",
-                                g, ins, lane, op.dst)
-            if smem.tma_pending[op.words].any():
-                g.launch.hazard("tma-overlapping-loads",
-                                f"TMA load into shared 0x{op.dst:x} overlaps another TMA load "
-                                f"that has not landed", g, ins, lane, op.dst)
-            smem.tma_pending[op.words] += 1
-            _order[0] += 1
-            op.order = _order[0]
-            cta.tma_loads.append(op)
-            g.launch.tma_count += 1
+            if masks is None:
+                targets = [g.cta]
+            else:
+                from .cluster import peers
+                targets = peers(g, int(masks[j]), ins.opcode)
+                g.launch.multicast_count += 1
+            for cta in targets:
+                _enqueue_load(g, ins, cta, tm, [int(c[j]) for c in coords], int(dsts[j]),
+                              int(bars[j]), lane)
     return issue
+
+
+def _enqueue_load(g, ins, cta, tm, coords, dst, bar, lane) -> None:
+    """One TMA load into `cta` (g's own, or a peer of its cluster), issued by group g."""
+    smem = cta.smem
+    op = TmaLoad()
+    op.cta, op.warp, op.ins, op.tmap = cta, g, ins, tm
+    op.coords = coords
+    op.dst = dst
+    op.nbytes = tm.box_bytes
+    _check_smem_range(g, op.dst, op.nbytes, lane, "TMA load destination", 128, cta)
+    b = cta.mbar.get(bar) if cta is not g.cta else None
+    op.bar = b or barrier_at(g, bar, "cp.async.bulk.tensor (its mbarrier)")
+    if cta is not g.cta and b is None:
+        raise SyncError(f"{ins.opcode}: no initialised mbarrier at shared 0x{bar:x} in "
+                        f"CTA {cta.ctaid} (a multicast before the peer's init?)")
+    op.words = _words_range(op.dst, op.nbytes)
+    if smem.async_readers[op.words].any():
+        g.launch.hazard("tma-overwrite-in-flight-read",
+                        f"TMA load into shared 0x{op.dst:x}..0x{op.dst + op.nbytes:x} "
+                        f"while an issued wgmma or TMA store still reads those bytes "
+                        f"(a buffer refilled before its consumers released it?)",
+                        g, ins, lane, op.dst)
+    if smem.tma_pending[op.words].any():
+        g.launch.hazard("tma-overlapping-loads",
+                        f"TMA load into shared 0x{op.dst:x} overlaps another TMA load "
+                        f"that has not landed", g, ins, lane, op.dst)
+    smem.tma_pending[op.words] += 1
+    _order[0] += 1
+    op.order = _order[0]
+    cta.tma_loads.append(op)
+    g.launch.tma_count += 1
 
 
 def land(launch, op: TmaLoad) -> None:

@@ -304,6 +304,16 @@ class FakeDriver:
                 cluster = (int(c.x), int(c.y), int(c.z))
         return self._launch(f, grid, block, int(config.sharedMemBytes), kernel_params, cluster)
 
+    def cuOccupancyMaxActiveClusters(self, f, config):
+        """One CTA an SM (the kernels' shared memory): the SMs' worth of clusters."""
+        size = 1
+        LA = self._real.CUlaunchAttributeID
+        for attr in list(config.attrs)[:int(config.numAttrs)]:
+            if attr.id == LA.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+                c = attr.value.clusterDim
+                size = int(c.x) * int(c.y) * int(c.z)
+        return self._ok(self.sm_count // size)
+
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra):
         return self._launch(f, (int(gx), int(gy), int(gz)), (int(bx), int(by), int(bz)),
                             int(smem), kernel_params, (1, 1, 1))
@@ -312,15 +322,14 @@ class FakeDriver:
         if not isinstance(f, FakeFunction):
             raise EmulatorError(f"cuLaunchKernel: {f!r} is not a function of the emulated "
                                 f"driver")
-        if cluster != (1, 1, 1):
-            raise EmulatorError(f"cluster launches ({cluster}) are not emulated")
         if smem > f.max_dynamic_smem:
             return self._err("CUDA_ERROR_INVALID_VALUE")
         params = pack_launch_params(f.prog, kernel_params)
         source_map = self.source_maps.get(f.module.text) or _source_map_for(f.module.text)
         launch = Launch(f.prog, grid, block, smem, params, self.gmem, seed=self.seed,
                         strict=self.strict, quantum=self.quantum, sm_count=self.sm_count,
-                        max_instructions=self.max_instructions, source_map=source_map)
+                        max_instructions=self.max_instructions, source_map=source_map,
+                        cluster=cluster)
         try:
             report = launch.run()
         except HazardError as e:

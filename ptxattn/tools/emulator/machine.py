@@ -30,7 +30,7 @@ from collections import deque
 
 import numpy as np
 
-from . import asyncops, syncops
+from . import asyncops, cluster as clusters, syncops
 from . import numeric as N
 from .errors import Deadlock, EmulatorError, Hazard, HazardError, Livelock, SyncError
 from .isa import (BRANCH, MAX_SMEM_OPTIN, OP, REGISTER_FILE, WAIT, WARP,  # noqa: F401
@@ -187,16 +187,12 @@ def _special_registers(launch, cta) -> dict:
         "%laneid": lane, "%warpid": t >> u32(5), "%nwarpid": full(64),
         "%smid": full(cta.linear % launch.sm_count), "%nsmid": full(launch.sm_count),
         "%gridid": full(1, np.uint64),
-        "%clusterid.x": full(cx), "%clusterid.y": full(cy), "%clusterid.z": full(cz),
-        "%nclusterid.x": full(gx), "%nclusterid.y": full(gy), "%nclusterid.z": full(gz),
-        "%cluster_ctaid.x": full(0), "%cluster_ctaid.y": full(0), "%cluster_ctaid.z": full(0),
-        "%cluster_nctaid.x": full(1), "%cluster_nctaid.y": full(1),
-        "%cluster_nctaid.z": full(1), "%cluster_ctarank": full(0),
-        "%cluster_nctarank": full(1), "%is_explicit_cluster": full(0),
         "%lanemask_eq": u32(1) << lane, "%lanemask_lt": (u32(1) << lane) - u32(1),
         "%dynamic_smem_size": full(launch.dyn_smem),
         "%total_smem_size": full(launch.dyn_smem + launch.prog.static_smem),
     }
+    for name, value in clusters.special_registers(launch, cta.ctaid).items():
+        sp[name] = full(value)                 # (a launch without clusters: clusters of one)
     sp["%lanemask_le"] = sp["%lanemask_lt"] | sp["%lanemask_eq"]
     sp["%lanemask_gt"] = ~sp["%lanemask_le"]
     sp["%lanemask_ge"] = ~sp["%lanemask_lt"]
@@ -214,6 +210,8 @@ class Report:
         self.ctas = len(launch.ctas)
         self.wgmma = launch.wgmma_count
         self.tma = launch.tma_count
+        self.multicast = launch.multicast_count
+        self.cluster = launch.cluster
 
     @property
     def rate(self) -> float:
@@ -223,7 +221,14 @@ class Report:
     def summary(self) -> str:
         return (f"{self.warp_instructions} warp-instructions ({self.instructions} group steps) "
                 f"in {self.seconds:.2f} s ({self.rate / 1e3:.0f}k warp-instr/s), {self.ctas} "
-                f"CTA(s), {self.wgmma} wgmma, {self.tma} TMA ops, {len(self.hazards)} hazard(s)")
+                f"CTA(s){self._clusters()}, {self.wgmma} wgmma, {self.tma} TMA ops, "
+                f"{len(self.hazards)} hazard(s)")
+
+    def _clusters(self) -> str:
+        if self.cluster == (1, 1, 1):
+            return ""
+        return f" in clusters of {self.cluster}, {self.multicast} multicast TMA loads"
+
 
 
 def registers_at_launch(prog, threads: int) -> int:
@@ -243,10 +248,12 @@ class Launch:
     def __init__(self, prog, grid, block, dyn_smem: int, params: bytes, gmem,
                  *, seed: int | None = None, strict: bool = False, quantum: int = 256,
                  max_instructions: int = 5_000_000, sm_count: int = 132, source_map=None,
-                 smem_limit: int = MAX_SMEM_OPTIN):
+                 smem_limit: int = MAX_SMEM_OPTIN, cluster=(1, 1, 1)):
         self.prog = prog
         self.grid = tuple(grid)
         self.block = tuple(block)
+        self.cluster = tuple(cluster)          # CTAs a cluster (cluster.py)
+        clusters.check_dims(self.grid, self.cluster)
         self.threads = self.block[0] * self.block[1] * self.block[2]
         self.dyn_smem = int(dyn_smem)
         self.params = np.frombuffer(bytes(params), np.uint8).copy()
@@ -267,6 +274,7 @@ class Launch:
         self.warp_instructions = 0
         self.wgmma_count = 0
         self.tma_count = 0
+        self.multicast_count = 0               # TMA loads issued with .multicast::cluster
         self.seconds = 0.0
         self._check_launch(smem_limit)
         self.regs_at_launch = registers_at_launch(prog, self.threads)
@@ -301,6 +309,7 @@ class Launch:
                 for x in range(gx):
                     self.ctas.append(CTA(self, (x, y, z), linear))
                     linear += 1
+        clusters.link(self)
         for cta in self.ctas:
             pool = sum(w.nregs * WARP for w in cta.warps)
             per_sm = pool * (self.prog.fn.minnctapersm or 1)

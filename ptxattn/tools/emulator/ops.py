@@ -798,24 +798,10 @@ def _trap(prog, ins):
 
 
 @register("mapa", "getctarank")
-def _cluster_of_one(prog, ins):
-    """Clusters of one CTA (the only ones the emulator runs): mapa maps an address to itself
-    in CTA rank 0, getctarank gives 0."""
-    d = ins.operands[0]
-    t = ins.parts[-1]
-    if ins.op == "mapa":
-        a, rank = ins.operands[1], ins.operands[2]
-        ea, ra = _read(prog, a, t)
-        er, rr = _read(prog, rank, "u32")
-        return _gen(prog, ins, d, t, f"_rank0({ea}, {er})", ra + rr,
-                    extra={"_rank0": _rank0})
-    return _gen(prog, ins, d, "u32", prog.const(N.const_array(0, "u32")), ())
-
-
-def _rank0(addr, rank):
-    if (np.asarray(rank) != 0).any():
-        raise Unsupported("mapa to another CTA of a cluster (clusters of one CTA only)")
-    return addr
+def _mapa(prog, ins):
+    """Distributed shared memory addresses: cluster.py."""
+    from .cluster import compile_mapa
+    return compile_mapa(prog, ins)
 
 
 @register("nanosleep", "pmevent", "prefetch", "prefetchu", "discard", "applypriority",

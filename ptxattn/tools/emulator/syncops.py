@@ -196,6 +196,9 @@ def _bar_dispatch(prog, ins):
     kind = ins.parts[1] if len(ins.parts) > 1 else "sync"
     if kind == "cta":
         kind = ins.parts[2]
+    if kind == "cluster":                               # barrier.cluster.arrive / wait
+        from .cluster import compile_barrier_cluster
+        return compile_barrier_cluster(prog, ins)
     if kind == "sync":
         return _bar(prog, ins, blocking=True)
     if kind == "arrive":
@@ -218,7 +221,11 @@ def _mbar_addr(prog, ins, op):
 
 
 def barrier_at(g, addr: int, what: str) -> MBarrier:
-    b = g.cta.mbar.get(addr)
+    cta = g.cta
+    if addr >> 24:                                      # a peer's (cluster.py: mapa)
+        from .cluster import resolve
+        cta, addr = resolve(g, addr, what)
+    b = cta.mbar.get(addr)
     if b is None:
         from .errors import MemoryFault
         raise MemoryFault(f"{what} on shared 0x{addr:x}, which holds no initialised mbarrier",
