@@ -301,11 +301,15 @@ class Launcher:
         k_ptr, v_ptr, cache_len, k_strides, v_strides = binding
         if self.decode_fn is not None:
             p = self.decode
+            geometry = (self.layout, self.batch, self.heads_kv, cache_len, self.head_dim,
+                        self.build.block_n)
+            shared = tma.geometry_once(*geometry, TMA_CHUNK, k_strides, "k_cache") \
+                if k_strides == v_strides else None          # one shape: one geometry
             for name, ptr, strides in (("tmap_k", k_ptr, k_strides),
                                        ("tmap_v", v_ptr, v_strides)):
                 p.set_map(name, tma.encode_qkvo_map_once(
-                    ptr, self.layout, self.batch, self.heads_kv, cache_len, self.head_dim,
-                    self.build.block_n, SWIZZLE_128B, TMA_CHUNK, strides, name=name[-1] + "_cache"))
+                    ptr, *geometry, SWIZZLE_128B, TMA_CHUNK, strides,
+                    name=name[-1] + "_cache", geometry=shared))
             p.slot["cache_len"].value = cache_len
         if self.append_fn is not None:
             slot = self.append_pack.slot
