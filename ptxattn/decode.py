@@ -707,7 +707,7 @@ def _rebound_key(key: tuple) -> tuple | None:
     become (shape without the length axis, device). None for a paged call."""
     if key[_TABLE_AT] is not None:
         return None
-    axis = 1 if key[_LAYOUT_AT] == "bshd" else 2
+    axis = 1 if key[_LAYOUT_AT].lower() == "bshd" else 2      # as validate reads it
     k, v = key[_K_AT], key[_V_AT]
     k_part = (tuple(k[1][:axis]) + tuple(k[1][axis + 1:]), k[3])
     v_part = (tuple(v[1][:axis]) + tuple(v[1][axis + 1:]), v[3])

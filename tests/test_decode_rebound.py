@@ -302,3 +302,22 @@ def test_a_launcher_rebound_and_back_launches_each_bindings_maps(fake):
         decode.flash_attn_with_kvcache(q, k, v)
         (_, _, vals), = fake["launches"][before:]
         assert vals["tmap_k"][0] == k.data_ptr() and vals["tmap_v"][0] == v.data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["bshd", "BSHD", "bhld", "BHLD"])
+def test_the_second_level_key_keeps_every_dim_but_the_length(fake, counted, layout):
+    """Whatever the layout's spelling, the key drops the caches' length axis alone: caches of
+    another K/V head count (same length) are another key, launched with their own heads_kv."""
+    bshd = layout.lower() == "bshd"
+
+    def caches(n, hkv, slot):
+        shape = (B, n, hkv, D) if bshd else (B, hkv, n, D)
+        base = torch.zeros(B * n * hkv * D + 64 * slot, dtype=torch.bfloat16)
+        return base[64 * slot:].view(shape), base[64 * slot:].clone().view(shape)
+    q = torch.zeros((B, 1, H, D) if bshd else (B, H, 1, D), dtype=torch.bfloat16)
+    for i, (n, hkv) in enumerate([(300, 2), (301, 2), (302, 2), (302, 1), (303, 1)]):
+        before = len(fake["launches"])
+        decode.flash_attn_with_kvcache(q, *caches(n, hkv, i), layout=layout)
+        vals = next(v for e, _, v in fake["launches"][before:] if e == "ptxattn_decode")
+        assert (vals["heads_kv"], vals["cache_len"]) == (hkv, n)
+    assert counted["validate"] == 2                    # the first call of each head count
