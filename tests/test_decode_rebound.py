@@ -15,7 +15,9 @@ the arguments it was encoded from. Checked:
   do not grow with the steps; _SEEN stays bounded;
 - bad input in the middle of the sequence gets the full path's error and launches nothing,
   and the next good call is taken again;
-- a static cache's calls settle on the first level (no re-encode per call).
+- a static cache's calls settle on the first level (no re-encode per call);
+- on the CPU emulator (the kernels themselves reading the rebound maps and append slots):
+  DynamicCache steps and appends into moved caches match the reference.
 GPU side: tests/test_gpu_decode.py, tests/test_gpu_generate.py.
 """
 
@@ -321,3 +323,57 @@ def test_the_second_level_key_keeps_every_dim_but_the_length(fake, counted, layo
         vals = next(v for e, _, v in fake["launches"][before:] if e == "ptxattn_decode")
         assert (vals["heads_kv"], vals["cache_len"]) == (hkv, n)
     assert counted["validate"] == 2                    # the first call of each head count
+
+
+# --------------------------------------------------------------------------- on the emulator
+
+def test_on_the_emulator_every_rebound_step_reads_its_own_caches(emulated_gpu, monkeypatch):
+    """The kernels themselves (the CPU emulator) read the rebound maps and cache slots:
+    DynamicCache's steps (each a fresh copy one position longer, through decode_step) and
+    appends into moved caches match the reference, all after the first on the second level."""
+    import numpy as np
+    from emulated_torch import EmulatedTorch
+    from decode_checks import check
+    from ptxattn.decode_reference import appended_caches, kvcache_reference
+    from ptxattn.torch import kvcache, sdpa
+    et = EmulatedTorch(emulated_gpu, monkeypatch)
+    monkeypatch.setattr(sdpa, "_capability", {})
+    decode.clear_steady_cache()
+    validated = [0]
+    real = decode.validate
+
+    def counting(*a, **k):
+        validated[0] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(decode, "validate", counting)
+    g = torch.Generator().manual_seed(3)
+    b, h, hkv, d = 1, 4, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    def npy(t):
+        return t.float().numpy()
+    keys, values = rand(b, hkv, 40, d), rand(b, hkv, 40, d)
+    for step in range(3):
+        keys = torch.cat([keys, rand(b, hkv, 1, d)], dim=-2)
+        values = torch.cat([values, rand(b, hkv, 1, d)], dim=-2)
+        kd, vd = et.to_device(keys), et.to_device(values)      # a new address every step
+        query = et.to_device(rand(b, h, 1, d))
+        out = kvcache.decode_step(query, kd, vd, None, 0.0, None, True, h // hkv)
+        ref, _ = kvcache_reference(npy(query.transpose(1, 2)), npy(keys.transpose(1, 2)),
+                                   npy(values.transpose(1, 2)), [keys.shape[2]])
+        check(npy(out), None, ref, None, "bshd", f"emulated dynamic step {step}")
+    assert validated[0] == 1
+    for step in range(2):
+        n = 30 + step
+        kc, vc = et.to_device(rand(b, n + 1, hkv, d)), et.to_device(rand(b, n + 1, hkv, d))
+        q, kn, vn = (et.to_device(rand(b, 1, x, d)) for x in (h, hkv, hkv))
+        kc0, vc0 = appended_caches(npy(kc), npy(vc), npy(kn), npy(vn), [n])
+        out = decode.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=n,
+                                             causal=True)
+        ref, _ = kvcache_reference(npy(q), kc0, vc0, [n + 1], causal=True)
+        check(npy(out), None, ref, None, "bshd", f"emulated append {step}")
+        np.testing.assert_array_equal(npy(kc), kc0)
+    assert validated[0] == 2                           # the append's first call only
+    decode.clear_steady_cache()
