@@ -9,7 +9,9 @@ Each kernel's parameters are one table here (name, ctypes type), in the PTX's or
 tests/test_decode_cpu.py checks every table against the .entry's parameter list. A Launcher
 holds what does not change between calls of one shape (functions, tensor maps of the caches,
 grids, parameters packed once) and re-packs per call only what does: q, the output, the
-workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bounds word.
+workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bounds word. Caches
+that move between calls (transformers' DynamicCache) are a rebind of the caches' slots (two
+maps, cache_len, the append's cache pointers and strides), not a new Launcher.
 """
 
 from __future__ import annotations
