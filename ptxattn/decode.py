@@ -33,12 +33,13 @@ from . import driver, tensors, tma
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
 from .decode_builds import FALLBACK_PAGED_VARIANT, PAGED_VARIANT_ENV, build_for, paged_variant
-from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher
+from .decode_launch import PDL_ENV, TMA_CHUNK, Launcher, binding_of
 from .decode_plan import (CHECK_BOUNDS_ENV, LAYOUTS, MAX_CACHE_LEN, POISON_WORKSPACE_ENV,
                           DecodeCall, Lengths, Paging, bhld_of, bytes_strides, check_bounds_requested,
                           check_host_block_table, check_host_lengths, check_num_splits,
                           check_page_size, check_rows_aligned, check_scale, check_shapes,
-                          check_out_view, overlaps, resolve_splits)
+                          check_out_view, overlaps, resolve_splits, splits_of,
+                          workspace_floats)
 from .tensors import DeviceArray
 
 F32 = np.dtype(np.float32)
@@ -437,7 +438,7 @@ def run_call(call: DecodeCall, launcher: Launcher, out_obj=None, lse_obj=None):
     v_new = call.v_new.ptr if call.v_new is not None else 0
     launcher.run(call.q.ptr, fresh.out_ptr, fresh.lse_ptr, fresh.ws_ptr, seqlens_ptr,
                  seqlen_const, k_new, v_new, bounds.ptr if bounds is not None else 0,
-                 table_ptr)
+                 table_ptr, _binding(call))
     if isinstance(fresh.ws, DeviceArray):
         # the splits' workspace is this call's alone: its stream-ordered free is queued right
         # behind the launches that use it (the memory returns once they are done), not left to
@@ -565,21 +566,47 @@ def plan_splits(q_shape, k_cache_shape, layout: str = "bshd", sm_count: int | No
 # (NumPy lengths, lse_out=, DLPack producers, subclasses) takes the full path. An entry holds
 # the Launcher (functions, the caches' maps, packed parameters), never per-call memory: the
 # output and workspace come fresh from the caller's allocator every call.
+#
+# transformers' DynamicCache moves the caches too: each step's key tensor is a fresh
+# torch.cat result (a new address, one position longer, strides of the new length). A second
+# level (_REBOUND) is keyed on the same fields without the caches' addresses, length and
+# strides; a hit re-checks those (the full path's cache checks: alignment, TMA strides, the
+# extents against q, out and the new keys, an int length within the new top, the split
+# count of the new length) and runs a Launcher of the geometry rebound to them
+# (Launcher.rebind: two fresh tensor maps, cache_len, the append's cache pointers), remembering
+# nothing per step. A binding the second level has served before (a static cache seen on its
+# first step through the second level) takes the full path once, which remembers it at the
+# first level with a Launcher of its own, so a static cache's steady call stays that path.
 
 _STEADY: dict[tuple, "_Steady"] = {}
 _STEADY_MAX = 256
 _STEADY_LOCK = threading.Lock()
 _LAUNCHERS: dict[tuple, Launcher] = {}
+_REBOUND: dict[tuple, "_Rebound"] = {}
+_REBOUND_SPLITS_MAX = 8      # Launchers a second-level entry keeps (one per split count)
+_SEEN: dict[tuple, None] = {}
+_SEEN_MAX = 4096             # the bindings the second level served last (oldest go first)
 
 
 def clear_steady_cache() -> None:
     with _STEADY_LOCK:
         _STEADY.clear()
         _LAUNCHERS.clear()
+        _REBOUND.clear()
+        _SEEN.clear()
+
+
+def _bounded_put(table: dict, key, value, limit: int) -> None:
+    """table[key] = value, the oldest entry dropped first past `limit` (under _STEADY_LOCK)."""
+    table.pop(key, None)
+    while len(table) >= limit:
+        table.pop(next(iter(table)), None)
+    table[key] = value
 
 
 def _launcher(call: DecodeCall) -> Launcher:
-    """A Launcher for this call's geometry (built once per geometry and stream)."""
+    """A Launcher for this call's geometry and caches (built once per both and stream; a
+    second-level call rebinds one of these to its caches, see Launcher.run's binding)."""
     paging = call.paging
     key = (driver.context().ordinal, call.stream, call.layout, call.batch, call.seq_q,
            call.heads, call.heads_kv, call.head_dim, call.cache_len, call.seq_new,
@@ -593,26 +620,50 @@ def _launcher(call: DecodeCall) -> Launcher:
     if hit is None:
         hit = Launcher(call, call.stream)
         with _STEADY_LOCK:
-            if len(_LAUNCHERS) >= _STEADY_MAX:
-                _LAUNCHERS.pop(next(iter(_LAUNCHERS)), None)
-            _LAUNCHERS[key] = hit
+            _bounded_put(_LAUNCHERS, key, hit, _STEADY_MAX)
     return hit
+
+
+def _binding(call: DecodeCall):
+    """The caches' binding a run passes its Launcher (None for a paged call: its pools are
+    part of the Launcher's key and never rebound)."""
+    return None if call.paging is not None else binding_of(call)
+
+
+def _relative_span(arr) -> tuple[int, int] | None:
+    if arr is None:
+        return None
+    lo, hi = arr.span()
+    return lo - arr.ptr, hi - arr.ptr
 
 
 class _Steady:
     """A remembered call: its Launcher and what the per-call checks need."""
-    __slots__ = ("ctx", "launcher", "call", "q_span", "new_span", "cache_spans", "top")
+    __slots__ = ("ctx", "launcher", "call", "q_span", "new_span", "cache_spans", "top",
+                 "binding")
 
     def __init__(self, ctx, call: DecodeCall, launcher: Launcher):
         self.ctx, self.call, self.launcher = ctx, call, launcher
-        (q0, q1), self.q_span = call.q.span(), None
-        self.q_span = (q0 - call.q.ptr, q1 - call.q.ptr)
-        self.new_span = None
-        if call.k_new is not None:
-            n0, n1 = call.k_new.span()
-            self.new_span = (n0 - call.k_new.ptr, n1 - call.k_new.ptr)
+        self.q_span = _relative_span(call.q)
+        self.new_span = _relative_span(call.k_new)
         self.cache_spans = (call.k_cache.span(), call.v_cache.span())
         self.top = call.cache_len - call.seq_new
+        self.binding = _binding(call)
+
+
+class _Rebound:
+    """A remembered call of moving caches (second level): its geometry's Launchers by split
+    count, and what the per-call checks of the caches need."""
+    __slots__ = ("ctx", "call", "q_span", "new_span", "axis", "launchers", "last", "sm_count")
+
+    def __init__(self, ctx, call: DecodeCall):
+        self.ctx, self.call = ctx, call
+        self.q_span = _relative_span(call.q)
+        self.new_span = _relative_span(call.k_new)
+        self.axis = 1 if call.layout == "bshd" else 2       # the caches' length axis
+        self.launchers: dict[int, Launcher] = {}
+        self.last = (0, 0)              # (K/V tiles, split count) of the last length seen
+        self.sm_count = ctx.sm_count
 
 
 # The knobs a remembered call is keyed on, read as os.environ keeps them (POSIX: a dict of
@@ -645,6 +696,22 @@ def _torch_key_part(obj, torch_type):
     if type(obj) is not torch_type:
         return None
     return tensors.torch_meta(obj)
+
+
+# where the caches' metas sit in a first-level key, and the layout's
+_K_AT, _V_AT, _LAYOUT_AT, _TABLE_AT = 3, 4, 14, 17
+
+
+def _rebound_key(key: tuple) -> tuple | None:
+    """The second-level key of a first-level one: the caches' (ptr, shape, strides, device)
+    become (shape without the length axis, device). None for a paged call."""
+    if key[_TABLE_AT] is not None:
+        return None
+    axis = 1 if key[_LAYOUT_AT].lower() == "bshd" else 2      # as validate reads it
+    k, v = key[_K_AT], key[_V_AT]
+    k_part = (tuple(k[1][:axis]) + tuple(k[1][axis + 1:]), k[3])
+    v_part = (tuple(v[1][:axis]) + tuple(v[1][axis + 1:]), v[3])
+    return key[:_K_AT] + (k_part, v_part) + key[_V_AT + 1:]
 
 
 def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, softmax_scale,
@@ -697,16 +764,32 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
            lengths_key, causal, window_size, softmax_scale, return_lse, num_splits, layout,
            tensors.torch_current_stream(qm[3]), env, table_key)
     entry = _STEADY.get(key)
-    if entry is None:
-        return None, key
-    ctx = driver.context()
-    if entry.ctx is not ctx:
-        return None, key
+    if entry is not None:
+        if entry.ctx is not driver.context():
+            return None, key
+        launcher, binding = entry.launcher, entry.binding
+        spans, top, second = entry.cache_spans, entry.top, False
+    else:
+        # the second level: the same call on caches that moved and grew (DynamicCache)
+        if table_key is not None or _on(env[0]):     # pools do not move; the bounds report
+            return None, key                         # names the full path's cache_len
+        rebound = _REBOUND.get(_rebound_key(key))
+        if rebound is None or rebound.ctx is not driver.context():
+            return None, key
+        caches = _moved_caches(rebound, km, vm)
+        if caches is None:
+            return None, key
+        binding, spans, top, launcher = caches
+        if launcher is None:
+            return None, key                         # a new split count: the full path
+        if lengths_key == "full":
+            seqlen_value = binding[2]                # "full" is the caches' new length
+        entry, second = rebound, True
     # the per-call checks of what the key leaves out
     q_ptr = qm[0]
     if q_ptr % 16:
         return None, key
-    if seqlen_value is not None and not 0 <= seqlen_value <= entry.top:
+    if seqlen_value is not None and not 0 <= seqlen_value <= top:
         return None, key
     if (seqlens_ptr | table_ptr) % 4:
         return None, key
@@ -717,7 +800,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
             return None, key
         lo, hi = entry.new_span
         for ptr in (k_ptr, v_ptr):
-            for c0, c1 in entry.cache_spans:
+            for c0, c1 in spans:
                 if ptr + lo < c1 and c0 < ptr + hi:
                     return None, key
     if om is not None:
@@ -725,15 +808,17 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
             return None, key
         lo, hi = entry.q_span               # out has q's shape and (keyed) strides
         o0, o1 = om[0] + lo, om[0] + hi
-        spans = [(q_ptr + lo, q_ptr + hi), *entry.cache_spans]
+        out_spans = [(q_ptr + lo, q_ptr + hi), *spans]
         if knm is not None:
-            spans += [(k_ptr + entry.new_span[0], k_ptr + entry.new_span[1]),
-                      (v_ptr + entry.new_span[0], v_ptr + entry.new_span[1])]
-        for a0, a1 in spans:
+            out_spans += [(k_ptr + entry.new_span[0], k_ptr + entry.new_span[1]),
+                          (v_ptr + entry.new_span[0], v_ptr + entry.new_span[1])]
+        for a0, a1 in out_spans:
             if o0 < a1 and a0 < o1:
                 return None, key
+    if second:
+        with _STEADY_LOCK:                  # a binding served here once; a second sight of
+            _bounded_put(_SEEN, binding, None, _SEEN_MAX)   # it takes the full path
     call = entry.call
-    launcher = entry.launcher
     f_out = out if out is not None else torch.empty(call.out_shape, dtype=torch.bfloat16,
                                                     device=q.device)
     out_ptr = om[0] if out is not None else f_out.data_ptr()
@@ -742,7 +827,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     if return_lse:
         lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
         lse_ptr = lse.data_ptr()
-    n = call.workspace_floats
+    n = workspace_floats(launcher.splits, call.rows, call.head_dim)
     ws = torch.empty((n,), dtype=torch.float32, device=q.device) if n else None
     ws_ptr = ws.data_ptr() if n else 0
     if _on(env[1]) and ws is not None:
@@ -750,24 +835,83 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     bounds = _bounds_buffer(call) if _on(env[0]) else None
     launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr,
                  seqlen_value if seqlen_value is not None else call.lengths.value,
-                 k_ptr, v_ptr, bounds.ptr if bounds is not None else 0, table_ptr)
+                 k_ptr, v_ptr, bounds.ptr if bounds is not None else 0, table_ptr, binding)
     if bounds is not None:
         _raise_if_out_of_bounds(call, bounds)
     return ((f_out, lse) if return_lse else f_out), None
 
 
+def _moved_caches(rebound: _Rebound, km, vm):
+    """(binding, cache spans, top, Launcher or None) for caches the second-level key leaves
+    out, after the full path's checks of them (v_cache's shape, the length's range, TMA's
+    base and strides, the append's shared strides and k_cache/v_cache overlap); None when one
+    fails (the full path then raises its error) or the binding was served here before. The
+    Launcher is None when the new length asks for a split count this entry has not built."""
+    call = rebound.call
+    k_ptr, k_shape, k_strides, _ = km
+    v_ptr, v_shape, v_strides, _ = vm
+    if k_shape != v_shape:
+        return None
+    length = k_shape[rebound.axis]
+    seq_new = call.seq_new
+    if not (1 <= length <= MAX_CACHE_LEN and seq_new <= length) or (k_ptr | v_ptr) % 16:
+        return None
+    binding = (k_ptr, v_ptr, length, tuple(k_strides), tuple(v_strides))
+    if binding in _SEEN:
+        return None
+    layout = call.layout
+    try:
+        for strides in ((k_strides,) if k_strides == v_strides else (k_strides, v_strides)):
+            tma.geometry_once(layout, call.batch, call.heads_kv, length, call.head_dim,
+                                  call.build.block_n, TMA_CHUNK, strides)
+    except ValueError:
+        return None
+    shape = tuple(k_shape)
+    spans = (_span(k_ptr, shape, binding[3]), _span(v_ptr, shape, binding[4]))
+    if seq_new:
+        if k_strides != v_strides and (tma.bhl_strides(layout, shape, k_strides)
+                                       != tma.bhl_strides(layout, shape, v_strides)):
+            return None
+        (k0, k1), (v0, v1) = spans
+        if k0 < v1 and v0 < k1:
+            return None
+    build = call.build
+    blocks = -(-length // build.block_n)
+    last_blocks, splits = rebound.last
+    if blocks != last_blocks:              # the split count depends on the length's tiles
+        splits = splits_of(build, call.batch, call.heads_kv, call.m_tiles, call.rows,
+                           length, call.splits_requested, rebound.sm_count)
+        rebound.last = (blocks, splits)    # one assignment: threads never see half of it
+    return binding, spans, length - seq_new, rebound.launchers.get(splits)
+
+
+def _span(ptr: int, shape: tuple, strides: tuple) -> tuple[int, int]:
+    """[first, last + 1) bytes of a bf16 view (tensors._span without its cache: a moving
+    cache's spans are never asked again)."""
+    return tensors._span.__wrapped__(ptr, shape, strides, 2)
+
+
 def _remember(key: tuple, call: DecodeCall, launcher: Launcher) -> None:
-    """Store a launched torch call under its key (the full path's answer for those arguments)."""
+    """Store a launched torch call under its key (the full path's answer for those arguments),
+    and its geometry's Launcher under the second-level key."""
     if (not call.torch or call.lengths.kind == "host" or call.lse_out is not None
             or (call.paging is not None and call.paging.kind == "host")):
         return
-    entry = _Steady(driver.context(), call, launcher)
+    ctx = driver.context()
+    entry = _Steady(ctx, call, launcher)
     # the entry keeps the call's plain fields; drop its references to the caller's tensors
     entry.call = _detached(call)
+    key2 = _rebound_key(key)
     with _STEADY_LOCK:
-        if len(_STEADY) >= _STEADY_MAX:
-            _STEADY.pop(next(iter(_STEADY)), None)
-        _STEADY[key] = entry
+        _bounded_put(_STEADY, key, entry, _STEADY_MAX)
+        if key2 is None:
+            return
+        rebound = _REBOUND.get(key2)
+        if rebound is None or rebound.ctx is not ctx:
+            rebound = _Rebound(ctx, call)
+            rebound.call = entry.call
+            _bounded_put(_REBOUND, key2, rebound, _STEADY_MAX)
+        _bounded_put(rebound.launchers, launcher.splits, launcher, _REBOUND_SPLITS_MAX)
 
 
 def _detached(call: DecodeCall) -> DecodeCall:

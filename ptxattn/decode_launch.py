@@ -9,7 +9,9 @@ Each kernel's parameters are one table here (name, ctypes type), in the PTX's or
 tests/test_decode_cpu.py checks every table against the .entry's parameter list. A Launcher
 holds what does not change between calls of one shape (functions, tensor maps of the caches,
 grids, parameters packed once) and re-packs per call only what does: q, the output, the
-workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bounds word.
+workspace, the LSE, the lengths pointer (or int), new keys' addresses, the bounds word. Caches
+that move between calls (transformers' DynamicCache) are a rebind of the caches' slots (two
+maps, cache_len, the append's cache pointers and strides), not a new Launcher.
 """
 
 from __future__ import annotations
@@ -153,6 +155,14 @@ class Pack:
             ([values[n] for n in names], [ctype for _, ctype in table]))
         self.slot = {n: self.holders[i] for i, n in enumerate(names)}
         self.per_call = tuple(self.slot[n] for n in per_call)
+        self._index = {n: i for i, n in enumerate(names)}
+
+    def set_map(self, name: str, tmap) -> None:
+        """Point a by-value tensor-map slot at another map's bytes (a rebind); the pack keeps
+        the map alive until the next one replaces it."""
+        i = self._index[name]
+        self.holders[-1][i] = int(tmap.getPtr())        # holders[-1]: the void*[] itself
+        self.slot[name] = tmap
 
     def fill(self, *values) -> None:
         """The per-call slots, in the order of the kernel's *_PER_CALL names."""
@@ -160,10 +170,20 @@ class Pack:
             holder.value = value
 
 
+def binding_of(call) -> tuple:
+    """What a Launcher's caches are bound to: (k_cache ptr, v_cache ptr, cache_len, k_cache
+    strides, v_cache strides), element strides in the call's layout order."""
+    return (call.k_cache.ptr, call.v_cache.ptr, call.cache_len,
+            tuple(call.k_cache.strides), tuple(call.v_cache.strides))
+
+
 class Launcher:
-    """Everything of a call that its shape fixes: functions, the caches' tensor maps, grids,
-    packed parameters. `run` re-packs the per-call slots and enqueues the kernels in order
-    (append, decode, combine) on one stream."""
+    """Everything of a call that its geometry fixes: functions, grids, packed parameters,
+    and the caches' binding (their tensor maps, cache_len, the append's cache pointers and
+    strides). `run` re-packs the per-call slots and enqueues the kernels in order (append,
+    decode, combine) on one stream; given a binding (binding_of) other than the one it holds,
+    it first rebinds the caches' slots to it (a transformers DynamicCache's step: new
+    addresses, one position longer), so one Launcher serves every step of one geometry."""
 
     def __init__(self, call, stream: int, attention: bool = True):
         build: DecodeBuild = call.build
@@ -183,6 +203,9 @@ class Launcher:
             if attention and self.splits > 1 else None
         self.append_fn = function(APPEND_FILE, APPEND_ENTRY, d, 0, paged) \
             if self.append else None
+        self.layout, self.batch, self.heads_kv, self.head_dim = (
+            call.layout, call.batch, call.heads_kv, d)
+        self.bound = binding_of(call)
         from .decode_plan import bytes_strides
         if self.append_fn is not None:
             self._pack_append(call, bytes_strides)
@@ -269,16 +292,52 @@ class Launcher:
         self.append_config = driver._launch_config((grid, 1, 1), (APPEND_THREADS, 1, 1), 0,
                                                    (1, 1, 1), self.stream)[0]
 
+    def rebind(self, binding: tuple) -> None:
+        """The caches' slots for another binding (binding_of's tuple, already validated by
+        the caller): the decode kernel's two maps (encoded afresh and not remembered: a moving
+        cache's addresses never come back, tma.encode_qkvo_map_once) and cache_len, the
+        append's cache pointers, strides and cache_len. Call under self.lock. A paged
+        Launcher's binding is its key's (pools do not move): it is not rebound."""
+        if self.paged:
+            raise ValueError("a paged Launcher's caches are fixed by its key")
+        k_ptr, v_ptr, cache_len, k_strides, v_strides = binding
+        if self.decode_fn is not None:
+            p = self.decode
+            geometry = (self.layout, self.batch, self.heads_kv, cache_len, self.head_dim,
+                        self.build.block_n)
+            shared = tma.geometry_once(*geometry, TMA_CHUNK, k_strides, "k_cache") \
+                if k_strides == v_strides else None          # one shape: one geometry
+            for name, ptr, strides in (("tmap_k", k_ptr, k_strides),
+                                       ("tmap_v", v_ptr, v_strides)):
+                p.set_map(name, tma.encode_qkvo_map_once(
+                    ptr, *geometry, SWIZZLE_128B, TMA_CHUNK, strides,
+                    name=name[-1] + "_cache", geometry=shared))
+            p.slot["cache_len"].value = cache_len
+        if self.append_fn is not None:
+            slot = self.append_pack.slot
+            shape = tma.layout_shape(self.layout, self.batch, self.heads_kv, cache_len,
+                                     self.head_dim)
+            b, h, r, _ = tma.bhl_strides(self.layout, shape, k_strides, "k_cache")
+            for name, value in (("k_cache", k_ptr), ("v_cache", v_ptr),
+                                ("cache_batch_stride", 2 * b), ("cache_row_stride", 2 * r),
+                                ("cache_head_stride", 2 * h), ("cache_len", cache_len)):
+                slot[name].value = value
+        self.bound = binding
+
     def run(self, q_ptr: int, out_ptr: int, lse_ptr: int, ws_ptr: int, seqlens_ptr: int,
             seqlen_const: int, k_new_ptr: int = 0, v_new_ptr: int = 0,
-            bounds_ptr: int = 0, block_table_ptr: int = 0) -> None:
+            bounds_ptr: int = 0, block_table_ptr: int = 0, binding: tuple | None = None) -> None:
         """Enqueue the call's kernels. With splits > 1 the decode kernel writes the workspace
         (partials at ws_ptr, LSEs after them) and the combine writes out_ptr and lse_ptr. A
-        paged Launcher's kernels read the block table at block_table_ptr."""
+        paged Launcher's kernels read the block table at block_table_ptr. binding: the
+        caches this call reads (binding_of; None: the ones it holds); a Launcher shared
+        between calls gets theirs on every run, so a rebind by one is never another's."""
         split = self.splits > 1
         ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
         launch = self._launch
         with self.lock:
+            if binding is not None and binding != self.bound:
+                self.rebind(binding)
             if self.append_fn is not None:
                 p = self.append_pack
                 p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const, block_table_ptr)

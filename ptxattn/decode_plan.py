@@ -242,9 +242,12 @@ class DecodeCall:
     @property
     def workspace_floats(self) -> int:
         """fp32 partial O (splits, B, H, Lq, D) then LSE (splits, B, H, Lq); 0 with one split."""
-        if self.splits <= 1:
-            return 0
-        return self.splits * self.rows * (self.head_dim + 1)
+        return workspace_floats(self.splits, self.rows, self.head_dim)
+
+
+def workspace_floats(splits: int, rows: int, head_dim: int) -> int:
+    """DecodeCall.workspace_floats from plain figures."""
+    return splits * rows * (head_dim + 1) if splits > 1 else 0
 
 
 def bhld_of(name: str, shape, layout: str) -> tuple[int, int, int, int]:
@@ -341,14 +344,22 @@ def resolve_splits(call: DecodeCall, sm_count: int) -> int:
     """num_splits when given (clamped to the cache's K/V tiles: more splits than tiles would be
     empty CTAs), else the heuristic; either way fewer than 2^31 / rows, so that the
     workspace's row index (split x rows + row) stays a 32-bit number in the kernels."""
-    n_blocks = -(-call.cache_len // call.build.block_n)
-    if call.splits_requested:
-        splits = max(1, min(call.splits_requested, n_blocks))
+    return splits_of(call.build, call.batch, call.heads_kv, call.m_tiles, call.rows,
+                     call.cache_len, call.splits_requested, sm_count, call.paging)
+
+
+def splits_of(build: DecodeBuild, batch: int, heads_kv: int, m_tiles: int, rows: int,
+              cache_len: int, requested: int, sm_count: int, paging=None) -> int:
+    """resolve_splits from plain figures (a remembered call whose cache grew asks it for its
+    new cache_len without a DecodeCall)."""
+    n_blocks = -(-cache_len // build.block_n)
+    if requested:
+        splits = max(1, min(requested, n_blocks))
     else:
-        splits = choose_splits(call.batch, call.heads_kv, call.m_tiles, call.cache_len,
-                               call.build.block_n, sm_count, call.build.ctas_per_sm)
-        splits = scaled_paged_splits(splits, call.paging, call.build.block_n, n_blocks)
-    return max(1, min(splits, ((1 << 31) - 1) // max(call.rows, 1)))
+        splits = choose_splits(batch, heads_kv, m_tiles, cache_len, build.block_n, sm_count,
+                               build.ctas_per_sm)
+        splits = scaled_paged_splits(splits, paging, build.block_n, n_blocks)
+    return max(1, min(splits, ((1 << 31) - 1) // max(rows, 1)))
 
 
 def scaled_paged_splits(splits: int, paging: "Paging | None", block_n: int,

@@ -138,6 +138,28 @@ def check_base(ptr: int, name: str = "tensor") -> None:
                          "which TMA requires")
 
 
+def encode_qkvo_map_once(ptr: int, layout: str, batch: int, heads: int, seq: int,
+                         head_dim: int, rows: int, swizzle: str, chunk: int, strides=None,
+                         name: str = "tensor", geometry: tuple | None = None):
+    """encode_qkvo_map's map, encoded without remembering it or its geometry (neither
+    _MAPS nor _geometry's cache): for arrays that move every call (transformers'
+    DynamicCache: a new address and length every step), whose maps would only fill the caches
+    with entries no call asks for again. geometry: geometry_once's answer for these
+    arguments when the caller has it (two caches of one shape and strides share it)."""
+    check_base(ptr, name)
+    dims, byte_strides, box = geometry if geometry is not None else geometry_once(
+        layout, batch, heads, seq, head_dim, rows, chunk, strides, name)
+    return _encode(int(ptr), dims, byte_strides, box, swizzle, chunk * ELEMENT_BYTES, name)
+
+
+def geometry_once(layout: str, batch: int, heads: int, seq: int, head_dim: int, rows: int,
+                  chunk: int, strides=None, name: str = "tensor") -> tuple:
+    """(dims, byte strides, box) of map_geometry, its checks included, without _geometry's
+    cache (see encode_qkvo_map_once)."""
+    return _geometry.__wrapped__(layout, batch, heads, seq, head_dim, rows, chunk,
+                                 None if strides is None else tuple(strides), name)
+
+
 # Encoded maps by everything cuTensorMapEncodeTiled is given: (address, dims, byte strides,
 # box, swizzle) with the data type, rank, interleave, L2 promotion and OOB fill fixed here.
 # A map is a pure function of that key, so a hit can never be stale: a new address, shape,

@@ -287,6 +287,65 @@ def test_remembered_calls_follow_new_queries_and_lengths():
         ptxattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4097)
 
 
+def test_a_dynamic_cache_rebinds_the_remembered_call_every_step():
+    """transformers' DynamicCache: every step's caches are a fresh torch.cat (a new address,
+    one position longer), read through decode_step as transformers calls it. The second
+    level of remembered calls takes every step after the first (one validate a split count)
+    and rebinds one Launcher to the new caches; the output is the reference's every step,
+    also across lengths that change the split count (B 1, 2 K/V heads: splits grow with the
+    length), and with appends (flash_attn_with_kvcache with k=, v= on the moved caches)."""
+    torch = import_or_skip("torch")
+    from ptxattn.torch import kvcache
+    decode.clear_steady_cache()
+    validated = []
+    real = decode.validate
+
+    def counting(*a, **k):
+        validated.append(1)
+        return real(*a, **k)
+    decode.validate = counting
+    try:
+        g = torch.Generator(device="cuda").manual_seed(5)
+        B, H, Hkv, D = 1, 8, 2, 128
+        keys = torch.randn(B, Hkv, 1000, D, device="cuda", generator=g).to(torch.bfloat16)
+        values = torch.randn(B, Hkv, 1000, D, device="cuda", generator=g).to(torch.bfloat16)
+        splits = set()
+        for step in range(40):
+            grow = 1 if step % 10 else 700               # a jump now and then: new splits
+            kn = torch.randn(B, Hkv, grow, D, device="cuda", generator=g).to(torch.bfloat16)
+            vn = torch.randn(B, Hkv, grow, D, device="cuda", generator=g).to(torch.bfloat16)
+            keys, values = torch.cat([keys, kn], dim=-2), torch.cat([values, vn], dim=-2)
+            query = torch.randn(B, H, 1, D, device="cuda", generator=g).to(torch.bfloat16)
+            out = kvcache.decode_step(query, keys, values, None, 0.0, None, True, H // Hkv)
+            assert out is not None
+            n = keys.shape[2]
+            splits.add(decode.plan_splits((B, 1, H, D), (B, n, Hkv, D)))
+            ref, _ = kvcache_reference(_numpy(query.transpose(1, 2)),
+                                       _numpy(keys.transpose(1, 2)),
+                                       _numpy(values.transpose(1, 2)), [n] * B)
+            check(_numpy(out), None, ref, None, "bshd", f"dynamic step {step}, L {n}")
+        assert len(validated) <= 1 + len(splits), (len(validated), splits)
+        assert len(splits) > 1, splits
+        # appends on moving caches: k_cache/v_cache BSHD with room for one more position
+        for step in range(3):
+            n = 300 + step
+            kc = torch.randn(B, n + 1, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+            vc = torch.randn(B, n + 1, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+            q = torch.randn(B, 1, H, D, device="cuda", generator=g).to(torch.bfloat16)
+            kn = torch.randn(B, 1, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+            vn = torch.randn(B, 1, Hkv, D, device="cuda", generator=g).to(torch.bfloat16)
+            kc0, vc0 = appended_caches(_numpy(kc), _numpy(vc), _numpy(kn), _numpy(vn), [n])
+            out = ptxattn.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=n,
+                                                 causal=True)
+            ref, _ = kvcache_reference(_numpy(q), kc0, vc0, [n + 1], causal=True)
+            check(_numpy(out), None, ref, None, "bshd", f"append on moved caches {step}")
+            np.testing.assert_array_equal(_numpy(kc), kc0)
+        assert decode._REBOUND, "the moving caches were not remembered"
+    finally:
+        decode.validate = real
+        decode.clear_steady_cache()
+
+
 def test_torch_append_in_a_decode_loop():
     torch = import_or_skip("torch")
     q, kc, vc = _torch_case(torch, B=2, Lq=1, Lmax=64)
