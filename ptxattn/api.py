@@ -131,7 +131,8 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     pairs, follow the table's parameters (launch.params_of), e.g. the trace
     buffer: ((trace_ptr, launch.TRACE_BUF.ctype),); `walk_rule` (a measurement's) names
     the section rule of the production walk (tile_walk.WALKS: "l2-walk", what attention()
-    runs; "today", "head-major", "l2-whole-kv": the walks before it; "section:N": N pairs).
+    runs; "today", "head-major": the walks before it; "l2-band": windows sized by their
+    band; "section:N": N pairs).
     """
     from .tile_walk import is_rule, rule_error
     if not is_rule(walk_rule):

@@ -141,15 +141,16 @@ def kv_ranges(p: Problem):
 # ---- the walks ----------------------------------------------------------------------------
 
 def section_pairs(p: Problem, l2_bytes: int = H200_L2_BYTES, share: float = L2_SHARE,
-                  grid: int | None = None, band: bool = True) -> int:
+                  grid: int | None = None, band: bool = False) -> int:
     """The host's section: a number of (batch, head) pairs in whole GQA groups (the query
     heads of one K/V head share its K/V) whose K/V working set fits share * L2 (at least one
     group, at most BH), and among those sizes the one whose static walk balances best
     (balance(); within BALANCE_TIE of the best, the smallest: the fewest heads' K/V in
     flight). The working set of S pairs: S / group K/V heads, each with the K/V that its
     ceil(grid / S) query blocks running at once see (band, Problem.kv_band_bytes: a window's
-    band, not the head's whole K/V; session 10); band=False sizes every head by its whole K/V
-    (the rule of sessions 6-9, walk "l2-whole-kv")."""
+    band, not the head's whole K/V: walk "l2-band"); by default (band=False) every head counts
+    its whole K/V. The band rule balances the window case better but measured worse sustained:
+    fewer L2 hits, more DRAM bytes, a lower clock (bench/notes.md, session 10)."""
     grid = min(H200_SMS, p.tiles) if grid is None else grid
     budget = int(share * l2_bytes)
 
@@ -351,7 +352,7 @@ def sector_hit_ceiling(p: Problem) -> float:
 
 # ---- predictions for the benchmark -------------------------------------------------------
 
-WALKS = ("today", "head-major", "l2-whole-kv", "l2-walk")
+WALKS = ("today", "head-major", "l2-walk", "l2-band")
 SECTION_RULE = "section:"   # "section:N", a measurement's forced section of N pairs
 COUNTER_JITTER = 0.05   # the drift with which the model's strict rate met ncu's 92.5% at dense 8k
 
@@ -382,8 +383,8 @@ def walk_section(p: Problem, name: str, l2_bytes: int = H200_L2_BYTES,
     """(section, alternate) of a named walk as the kernel runs it when given that section
     (walk_section): "today" the rule of the walk before the sectioned one (today_section),
     "head-major" section 1, "l2-walk" the host's section (section_pairs), what attention()
-    passes, "l2-whole-kv" section_pairs with every head's whole K/V as its working set (the
-    host's rule of sessions 6-9: windows sized as if they saw every key), "section:N" N pairs
+    passes, "l2-band" section_pairs with a window's band as its working set (a measurement's:
+    it lost sustained, session 10), "section:N" N pairs
     (at most B*H: the kernel clamps it too). The kernel alternates the sections' directions
     always (alternate=False models the builds before it: with section B*H, one section, the
     same walk)."""
@@ -394,8 +395,8 @@ def walk_section(p: Problem, name: str, l2_bytes: int = H200_L2_BYTES,
         return 1, True
     if name == "l2-walk":
         return section_pairs(p, l2_bytes, grid=grid), True
-    if name == "l2-whole-kv":
-        return section_pairs(p, l2_bytes, grid=grid, band=False), True
+    if name == "l2-band":
+        return section_pairs(p, l2_bytes, grid=grid, band=True), True
     return min(int(name[len(SECTION_RULE):]), p.bh), True
 
 

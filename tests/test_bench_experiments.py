@@ -87,7 +87,7 @@ def test_ratios_are_against_the_first_variant(variants, tmp_path):
     (["a=production:PTXATTN_L2_WALK=1"], "PTXATTN_L2_WALK is no build knob any more"),
     (["a=production:PTXATTN_HEAD_MAJOR=1"], "PTXATTN_HEAD_MAJOR is no build knob any more"),
     (["a=production:walk=snake"], "walk=snake: walk_rule: expected one of today, head-major, "
-                                   "l2-whole-kv, l2-walk or section:N"),
+                                   "l2-walk, l2-band or section:N"),
     (["a=production:walk=section:0"], "walk=section:0: walk_rule: expected"),
 ])
 def test_bad_arguments_are_named(variants, argv, message):
@@ -283,7 +283,7 @@ def test_the_issue_23_plans_parse(variants, ncu_bind):
 
 def test_the_session_10_walk_plans_parse(variants, ncu_bind):
     """The band walk's device plan: every ncu line parses with its walk rule, and the device
-    script's variants.py calls name valid walk rules (l2-whole-kv, section:N)."""
+    script's variants.py calls name valid walk rules (l2-band, section:N)."""
     import re
     import shlex
     plans = SCRIPT.parent
@@ -291,7 +291,7 @@ def test_the_session_10_walk_plans_parse(variants, ncu_bind):
              if x.strip() and not x.startswith("#")]
     walks = [ncu_bind.arg_parser().parse_args(["--profile", *shlex.split(x)]).walk
              for x in lines]
-    assert walks == ["l2-whole-kv", "l2-walk", "section:30", "l2-walk", "section:12"]
+    assert walks == ["l2-walk", "l2-band", "section:30", "l2-walk", "section:12"]
     script = (plans.parent / "device" / "session10_walk.sh").read_text()
     calls = re.findall(r"variants\.py (.*?)>>", script.replace("\\\n", " "), re.S)
     assert len(calls) == 2
@@ -299,7 +299,7 @@ def test_the_session_10_walk_plans_parse(variants, ncu_bind):
         args = variants.arg_parser().parse_args(shlex.split(call.replace('"$OUT', '"/tmp')))
         assert args.sustained
         rules = [variants.parse_variant(v)[3] for v in args.variants]
-        assert rules[0] in ("l2-whole-kv", "l2-walk") and len(set(rules)) == len(rules)
+        assert rules[0] in ("l2-walk", "l2-band") and len(set(rules)) == len(rules)
 
 
 # ---- bench/experiments/ncu_paged.py --profile (issue 25: paged decode at small pages) ----------

@@ -355,8 +355,8 @@ def test_window_sections_size_the_band_not_the_whole_kv(case, old, new):
     balances within the tie of every fitting size, never worse than the whole-K/V rule's."""
     b, h, seq, d, hkv, window = case
     p = Problem.of(b, h, seq, seq, d, hkv, window=window)
-    assert tile_walk.section_pairs(p, band=False) == old
-    s = tile_walk.section_pairs(p)
+    assert tile_walk.section_pairs(p) == old
+    s = tile_walk.section_pairs(p, band=True)
     assert s == new and s % p.group == 0
     budget = tile_walk.L2_SHARE * tile_walk.H200_L2_BYTES
     grid = min(tile_walk.H200_SMS, p.tiles)
@@ -377,13 +377,13 @@ def test_masks_that_see_every_key_keep_their_sections():
     from ptxattn.tools import bench
     for c in bench.select_set("production").cases:
         p = tile_walk.problem_of_case(c)
-        new, old = tile_walk.section_pairs(p), tile_walk.section_pairs(p, band=False)
+        new, old = tile_walk.section_pairs(p, band=True), tile_walk.section_pairs(p)
         assert (new == old) == (c.name != "window1024-16k"), (c.name, old, new)
     for window in ((1024, -1), (-1, 1024), (-1, -1), (-1, 0), None):
         for b, h, seq, d, hkv in ((2, 16, 16384, 128, 0), (1, 32, 8192, 128, 8)):
             p = Problem.of(b, h, seq, seq, d, hkv, window=window)
             assert p.kv_band_bytes(1) == p.kv_head_bytes
-            assert tile_walk.section_pairs(p) == tile_walk.section_pairs(p, band=False)
+            assert tile_walk.section_pairs(p, band=True) == tile_walk.section_pairs(p)
 
 
 def test_a_windows_band_is_its_keys_not_its_heads():
@@ -421,9 +421,9 @@ def test_walk_rules_and_forced_sections():
     p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
     assert tile_walk.walk_section(p, "section:3") == (3, True)
     assert tile_walk.walk_section(p, "section:1000") == (32, True)     # the kernel clamps too
-    assert tile_walk.walk_section(p, "l2-whole-kv")[0] == tile_walk.section_pairs(p, band=False)
-    assert tile_walk.host_section(p, None, 132, "l2-whole-kv") == 4
-    assert tile_walk.host_section(p, None, 132) == 17
+    assert tile_walk.walk_section(p, "l2-band")[0] == tile_walk.section_pairs(p, band=True)
+    assert tile_walk.host_section(p, None, 132, "l2-band") == 17
+    assert tile_walk.host_section(p, None, 132) == 4     # the band rule lost sustained
     for bad in ("section:0", "section:", "section:-2", "section:x", "snake", "Section:3"):
         with pytest.raises(ValueError, match="walk_rule: expected one of"):
             tile_walk.check_rule(bad)
@@ -457,15 +457,15 @@ def test_the_launcher_passes_the_hosts_section(tagged):
         p = Problem.of(b, h, seq, seq, d, causal=causal)
         want = tile_walk.section_pairs(p, grid=min(132, p.tiles))
         assert launched_section(tagged) == want, ((b, h, seq, d), causal)
-        whole_kv = tile_walk.section_pairs(p, grid=min(132, p.tiles), band=False)
+        band = tile_walk.section_pairs(p, grid=min(132, p.tiles), band=True)
         rules = (("today", tile_walk.today_section(p)), ("head-major", 1),
-                 ("section:3", min(3, p.bh)), ("l2-whole-kv", whole_kv))
+                 ("section:3", min(3, p.bh)), ("l2-band", band))
         for rule, section in rules:
             attn.prepare(q, k, v, causal=causal, walk_rule=rule).launch()
             assert launched_section(tagged) == section, (rule, (b, h, seq, d))
     launches = len(tagged["cuLaunchKernelEx"])
     with pytest.raises(ValueError, match="walk_rule: expected one of today, head-major, "
-                                         "l2-whole-kv, l2-walk or section:N"):
+                                         "l2-walk, l2-band or section:N"):
         attn.prepare(q, k, v, walk_rule="snake")
     assert len(tagged["cuLaunchKernelEx"]) == launches
     from ptxattn import driver
@@ -624,8 +624,9 @@ def test_window_band_sections_on_the_gpu(monkeypatch):
     (17 of 32 pairs: a narrower last section of 15), and a shorter run of it with that
     section and the old one forced, and a bidirectional window (GQA)."""
     p = Problem.of(2, 16, 16384, 16384, 128, window=(1024, 0))
-    assert tile_walk.host_section(p, None, 132) == 17
-    _check_walk_build((2, 16, 16384, 16384, 128), window=(1024, 0))
+    assert tile_walk.host_section(p, None, 132, "l2-band") == 17
+    _check_walk_build((2, 16, 16384, 16384, 128), window=(1024, 0), section=17, ctas=132,
+                      monkeypatch=monkeypatch)
     for section in (4, 17, 30):
         _check_walk_build((2, 16, 4096, 4096, 128), window=(1024, 0), section=section,
                           ctas=132, monkeypatch=monkeypatch)

@@ -3,7 +3,7 @@
 # for windows and causal 4k"): the walk's GPU tests (windows and causal, the new rule's
 # sections forced and chosen), ncu at natural clocks on the window and causal 4k cases under
 # the old and new sections (bench/experiments/2026-12-02-ncu-l2-walk-s10.txt), then same-run
-# burst + sustained before/after (variants.py, walk=RULE: l2-whole-kv is the old rule,
+# burst + sustained before/after (variants.py, walk=RULE: l2-walk is the default rule, l2-band the band rule,
 # section:N a forced section). Target ~4-5 min; every part has its own timeout.
 set -uo pipefail
 source bench/device/call_setup.sh walk.log
@@ -16,7 +16,7 @@ timeout 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_productio
 part "ncu L2: window and causal 4k, old and new sections"
 END_S=${END_S:-260} ncu_lines bench/experiments/2026-12-02-ncu-l2-walk-s10.txt "$OUT/ncu-l2-walk.jsonl"
 part "sustained: window 1024 (2, 16, 16384)"
-timeout 60 python3 bench/experiments/variants.py old=production:walk=l2-whole-kv new=production \
+timeout 60 python3 bench/experiments/variants.py old=production new=production:walk=l2-band \
     s30=production:walk=section:30 --shape 2x16x16384x128 --window 1024,0 --rounds 10 --reps 5 \
     --sustained --cooldown 0.5 --out "$OUT/variants-walk.jsonl" >> "$LOG" 2>&1
 echo "variants window rc $?" | tee -a "$LOG"

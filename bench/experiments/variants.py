@@ -17,7 +17,7 @@ TFLOP/s, median SM clock and power, TFLOP/J, and its sustained speed in % of the
 --heads-kv: GQA (K/V heads). The production walk's section (its walk_section parameter) comes
 from the host's rule, l2-walk (ptxattn/tile_walk.section_pairs: what attention() passes), or
 the one a variant names with walk=RULE among its defines, e.g. old=production:walk=today
-(tile_walk.WALKS: today, head-major, l2-whole-kv, l2-walk; or section:N, N pairs forced);
+(tile_walk.WALKS: today, head-major, l2-walk, l2-band; or section:N, N pairs forced);
 it is no build define.
 """
 
