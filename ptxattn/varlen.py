@@ -34,7 +34,6 @@ from . import builds, driver, launch, tensors, tma
 from .choice import specialized
 from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
-from .errors import CudaError
 from .plan import _window
 from .stages import PRODUCTION, SWIZZLE_128B, ptx_root
 from .tensors import DeviceArray
@@ -242,12 +241,17 @@ class Launcher:
             max_entries=call.max_entries, block_m=self.stage.block_m,
             block_n_shift=self.stage.block_n.bit_length() - 1, window_left=left,
             window_right=right)
-        self._launch = driver.cu().cuLaunchKernelEx
         self.tiles_config = driver._launch_config((1, 1, 1), (TILES_THREADS, 1, 1), TILES_SMEM,
                                                   (1, 1, 1), call.stream)[0]
         self.forward_config = driver._launch_config(
             (self.grid, 1, 1), (self.stage.threads, 1, 1), self.stage.smem_bytes, (1, 1, 1),
             call.stream)[0]
+        # each kernel's launch of its config (through ctypes where that is identical in
+        # effect: driver.kernel_launch)
+        self._tiles_launch = driver.kernel_launch(self.tiles_config, self.tiles_fn,
+                                                  f"cuLaunchKernelEx ({TILES_ENTRY})")
+        self._forward_launch = driver.kernel_launch(self.forward_config, self.forward_fn,
+                                                    "cuLaunchKernelEx (ptxattn_fwd (varlen))")
         self.lock = threading.Lock()
         # Both kernels' parameters packed once into void*[] arrays of our own (_Packed): a
         # call rewrites its slots in place and passes the array's address, so the binding
@@ -304,8 +308,7 @@ class Launcher:
                 cu_q_ptr, cu_k_ptr, seqused_ptr, workspace_ptr,
                 workspace_ptr + self._scratch_offset, bounds_ptr)):
             holder.value = value
-        _check(self._launch(self.tiles_config, self.tiles_fn.handle, self._tiles.address, 0),
-               TILES_ENTRY)
+        self._tiles_launch(self._tiles.address)
 
     def run_forward(self, q, k, v, out, lse_ptr: int, table_ptr: int) -> None:
         """Enqueue the forward kernel's varlen build over the table at table_ptr. q, k, v and
@@ -357,8 +360,7 @@ class Launcher:
                 table_ptr)):
             holder.value = value
         # the maps stay referenced (maps) until the driver has copied their bytes
-        _check(self._launch(self.forward_config, self.forward_fn.handle,
-                            self._forward.address, 0), "ptxattn_fwd (varlen)")
+        self._forward_launch(self._forward.address)
 
     def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
             cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
@@ -414,12 +416,6 @@ def detached(call: VarlenCall) -> VarlenCall:
     return dataclasses.replace(call, q=None, k=None, v=None, out=None, out_given=None,
                                cu_q=None, cu_k=None, seqused_k=None, stream_object=None,
                                objects={})
-
-
-def _check(result, what: str) -> None:
-    err = int(result[0])
-    if err:
-        raise CudaError(err, f"cuLaunchKernelEx ({what})")
 
 
 # --------------------------------------------------------------------------- one call

@@ -1,0 +1,260 @@
+"""The ctypes launch (ptxattn/fastlaunch.py): its structures against cuda.h's layout and the
+binding's own C memory, the choice between ctypes and the binding (knob, pretend drivers,
+a missing libcuda), and errors. No GPU: libcuda is replaced by a recording ctypes-callable
+stand-in; tests/test_gpu_fastlaunch.py launches for real."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from ptxattn import driver, fastlaunch
+from ptxattn.errors import CudaError
+
+d = pytest.importorskip("cuda.bindings.driver")
+
+CUDA_H_DIRS = ("/usr/local/cuda/include", "/usr/local/cuda-13.0/include")
+
+
+def test_struct_sizes_and_offsets_are_cuda_hs():
+    """cuda.h (13.0): CUlaunchConfig is 56 bytes with hStream at 32, attrs at 40, numAttrs at
+    48; CUlaunchAttribute 72 with its value at 8; the value union 64, 8-byte aligned."""
+    c = fastlaunch.LaunchConfig
+    assert ctypes.sizeof(c) == 56
+    assert (c.sharedMemBytes.offset, c.hStream.offset, c.attrs.offset, c.numAttrs.offset) == (
+        24, 32, 40, 48)
+    a = fastlaunch.LaunchAttribute
+    assert (ctypes.sizeof(a), a.value.offset) == (72, 8)
+    v = fastlaunch.LaunchAttributeValue
+    assert (ctypes.sizeof(v), ctypes.alignment(v)) == (64, 8)
+    assert v.clusterDim.offset == v.programmaticStreamSerializationAllowed.offset == 0
+
+
+def test_attribute_ids_are_the_bindings():
+    ids = d.CUlaunchAttributeID
+    assert fastlaunch.CLUSTER_DIMENSION == int(ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    assert fastlaunch.PROGRAMMATIC_STREAM_SERIALIZATION == int(
+        ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+
+
+def test_struct_layout_matches_a_c_compiler_reading_cuda_h(tmp_path):
+    """Where a C compiler and cuda.h are on this machine: their sizeof/offsetof agree."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    inc = next((p for p in CUDA_H_DIRS if os.path.exists(os.path.join(p, "cuda.h"))), None)
+    if cc is None or inc is None:
+        pytest.skip("no C compiler or cuda.h here")
+    src = tmp_path / "lay.c"
+    src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "cuda.h"\n'
+                   'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu\\n",'
+                   'sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream),'
+                   'offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),'
+                   'sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),'
+                   '_Alignof(CUlaunchAttributeValue)); return 0;}\n')
+    exe = tmp_path / "lay"
+    subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True)
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
+                                          check=True).stdout.split()]
+    c, a = fastlaunch.LaunchConfig, fastlaunch.LaunchAttribute
+    assert got == [ctypes.sizeof(c), c.hStream.offset, c.attrs.offset, c.numAttrs.offset,
+                   ctypes.sizeof(a), a.value.offset,
+                   ctypes.alignment(fastlaunch.LaunchAttributeValue)]
+
+
+def _binding_config(grid, block, smem, stream, cluster=(1, 1, 1), programmatic=False):
+    config = d.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = d.CUstream(stream)
+    attrs = []
+    if cluster != (1, 1, 1):
+        a = d.CUlaunchAttribute()
+        a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster
+        attrs.append(a)
+    if programmatic:
+        a = d.CUlaunchAttribute()
+        a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        a.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(a)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    return config
+
+
+def _bytes_read_by_the_driver(address: int):
+    """(the config's 56 bytes without the attrs pointer, the attribute array's bytes)."""
+    raw = ctypes.string_at(address, 56)
+    attrs_ptr = int.from_bytes(raw[40:48], "little")
+    n = int.from_bytes(raw[48:52], "little")
+    return raw[:40] + raw[48:52], ctypes.string_at(attrs_ptr, 72 * n) if n else b""
+
+
+@pytest.mark.parametrize("cluster,programmatic", [((1, 1, 1), False), ((2, 1, 1), False),
+                                                  ((1, 1, 1), True), ((2, 1, 1), True)],
+                         ids=["plain", "cluster", "pdl", "cluster+pdl"])
+def test_config_bytes_equal_the_bindings(cluster, programmatic):
+    """What the driver reads (the config, its attribute array) is byte for byte what the
+    binding's CUlaunchConfig holds for the same launch; of_binding reads it back."""
+    args = ((132, 3, 2), (256, 1, 1), 229 * 1024, 0x7F00_1234_5678)
+    ours = fastlaunch.Config(*args, cluster=cluster, programmatic=programmatic)
+    theirs = _binding_config(*args, cluster=cluster, programmatic=programmatic)
+    assert _bytes_read_by_the_driver(ours.address) == _bytes_read_by_the_driver(
+        theirs.getPtr())
+    back = fastlaunch.Config.of_binding(theirs)
+    assert _bytes_read_by_the_driver(back.address) == _bytes_read_by_the_driver(
+        theirs.getPtr())
+
+
+def test_stream_zero_is_null_and_no_attrs_pointer_when_none():
+    c = fastlaunch.Config((1, 1, 1), (32, 1, 1), 0, 0)
+    raw = ctypes.string_at(c.address, 56)
+    assert raw[32:52] == bytes(20)
+
+
+def test_of_binding_refuses_an_attribute_it_does_not_copy():
+    config = _binding_config((1, 1, 1), (32, 1, 1), 0, 0)
+    a = d.CUlaunchAttribute()
+    a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+    a.value.cooperative = 1
+    config.attrs = [a]
+    config.numAttrs = 1
+    with pytest.raises(ValueError, match="attribute 2"):
+        fastlaunch.Config.of_binding(config)
+
+
+# ---------------------------------------------------------------- the choice and the calls
+
+class _Recorder:
+    """A stand-in for libcuda's cuLaunchKernelEx: records the four words, answers `result`."""
+
+    def __init__(self, result=0):
+        self.calls, self.result = [], result
+
+    def __call__(self, config, function, params, extra):
+        raw = ctypes.string_at(config, 56)
+        self.calls.append((raw, function, params, extra))
+        return self.result
+
+
+class _Fn:
+    name = "ptxattn_fwd"
+    module = type("M", (), {"label": "stage01"})
+
+    def __init__(self):
+        self.handle = d.CUfunction(0xABC0)
+
+
+@pytest.fixture
+def libcuda(monkeypatch):
+    """fastlaunch.function() answers a recorder; cu() is the real binding module."""
+    rec = _Recorder()
+    driver.cu()
+    monkeypatch.setattr(fastlaunch, "_FUNCTION", [rec])
+    monkeypatch.delenv(fastlaunch.ENV, raising=False)
+    monkeypatch.delenv(fastlaunch.PER_THREAD_ENV, raising=False)
+    return rec
+
+
+def _config():
+    return driver._launch_config((4, 1, 1), (128, 1, 1), 1024, (1, 1, 1), 0x50)[0]
+
+
+def test_kernel_launch_goes_through_ctypes_with_raw_words(libcuda):
+    launch = driver.kernel_launch(_config(), _Fn(), "cuLaunchKernelEx (x)")
+    assert isinstance(launch, driver.FastLaunch)
+    launch(0x1234_0000)
+    raw, function, params, extra = libcuda.calls[0]
+    assert (function, params, extra) == (0xABC0, 0x1234_0000, None)
+    assert raw[:4] == (4).to_bytes(4, "little") and raw[32:40] == (0x50).to_bytes(8, "little")
+
+
+def test_the_knob_forces_the_binding(libcuda, monkeypatch):
+    monkeypatch.setenv(fastlaunch.ENV, "binding")
+    assert isinstance(driver.kernel_launch(_config(), _Fn(), "x"), driver.BindingLaunch)
+    monkeypatch.setenv(fastlaunch.ENV, "")
+    assert isinstance(driver.kernel_launch(_config(), _Fn(), "x"), driver.FastLaunch)
+
+
+def test_per_thread_default_stream_keeps_the_binding(libcuda, monkeypatch):
+    """The binding then resolves the _ptsz entry point: stream 0 means another stream."""
+    monkeypatch.setenv(fastlaunch.PER_THREAD_ENV, "1")
+    assert isinstance(driver.kernel_launch(_config(), _Fn(), "x"), driver.BindingLaunch)
+
+
+def test_a_missing_libcuda_or_symbol_keeps_the_binding(monkeypatch):
+    driver.cu()
+    monkeypatch.setattr(fastlaunch, "_FUNCTION", [])
+    monkeypatch.setattr(fastlaunch, "LIBRARY", "libcuda-that-is-not-here.so.1")
+    assert fastlaunch.function() is None
+    assert isinstance(driver.kernel_launch(_config(), _Fn(), "x"), driver.BindingLaunch)
+    monkeypatch.setattr(fastlaunch, "_FUNCTION", [])
+    monkeypatch.setattr(fastlaunch, "LIBRARY", ctypes.util.find_library("c") or "libc.so.6")
+    monkeypatch.setattr(fastlaunch, "SYMBOL", "cuLaunchKernelEx_not_in_libc")
+    assert fastlaunch.function() is None
+
+
+def test_a_pretend_driver_keeps_its_launch(libcuda, monkeypatch):
+    """A test's or the emulator's cuLaunchKernelEx (patched in cu()) gets every launch."""
+    seen = []
+    monkeypatch.setattr(driver.cu(), "cuLaunchKernelEx",
+                        lambda config, fn, params, extra: (seen.append(params), (0,))[1])
+    launch = driver.kernel_launch(_config(), _Fn(), "x")
+    assert isinstance(launch, driver.BindingLaunch)
+    launch(0x99)
+    assert seen == [0x99] and libcuda.calls == []
+
+
+def test_a_non_zero_result_raises_the_same_cuda_error(libcuda, monkeypatch):
+    libcuda.result = 700
+    launch = driver.kernel_launch(_config(), _Fn(), "cuLaunchKernelEx (ptxattn_decode)")
+    with pytest.raises(CudaError) as fast_err:
+        launch(0x10)
+    monkeypatch.setattr(driver.cu(), "cuLaunchKernelEx", lambda *a: (700,))
+    with pytest.raises(CudaError) as binding_err:
+        driver.kernel_launch(_config(), _Fn(), "cuLaunchKernelEx (ptxattn_decode)")(0x10)
+    assert str(fast_err.value) == str(binding_err.value)
+    assert "ptxattn_decode" in str(fast_err.value)
+
+
+def test_launch_spec_packs_then_goes_through_ctypes(libcuda, monkeypatch):
+    """The first launch hands the tuple form to the binding; later ones pass the packed
+    void*[] through ctypes, every time the same address."""
+    first = []
+    original = driver._binding_launch()
+
+    def binding(config, fn, params, extra):
+        first.append(params)
+        return (0,)
+    # the spec's binding is "the binding" (identity), but records instead of launching
+    monkeypatch.setattr(driver, "_BINDING_LAUNCH", [binding])
+    monkeypatch.setattr(driver.cu(), "cuLaunchKernelEx", binding)
+    spec = driver.LaunchSpec(_Fn(), (2, 1, 1), 64, 0,
+                             ((7, 2.5), (ctypes.c_uint32, ctypes.c_float)), cluster=(2, 1, 1))
+    for _ in range(3):
+        spec()
+    assert isinstance(first[0], tuple) and len(first) == 1
+    assert len(libcuda.calls) == 2 and libcuda.calls[0][2] == libcuda.calls[1][2]
+    slots = (ctypes.c_void_p * 2).from_address(libcuda.calls[0][2])
+    assert ctypes.c_uint32.from_address(slots[0]).value == 7
+    raw = libcuda.calls[0][0]
+    assert int.from_bytes(raw[48:52], "little") == 1          # the cluster attribute
+    assert original is not None
+
+
+def test_pdl_config_of_the_decode_combine_converts(libcuda):
+    from ptxattn import decode_launch
+    config, _ = decode_launch._dependent_config((3, 1, 1), (128, 1, 1), 0x60)
+    launch = driver.kernel_launch(config, _Fn(), "x")
+    launch(0x10)
+    raw = libcuda.calls[0][0]
+    attrs = int.from_bytes(raw[40:48], "little")
+    assert int.from_bytes(raw[48:52], "little") == 1
+    attr = fastlaunch.LaunchAttribute.from_address(attrs)
+    assert (attr.id, attr.value.programmaticStreamSerializationAllowed) == (
+        fastlaunch.PROGRAMMATIC_STREAM_SERIALIZATION, 1)
