@@ -470,6 +470,15 @@ def _fast_launch(config, function: Function, what: str) -> FastLaunch | None:
     return FastLaunch(fn, fastlaunch.Config.of_binding(config), int(function.handle), what)
 
 
+def launch_mode() -> str:
+    """How kernel_launch launches now: "ctypes", or "binding (why)" (for benchmark records)."""
+    if cu().cuLaunchKernelEx is not _binding_launch():
+        return "binding (a pretend driver)"
+    if not fastlaunch.wanted():
+        return f"binding ({fastlaunch.ENV} or {fastlaunch.PER_THREAD_ENV})"
+    return "ctypes" if fastlaunch.function() is not None else "binding (no libcuda symbol)"
+
+
 def kernel_launch(config, function: Function, what: str):
     """A launch of `function` with this cuda.bindings CUlaunchConfig taking a void*[]
     address per call: through ctypes (FastLaunch) where that is identical in effect, else

@@ -258,3 +258,79 @@ def test_pdl_config_of_the_decode_combine_converts(libcuda):
     attr = fastlaunch.LaunchAttribute.from_address(attrs)
     assert (attr.id, attr.value.programmaticStreamSerializationAllowed) == (
         fastlaunch.PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+
+
+# ---------------------------------------------------------------- the ctypes TMA encoder
+
+def test_tensor_map_enums_are_the_bindings():
+    from ptxattn import tma
+    from ptxattn.stages import SWIZZLE_128B, SWIZZLE_NONE
+    assert tma.CT_DATA_TYPE == {
+        "bf16": int(d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+        "u8": int(d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)}
+    s = d.CUtensorMapSwizzle
+    assert tma.CT_SWIZZLE == {SWIZZLE_NONE: int(s.CU_TENSOR_MAP_SWIZZLE_NONE),
+                              tma.SWIZZLE_64B: int(s.CU_TENSOR_MAP_SWIZZLE_64B),
+                              SWIZZLE_128B: int(s.CU_TENSOR_MAP_SWIZZLE_128B)}
+    assert (tma.CT_INTERLEAVE_NONE, tma.CT_L2_PROMOTION_128B, tma.CT_OOB_FILL_NONE) == (
+        int(d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+        int(d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
+        int(d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    assert tma.TENSOR_MAP_BYTES == 8 * len(d.CUtensorMap().opaque)
+
+
+def _ints(value):
+    """A marshalled argument as plain ints (ctypes scalars, arrays; binding values, lists)."""
+    if isinstance(value, ctypes.Array):
+        return [int(x) for x in value]
+    if isinstance(value, list):
+        return [int(x) for x in value]
+    if isinstance(value, (ctypes.c_void_p,)):
+        return value.value or 0
+    if hasattr(value, "value") and not hasattr(value, "getPtr"):
+        return int(value.value)
+    return int(value)
+
+
+@pytest.mark.parametrize("swizzle,data_type", [("128B", "bf16"), ("64B", "u8"),
+                                               ("none", "bf16")])
+def test_ctypes_encoder_marshals_what_the_binding_is_given(monkeypatch, swizzle, data_type):
+    """tma._encode's binding call and encode_args get the same figures, argument by argument
+    (the tensor map's own address aside: the binding allocates its own)."""
+    from ptxattn import tma
+    from ptxattn.stages import SWIZZLE_NONE
+    swizzle = SWIZZLE_NONE if swizzle == "none" else swizzle
+    driver.cu()
+    seen = []
+    monkeypatch.setattr(driver.cu(), "cuTensorMapEncodeTiled",
+                        lambda *a: (seen.append(a), (0, d.CUtensorMap()))[1])
+    dims, strides, box = (64, 1000, 2, 8, 3), (256 * 8, 128, 256, 256 * 8 * 1000), (64, 128, 2,
+                                                                                  1, 1)
+    row = 64 * (2 if data_type == "bf16" else 1)
+    if swizzle == "64B":
+        dims, box, row = (64,) + dims[1:], (64,) + box[1:], 64
+    tma._encode(0x7F00_0000_1000, dims, strides, box, swizzle, row, "k", data_type)
+    tmap = tma.RawTensorMap()
+    ours = tma.encode_args(tmap, 0x7F00_0000_1000, dims, strides, box, swizzle, data_type)
+    theirs = seen[0]
+    assert len(ours) == 12 and len(theirs) == 11         # the binding returns the map
+    assert [_ints(x) for x in ours[1:]] == [_ints(x) for x in theirs]
+    assert _ints(ours[0]) == tmap.address and tmap.address % tma.TENSOR_MAP_ALIGN == 0
+
+
+def test_ctypes_encoder_writes_its_aligned_map_and_raises_the_drivers_refusal():
+    from ptxattn import tma
+
+    def encoder(tmap, *rest):
+        ctypes.memset(tmap.value, 0xAB, tma.TENSOR_MAP_BYTES)
+        return 0
+    tmap = tma.encode_tiled_ctypes(0x1000, (64, 128), (128,), (64, 64), "128B",
+                                   encoder=encoder)
+    assert tmap.to_bytes() == b"\xab" * 128 and tmap.getPtr() % 128 == 0
+    with pytest.raises(CudaError, match="cuTensorMapEncodeTiled"):
+        tma.encode_tiled_ctypes(0x1000, (64, 128), (128,), (64, 64), "128B",
+                                encoder=lambda *a: 1)
+    with pytest.raises(ValueError, match="aligned"):
+        tma.encode_tiled_ctypes(0x1008, (64, 128), (128,), (64, 64), "128B", encoder=encoder)
+    with pytest.raises(ValueError, match="swizzle"):
+        tma.encode_tiled_ctypes(0x1000, (64, 128), (128,), (64, 64), "32B", encoder=encoder)
