@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from ptxattn import driver, fastlaunch
@@ -334,3 +335,64 @@ def test_ctypes_encoder_writes_its_aligned_map_and_raises_the_drivers_refusal():
         tma.encode_tiled_ctypes(0x1008, (64, 128), (128,), (64, 64), "128B", encoder=encoder)
     with pytest.raises(ValueError, match="swizzle"):
         tma.encode_tiled_ctypes(0x1000, (64, 128), (128,), (64, 64), "32B", encoder=encoder)
+
+
+# ---------------------------------------------------------------- the plans' per-call checks
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_torch_ptr_takes_exactly_what_torch_meta_takes_of_the_plans_geometry(monkeypatch):
+    """tensors.torch_ptr: the address of a plain bf16 "CUDA" tensor (CPU tensors pass for
+    CUDA ones here) of exactly the shape and strides asked, on the device asked; None for
+    each thing torch_meta refuses, and for another shape, strides or device."""
+    torch = pytest.importorskip("torch")
+    from ptxattn import tensors
+    T = torch.Tensor
+    monkeypatch.setattr(T, "is_cuda", property(lambda t: t.device.type == "cpu"),
+                        raising=False)
+    monkeypatch.setattr(T, "get_device", lambda t: 0)
+    monkeypatch.setattr(tensors, "_TORCH", None)
+    x = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    shape, strides = (6, 4, 8), (32, 8, 1)
+    assert tensors.torch_ptr(x, shape, strides, 0) == x.data_ptr()
+    assert tensors.torch_meta(x)[0] == x.data_ptr()
+
+    class Sub(torch.Tensor):
+        pass
+    refused = {
+        "float32": x.float(),
+        "requires_grad": torch.zeros(6, 4, 8, dtype=torch.bfloat16, requires_grad=True),
+        "subclass": x.as_subclass(Sub),
+        "negative view": torch._neg_view(x),
+        "shape": x[:5],
+        "strides": x.transpose(0, 1).contiguous().transpose(0, 1),
+        "not a tensor": np.zeros((6, 4, 8)),
+    }
+    for why, obj in refused.items():
+        assert tensors.torch_ptr(obj, shape, strides, 0) is None, why
+    assert tensors.torch_ptr(x, shape, strides, 1) is None, "device"
+    assert tensors.torch_meta(torch._neg_view(x)) is None      # (the same refusal there)
+    nested = torch.nested.nested_tensor([torch.zeros(4, 8), torch.zeros(4, 8)],
+                                        dtype=torch.bfloat16)
+    assert tensors.torch_ptr(nested, shape, strides, 0) is None
+    monkeypatch.setattr(T, "is_cuda", property(lambda t: False), raising=False)
+    assert tensors.torch_ptr(x, shape, strides, 0) is None, "a CPU tensor"
+
+
+def test_packed_words_sit_adjacent_and_are_what_the_entries_point_at():
+    """varlen._Packed's per-call words: one uint64 array, in the words' order, each entry of
+    the void*[] pointing at its word (a call rewrites them with one slice assignment)."""
+    from ptxattn import varlen
+    names = ["tmap", "a", "o_ptr", "n", "lse_ptr"]
+    types = [None, driver.U32, driver.PTR, driver.U64, driver.U64]
+    p = varlen._Packed([None, 5, 0, 9, 0], types, ("tmap",), names,
+                       words=("lse_ptr", "o_ptr"))
+    p.words[:] = (0xAAAA, 0xBBBB)
+    entries = (ctypes.c_void_p * 5).from_address(p.address)
+    assert ctypes.c_uint64.from_address(entries[4]).value == 0xAAAA
+    assert ctypes.c_uint64.from_address(entries[2]).value == 0xBBBB
+    assert ctypes.c_uint32.from_address(entries[1]).value == 5
+    assert ctypes.c_uint64.from_address(entries[3]).value == 9
+    with pytest.raises(ValueError, match="8-byte"):
+        varlen._Packed([None, 5], types[:2], ("tmap",), names[:2], words=("a",))
+    with pytest.raises(ValueError, match="no such"):
+        varlen._Packed([None, 5], types[:2], ("tmap",), names[:2], words=("zz",))
