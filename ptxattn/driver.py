@@ -43,14 +43,16 @@ def cu():
         except ImportError as e:
             raise NoGpuError(f"{_NO_GPU} (cuda-python is not installed: {e})") from None
         _cu_module = driver
-        if not _BINDING_LAUNCH:
-            _BINDING_LAUNCH.append(driver.cuLaunchKernelEx)
     return _cu_module
 
 
-# cuda.bindings' own cuLaunchKernelEx as first imported: where cu() answers another (a test's
-# pretend driver, the emulator), launches go to that one, never through ctypes to libcuda
-_BINDING_LAUNCH: list = []
+def _is_binding_launch(fn) -> bool:
+    """Whether fn is cuda.bindings' own cuLaunchKernelEx (its compiled function): where cu()
+    answers another (a test's pretend driver, the emulator, anything patched in, even before
+    the first cu()), launches go to that one, never through ctypes to libcuda."""
+    return (type(fn).__name__ == "cython_function_or_method"
+            and getattr(fn, "__module__", None) == "cuda.bindings.driver"
+            and getattr(fn, "__name__", None) == "cuLaunchKernelEx")
 
 
 def check(result, call: str):
@@ -411,7 +413,7 @@ class LaunchSpec:
         packed = self._packed
         if packed is None and self._launched:
             packed = self._packed = pack_params(self.params)
-            if self._launch is _binding_launch():
+            if _is_binding_launch(self._launch):
                 self._fast = _fast_launch(self.config, self.function, self._what)
         fast = self._fast
         if fast is not None and packed is not None:
@@ -422,10 +424,6 @@ class LaunchSpec:
         if int(result[0]) != 0:
             raise CudaError(int(result[0]), self._what)
         self._launched = True
-
-
-def _binding_launch():
-    return _BINDING_LAUNCH[0] if _BINDING_LAUNCH else None
 
 
 class FastLaunch:
@@ -462,7 +460,7 @@ class BindingLaunch:
 def _fast_launch(config, function: Function, what: str) -> FastLaunch | None:
     """A FastLaunch of this binding config where launches may go through ctypes: cu() is
     cuda.bindings itself (no pretend driver), the knob allows it, libcuda has the symbol."""
-    if cu().cuLaunchKernelEx is not _binding_launch() or not fastlaunch.wanted():
+    if not _is_binding_launch(cu().cuLaunchKernelEx) or not fastlaunch.wanted():
         return None
     fn = fastlaunch.function()
     if fn is None:
@@ -472,7 +470,7 @@ def _fast_launch(config, function: Function, what: str) -> FastLaunch | None:
 
 def launch_mode() -> str:
     """How kernel_launch launches now: "ctypes", or "binding (why)" (for benchmark records)."""
-    if cu().cuLaunchKernelEx is not _binding_launch():
+    if not _is_binding_launch(cu().cuLaunchKernelEx):
         return "binding (a pretend driver)"
     if not fastlaunch.wanted():
         return f"binding ({fastlaunch.ENV} or {fastlaunch.PER_THREAD_ENV})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import shutil
 import subprocess
@@ -200,6 +201,14 @@ def test_a_missing_libcuda_or_symbol_keeps_the_binding(monkeypatch):
     assert fastlaunch.function() is None
 
 
+def test_only_the_bindings_compiled_function_counts_as_the_binding():
+    assert driver._is_binding_launch(d.cuLaunchKernelEx)
+    wrapped = functools.wraps(d.cuLaunchKernelEx)(lambda *a: (0,))
+    assert not driver._is_binding_launch(wrapped)          # same name and module, Python
+    assert not driver._is_binding_launch(d.cuLaunchKernel)
+    assert not driver._is_binding_launch(None)
+
+
 def test_a_pretend_driver_keeps_its_launch(libcuda, monkeypatch):
     """A test's or the emulator's cuLaunchKernelEx (patched in cu()) gets every launch."""
     seen = []
@@ -227,13 +236,12 @@ def test_launch_spec_packs_then_goes_through_ctypes(libcuda, monkeypatch):
     """The first launch hands the tuple form to the binding; later ones pass the packed
     void*[] through ctypes, every time the same address."""
     first = []
-    original = driver._binding_launch()
 
     def binding(config, fn, params, extra):
         first.append(params)
         return (0,)
-    # the spec's binding is "the binding" (identity), but records instead of launching
-    monkeypatch.setattr(driver, "_BINDING_LAUNCH", [binding])
+    # the spec's binding passes for the binding's own function, but records
+    monkeypatch.setattr(driver, "_is_binding_launch", lambda fn: fn is binding)
     monkeypatch.setattr(driver.cu(), "cuLaunchKernelEx", binding)
     spec = driver.LaunchSpec(_Fn(), (2, 1, 1), 64, 0,
                              ((7, 2.5), (ctypes.c_uint32, ctypes.c_float)), cluster=(2, 1, 1))
@@ -245,7 +253,6 @@ def test_launch_spec_packs_then_goes_through_ctypes(libcuda, monkeypatch):
     assert ctypes.c_uint32.from_address(slots[0]).value == 7
     raw = libcuda.calls[0][0]
     assert int.from_bytes(raw[48:52], "little") == 1          # the cluster attribute
-    assert original is not None
 
 
 def test_pdl_config_of_the_decode_combine_converts(libcuda):
