@@ -189,8 +189,8 @@ def test_ctypes_tensor_map_bytes_equal_the_bindings(swizzle):
     from ptxattn.stages import SWIZZLE_NONE
     swizzle = SWIZZLE_NONE if swizzle == "none" else swizzle
     buf = driver.DeviceBuffer(1 << 20)
-    dims, strides, box = (64, 512, 2, 4, 1), (512, 128, 512 * 512, 512 * 512 * 4), (64, 64, 2,
-                                                                                  1, 1)
+    g = tma.map_geometry("bshd", 1, 4, 512, 128, 64, 64)    # a K map's geometry: 512 KiB
+    dims, strides, box = g["dims"], g["strides"], g["box"]
     theirs = tma._encode(buf.ptr, dims, strides, box, swizzle, 128, "t")
     ours = tma.encode_tiled_ctypes(buf.ptr, dims, strides, box, swizzle)
     assert ours.to_bytes() == ctypes.string_at(int(theirs.getPtr()), tma.TENSOR_MAP_BYTES)
