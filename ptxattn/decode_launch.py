@@ -24,7 +24,6 @@ from pathlib import Path
 from . import driver, tma
 from .decode_builds import (APPEND_THREADS, COMBINE_THREADS, THREADS, DecodeBuild,
                             paged_variant)
-from .errors import CudaError
 from .stages import SWIZZLE_128B, ptx_root
 
 KERNEL_DIR = Path("sm90") / "production"
@@ -193,7 +192,6 @@ class Launcher:
         self.append = call.seq_new > 0
         self.paging = paging = call.paging
         self.paged = paged = paging is not None
-        self._launch = driver.cu().cuLaunchKernelEx
         self.lock = threading.Lock()
         d = call.head_dim
         self.variant = paging.variant if paged else None
@@ -211,6 +209,12 @@ class Launcher:
             self._pack_append(call, bytes_strides)
         if attention:
             self._pack_attention(call, bytes_strides)
+        # each kernel's launch of its config (through ctypes where that is identical in
+        # effect: driver.kernel_launch)
+        self.launches = {name: driver.kernel_launch(getattr(self, name + "_config"), fn,
+                                                    f"cuLaunchKernelEx (ptxattn_{name})")
+                         for name, fn in (("append", self.append_fn), ("decode", self.decode_fn),
+                                          ("combine", self.combine_fn)) if fn is not None}
 
     def _pack_attention(self, call, bytes_strides) -> None:
         build, stream, d = self.build, self.stream, call.head_dim
@@ -334,28 +338,25 @@ class Launcher:
         between calls gets theirs on every run, so a rebind by one is never another's."""
         split = self.splits > 1
         ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
-        launch = self._launch
+        launch = self.launches
         with self.lock:
             if binding is not None and binding != self.bound:
                 self.rebind(binding)
             if self.append_fn is not None:
                 p = self.append_pack
                 p.fill(k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const, block_table_ptr)
-                _check(launch(self.append_config, self.append_fn.handle, p.address, 0),
-                       "ptxattn_append")
+                launch["append"](p.address)
             if self.decode_fn is None:
                 return
             p = self.decode
             p.fill(q_ptr, 0 if split else out_ptr, 0 if split else lse_ptr,
                    ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const,
                    block_table_ptr)
-            _check(launch(self.decode_config, self.decode_fn.handle, p.address, 0),
-                   "ptxattn_decode")
+            launch["decode"](p.address)
             if split:
                 p = self.combine
                 p.fill(ws_ptr, ws_lse, out_ptr, lse_ptr)
-                _check(launch(self.combine_config, self.combine_fn.handle, p.address, 0),
-                       "ptxattn_combine")
+                launch["combine"](p.address)
 
 
 def programmatic_combine() -> bool:
@@ -381,8 +382,3 @@ def _dependent_config(grid, block, stream: int):
     config.numAttrs = 1
     return config, attrs
 
-
-def _check(result, what: str) -> None:
-    err = int(result[0])
-    if err:
-        raise CudaError(err, f"cuLaunchKernelEx ({what})")

@@ -13,6 +13,7 @@ import hashlib
 import os
 import threading
 
+from . import fastlaunch
 from .errors import CudaError, JitError, NoGpuError
 
 _NO_GPU = "ptxattn: no CUDA GPU available"
@@ -43,6 +44,15 @@ def cu():
             raise NoGpuError(f"{_NO_GPU} (cuda-python is not installed: {e})") from None
         _cu_module = driver
     return _cu_module
+
+
+def _is_binding_launch(fn) -> bool:
+    """Whether fn is cuda.bindings' own cuLaunchKernelEx (its compiled function): where cu()
+    answers another (a test's pretend driver, the emulator, anything patched in, even before
+    the first cu()), launches go to that one, never through ctypes to libcuda."""
+    return (type(fn).__name__ == "cython_function_or_method"
+            and getattr(fn, "__module__", None) == "cuda.bindings.driver"
+            and getattr(fn, "__name__", None) == "cuLaunchKernelEx")
 
 
 def check(result, call: str):
@@ -373,7 +383,8 @@ class LaunchSpec:
 
     `params` is the tuple form ((values...), (types...)) of kernelParams. The first launch
     hands that to the binding (which packs it in C: the cheapest for a one-shot call); from
-    the second launch on, a void*[] packed once (pack_params) goes instead.
+    the second launch on, a void*[] packed once (pack_params) goes instead, through ctypes
+    where kernel_launch allows it (fastlaunch), else through the binding.
     """
 
     def __init__(self, function: Function, grid, block, smem_bytes: int, params,
@@ -389,6 +400,7 @@ class LaunchSpec:
         # address it passes and what keeps that address alive can never come from two packs
         # (two threads launching at once may each pack; either result is complete)
         self._packed = None
+        self._fast = None           # the packed launch (kernel_launch), with the first pack
 
     @property
     def _what(self) -> str:     # only built for an error message
@@ -397,15 +409,79 @@ class LaunchSpec:
                 f"smem={self.smem_bytes})")
 
     def __call__(self) -> None:
-        # The hot path of a benchmark: one binding call, one integer check.
+        # The hot path of a benchmark: one driver call, one integer check.
         packed = self._packed
         if packed is None and self._launched:
             packed = self._packed = pack_params(self.params)
+            if _is_binding_launch(self._launch):
+                self._fast = _fast_launch(self.config, self.function, self._what)
+        fast = self._fast
+        if fast is not None and packed is not None:
+            fast(packed[0])
+            return
         args = self.params if packed is None else packed[0]
         result = self._launch(self.config, self.function.handle, args, 0)
         if int(result[0]) != 0:
             raise CudaError(int(result[0]), self._what)
         self._launched = True
+
+
+class FastLaunch:
+    """One kernel's launch of one config through ctypes (fastlaunch): call(params_address)
+    enqueues it with that void*[] as kernelParams, or raises CudaError(what)."""
+
+    __slots__ = ("_fn", "_config", "_address", "_handle", "what")
+
+    def __init__(self, fn, config: fastlaunch.Config, handle: int, what: str):
+        self._fn, self._config, self._handle, self.what = fn, config, handle, what
+        self._address = config.address
+
+    def __call__(self, params: int) -> None:
+        err = self._fn(self._address, self._handle, params, None)
+        if err:
+            raise CudaError(err, self.what)
+
+
+class BindingLaunch:
+    """The same through cuda.bindings' cuLaunchKernelEx (as cu() answers it now)."""
+
+    __slots__ = ("_fn", "config", "_handle", "what")
+
+    def __init__(self, config, function: Function, what: str):
+        self._fn, self.config, self._handle, self.what = (cu().cuLaunchKernelEx, config,
+                                                          function.handle, what)
+
+    def __call__(self, params: int) -> None:
+        err = int(self._fn(self.config, self._handle, params, 0)[0])
+        if err:
+            raise CudaError(err, self.what)
+
+
+def _fast_launch(config, function: Function, what: str) -> FastLaunch | None:
+    """A FastLaunch of this binding config where launches may go through ctypes: cu() is
+    cuda.bindings itself (no pretend driver), the knob allows it, libcuda has the symbol."""
+    if not _is_binding_launch(cu().cuLaunchKernelEx) or not fastlaunch.wanted():
+        return None
+    fn = fastlaunch.function()
+    if fn is None:
+        return None
+    return FastLaunch(fn, fastlaunch.Config.of_binding(config), int(function.handle), what)
+
+
+def launch_mode() -> str:
+    """How kernel_launch launches now: "ctypes", or "binding (why)" (for benchmark records)."""
+    if not _is_binding_launch(cu().cuLaunchKernelEx):
+        return "binding (a pretend driver)"
+    if not fastlaunch.wanted():
+        return f"binding ({fastlaunch.ENV} or {fastlaunch.PER_THREAD_ENV})"
+    return "ctypes" if fastlaunch.function() is not None else "binding (no libcuda symbol)"
+
+
+def kernel_launch(config, function: Function, what: str):
+    """A launch of `function` with this cuda.bindings CUlaunchConfig taking a void*[]
+    address per call: through ctypes (FastLaunch) where that is identical in effect, else
+    through the binding (BindingLaunch; PTXATTN_LAUNCH=binding forces it)."""
+    return _fast_launch(config, function, what) or BindingLaunch(config, function, what)
 
 
 def launch(function: Function, grid, block, smem_bytes: int, params, *,

@@ -201,38 +201,37 @@ class PrefillPlan:
         16-byte bases; a given out: contiguous, of q's shape, not overlapping q, k or v),
         the launches. None when anything differs: then the full run() decides (and raises
         its errors)."""
-        meta = tensors.torch_meta
-        mq, mk, mv = meta(q), meta(k), meta(v)
+        ptr = tensors.torch_ptr
         geometry = self._torch_geometry
-        if (mq is None or mk is None or mv is None
-                or (mq[1], mq[2], mk[1], mk[2], mv[1], mv[2]) != geometry[0]
-                or not mq[3] == mk[3] == mv[3] == geometry[1]
-                or (mq[0] | mk[0] | mv[0]) % 16
-                or tensors.torch_current_stream(mq[3]) != geometry[2]):
+        shapes, device = geometry[0], geometry[1]
+        qp = ptr(q, shapes[0], shapes[1], device)
+        kp = ptr(k, shapes[2], shapes[3], device)
+        vp = ptr(v, shapes[4], shapes[5], device)
+        if (qp is None or kp is None or vp is None or (qp | kp | vp) % 16
+                or tensors.torch_current_stream(device) != geometry[2]):
             return None
         if out is not None:
-            mo = meta(out)
-            if (mo is None or mo[1] != geometry[5] or mo[2] != geometry[4]
-                    or mo[3] != mq[3] or mo[0] % 16
-                    or _aliases(mo[0], (mq[0], mk[0], mv[0]), self._extents)):
+            op = ptr(out, geometry[5], geometry[4], device)
+            if op is None or op % 16 or _aliases(op, (qp, kp, vp), self._extents):
                 return None
-        return self._run_at(q.device, mq[0], mk[0], mv[0], out)
+        return self._run_at(q, qp, kp, vp, out)
 
-    def _run_at(self, device, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
+    def _run_at(self, like, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
         """One layer from the addresses of torch tensors that have the plan's shapes and
-        strides, on its device (a torch.device) and torch's current stream there, 16-byte
-        aligned: what _run_torch checks, which a caller of this must have checked (the
-        transformers integration, which keys its layouts on exactly these: nothing here
-        validates the addresses, so this is no public entry). The output is `out` (checked
-        by _run_torch) or fresh; LSE and workspace fresh from torch's allocator
-        (stream-ordered); then the launches."""
+        strides, on its device and torch's current stream there, 16-byte aligned: what
+        _run_torch checks, which a caller of this must have checked (the transformers
+        integration, which keys its layouts on exactly these: nothing here validates the
+        addresses, so this is no public entry). `like`: a plain bf16 torch.Tensor on the
+        plan's device (q: fresh tensors are its new_empty, torch.empty without the device
+        and dtype arguments to parse). The output is `out` (checked by _run_torch) or fresh;
+        LSE and workspace fresh from torch's allocator (stream-ordered); then the launches."""
         torch = sys.modules["torch"]
         ln, geometry = self._launcher, self._torch_geometry
         shapes = geometry[0]
         (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
         if out is None:
-            out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
-        lse = (torch.empty(lse_shape, dtype=torch.float32, device=device)
+            out = like.new_empty(out_shape)
+        lse = (like.new_empty(lse_shape, dtype=torch.float32)
                if lse_shape is not None else None)
         out_ptr = out.data_ptr()
         maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
@@ -241,7 +240,7 @@ class PrefillPlan:
         if self._table is not None:
             ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, self._table.ptr, None)
         else:
-            ws = torch.empty((ws_words,), dtype=torch.int32, device=device)
+            ws = like.new_empty((ws_words,), dtype=torch.int32)
             ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, ws.data_ptr(),
                       self._offset_ptrs)
             del ws                           # torch's caching allocator: stream-ordered
@@ -415,31 +414,43 @@ class DecodePlan:
         (q's shape; fresh from the caller's allocator unless given), or (out, lse)."""
         call, launcher, seqlens_ptr, seqlen_const, table_ptr, _, strides, shape = self._layer(
             q, k_cache, v_cache, k, v)
-        q_ptr, q_shape, q_strides = _meta(q, call.stream)
-        if q_shape != shape or q_strides != strides or q_ptr % 16:
-            raise ValueError(f"q: shape {q_shape} strides {q_strides} at 0x{q_ptr:x}; the plan's "
+        # a plain bf16 torch q of the layer's shape and strides: its address alone (the
+        # checks below, without building tuples; its new_empty gives the fresh tensors)
+        q_ptr = tensors.torch_ptr(q, shape, strides, call.q.device) if call.torch else None
+        like = q if q_ptr is not None else None
+        if q_ptr is None:
+            q_ptr, q_shape, q_strides = _meta(q, call.stream)
+            if q_shape != shape or q_strides != strides:
+                raise ValueError(f"q: shape {q_shape} strides {q_strides} at 0x{q_ptr:x}; the "
+                                 f"plan's layers take {shape} {strides}, 16-byte aligned")
+        if q_ptr % 16:
+            raise ValueError(f"q: shape {shape} strides {strides} at 0x{q_ptr:x}; the plan's "
                              f"layers take {shape} {strides}, 16-byte aligned")
         k_ptr = v_ptr = 0
         if call.seq_new:
             if k is None or v is None:
                 raise ValueError("k, v: the plan appends new keys (seq_new > 0)")
-            k_ptr, v_ptr = _meta(k, call.stream)[0], _meta(v, call.stream)[0]
+            k_ptr, v_ptr = _ptr(k, call.stream), _ptr(v, call.stream)
             if (k_ptr | v_ptr) % 16:
                 raise ValueError("k, v: base addresses must be 16-byte aligned")
         torch = sys.modules.get("torch") if call.torch else None
         if out is None:
-            if torch is not None:
+            if like is not None:
+                out = like.new_empty(call.out_shape)
+                out_ptr = out.data_ptr()
+            elif torch is not None:
                 out = torch.empty(call.out_shape, dtype=torch.bfloat16, device=q.device)
                 out_ptr = out.data_ptr()
             else:
                 out = tensors.empty(call.out_shape, stream=call.stream)
                 out_ptr = out.ptr
         else:
-            out_ptr = _meta(out, call.stream)[0]
+            out_ptr = _ptr(out, call.stream)
         lse = None
         lse_ptr = 0
         if call.want_lse:
-            lse = (torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+            lse = (like.new_empty(call.lse_shape, dtype=torch.float32) if like is not None
+                   else torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
                    if torch is not None else
                    tensors.empty(call.lse_shape, stream=call.stream, dtype=np.float32))
             lse_ptr = lse.data_ptr() if torch is not None else lse.ptr
@@ -447,8 +458,10 @@ class DecodePlan:
         ws = None
         ws_ptr = 0
         if n:
-            ws = (torch.empty((n,), dtype=torch.float32, device=q.device) if torch is not None
-                  else tensors.empty((n,), stream=call.stream, dtype=np.float32))
+            ws = (like.new_empty((n,), dtype=torch.float32) if like is not None
+                  else torch.empty((n,), dtype=torch.float32, device=q.device)
+                  if torch is not None else
+                  tensors.empty((n,), stream=call.stream, dtype=np.float32))
             ws_ptr = ws.data_ptr() if torch is not None else ws.ptr
         launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const, k_ptr, v_ptr,
                      0, table_ptr)
@@ -473,6 +486,12 @@ def _address(obj) -> int:
     if isinstance(obj, tensors.DeviceArray):
         return obj.ptr
     return tensors.as_device_array(obj).ptr
+
+
+def _ptr(obj, stream: int) -> int:
+    """The address of a bf16 device array (_meta's), cheaply for torch tensors."""
+    m = tensors.torch_meta(obj)
+    return m[0] if m is not None else tensors.as_device_array(obj, stream=stream).ptr
 
 
 def _meta(obj, stream: int) -> tuple[int, tuple, tuple]:

@@ -323,6 +323,21 @@ def torch_meta(obj, float32: bool = False) -> tuple | None:
     return obj.data_ptr(), obj.shape, obj.stride(), obj.get_device()
 
 
+def torch_ptr(obj, shape: tuple, strides: tuple, device: int) -> int | None:
+    """data_ptr() of a tensor that torch_meta reads (the same checks) with exactly this shape
+    and these strides on CUDA device `device`; None for anything else (then the caller's full
+    path decides, and raises its errors). What a plan's run() pays per tensor of the geometry
+    it was validated with: no tuple built, one comparison each for shape and strides."""
+    types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
+        else _torch_types()
+    if (types is None or type(obj) is not types[1] or obj.dtype is not types[2]
+            or not obj.is_cuda or obj.requires_grad or obj.layout is not types[3]
+            or obj.is_nested or obj.is_conj() or obj.is_neg()
+            or obj.get_device() != device or obj.stride() != strides or obj.shape != shape):
+        return None                 # (is_nested before shape: a strided nested tensor has none)
+    return obj.data_ptr()
+
+
 def torch_current_stream(device: int) -> int:
     """torch's current stream on `device`, as a raw handle."""
     types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \

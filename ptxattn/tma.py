@@ -10,6 +10,7 @@ and lands in shared memory as [d_outer][row][chunk].
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 
@@ -217,15 +218,19 @@ def encode_tiled(ptr: int, dims, byte_strides, box, swizzle: str, *, data_type: 
     return tmap
 
 
-def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="bf16"):
-    from .driver import check, cu  # driver only when a map is actually built
-
+def _check_swizzle(swizzle, row_bytes, name) -> None:
     if swizzle not in _SWIZZLE_BYTES:
         raise ValueError(f"swizzle: expected one of {tuple(_SWIZZLE_BYTES)}, got {swizzle!r}")
     span = _SWIZZLE_BYTES[swizzle]
     if span is not None and row_bytes > span:
         raise ValueError(f"{name}: a {swizzle}-swizzled box row is at most {span} bytes, "
                          f"got {row_bytes}")
+
+
+def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="bf16"):
+    from .driver import check, cu  # driver only when a map is actually built
+
+    _check_swizzle(swizzle, row_bytes, name)
     d = cu()
     sw = {SWIZZLE_128B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
           SWIZZLE_64B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
@@ -245,3 +250,82 @@ def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="b
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     ), f"cuTensorMapEncodeTiled({name}: dims={dims}, strides={byte_strides}, box={box})")
+
+
+# ---------------------------------------------------------------- the ctypes encoder
+# cuTensorMapEncodeTiled called on libcuda directly (an alternative to the binding's, not
+# used by default: tests/test_gpu_fastlaunch.py checks both give the same 128 bytes). cuda.h's
+# enum values, which tests/test_fastlaunch.py checks against the binding's enums:
+CT_DATA_TYPE = {"bf16": 9, "u8": 0}                  # CU_TENSOR_MAP_DATA_TYPE_{BFLOAT16,UINT8}
+CT_SWIZZLE = {SWIZZLE_NONE: 0, SWIZZLE_64B: 2, SWIZZLE_128B: 3}
+CT_INTERLEAVE_NONE, CT_L2_PROMOTION_128B, CT_OOB_FILL_NONE = 0, 2, 0
+TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 128        # CUtensorMap: 16 words, alignas(128)
+
+
+class RawTensorMap:
+    """128 bytes of an encoded CUtensorMap in memory of our own, 128-byte aligned; getPtr()
+    as the binding's CUtensorMap has it (what pack_params and the Launchers read)."""
+
+    __slots__ = ("_buffer", "address")
+
+    def __init__(self):
+        self._buffer = (ctypes.c_char * (TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN))()
+        base = ctypes.addressof(self._buffer)
+        self.address = base + (-base) % TENSOR_MAP_ALIGN
+
+    def getPtr(self) -> int:                         # noqa: N802 (the binding's name)
+        return self.address
+
+    def to_bytes(self) -> bytes:
+        return ctypes.string_at(self.address, TENSOR_MAP_BYTES)
+
+
+def encode_args(tmap: RawTensorMap, ptr: int, dims, byte_strides, box, swizzle: str,
+                data_type: str = "bf16") -> tuple:
+    """cuTensorMapEncodeTiled's twelve arguments as ctypes values, in cuda.h's order: the
+    same figures _encode hands the binding (element strides all 1, no interleave, 128-byte
+    L2 promotion, no OOB fill)."""
+    rank = len(dims)
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    return (ctypes.c_void_p(tmap.address), ctypes.c_int(CT_DATA_TYPE[data_type]), u32(rank),
+            ctypes.c_void_p(int(ptr)), (u64 * rank)(*dims),
+            (u64 * max(rank - 1, 1))(*byte_strides), (u32 * rank)(*box),
+            (u32 * rank)(*([1] * rank)), ctypes.c_int(CT_INTERLEAVE_NONE),
+            ctypes.c_int(CT_SWIZZLE[swizzle]), ctypes.c_int(CT_L2_PROMOTION_128B),
+            ctypes.c_int(CT_OOB_FILL_NONE))
+
+
+_ENCODER: list = []
+
+
+def _ctypes_encoder():
+    """libcuda's cuTensorMapEncodeTiled as a ctypes function, or None where it is missing."""
+    if not _ENCODER:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _ENCODER.append(fn)
+    return _ENCODER[0]
+
+
+def encode_tiled_ctypes(ptr: int, dims, byte_strides, box, swizzle: str, *,
+                        data_type: str = "bf16", name: str = "tensor", encoder=None
+                        ) -> RawTensorMap:
+    """encode_tiled's map (uncached) through ctypes on libcuda; `encoder`: the C function
+    (None: libcuda's). Raises what _encode raises: ValueError for a bad swizzle or box row,
+    CudaError for a driver refusal, NoGpuError without libcuda."""
+    from .errors import CudaError, NoGpuError
+    check_base(ptr, name)
+    row_bytes = box[0] * (ELEMENT_BYTES if data_type == "bf16" else 1)
+    _check_swizzle(swizzle, row_bytes, name)
+    fn = encoder if encoder is not None else _ctypes_encoder()
+    if fn is None:
+        raise NoGpuError("ptxattn: libcuda.so.1 (cuTensorMapEncodeTiled) is not loadable")
+    tmap = RawTensorMap()
+    err = fn(*encode_args(tmap, ptr, dims, byte_strides, box, swizzle, data_type))
+    if err:
+        raise CudaError(int(err), f"cuTensorMapEncodeTiled({name}: dims={tuple(dims)}, "
+                                  f"strides={tuple(byte_strides)}, box={tuple(box)})")
+    return tmap

@@ -34,7 +34,6 @@ from . import builds, driver, launch, tensors, tma
 from .choice import specialized
 from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
-from .errors import CudaError
 from .plan import _window
 from .stages import PRODUCTION, SWIZZLE_128B, ptx_root
 from .tensors import DeviceArray
@@ -242,25 +241,34 @@ class Launcher:
             max_entries=call.max_entries, block_m=self.stage.block_m,
             block_n_shift=self.stage.block_n.bit_length() - 1, window_left=left,
             window_right=right)
-        self._launch = driver.cu().cuLaunchKernelEx
         self.tiles_config = driver._launch_config((1, 1, 1), (TILES_THREADS, 1, 1), TILES_SMEM,
                                                   (1, 1, 1), call.stream)[0]
         self.forward_config = driver._launch_config(
             (self.grid, 1, 1), (self.stage.threads, 1, 1), self.stage.smem_bytes, (1, 1, 1),
             call.stream)[0]
+        # each kernel's launch of its config (through ctypes where that is identical in
+        # effect: driver.kernel_launch)
+        self._tiles_launch = driver.kernel_launch(self.tiles_config, self.tiles_fn,
+                                                  f"cuLaunchKernelEx ({TILES_ENTRY})")
+        self._forward_launch = driver.kernel_launch(self.forward_config, self.forward_fn,
+                                                    "cuLaunchKernelEx (ptxattn_fwd (varlen))")
         self.lock = threading.Lock()
         # Both kernels' parameters packed once into void*[] arrays of our own (_Packed): a
         # call rewrites its slots in place and passes the array's address, so the binding
         # packs nothing per call (its tuple form costs ~6-9 us a launch on the host)
         names = [p.name for p in self.params]
+        maps = ("tmap_q", "tmap_k", "tmap_v", "tmap_o")
         self._forward = _Packed([self.values.get(n, 0) for n in names],
-                                [p.ctype for p in self.params],
-                                ("tmap_q", "tmap_k", "tmap_v", "tmap_o"), names)
-        self._forward_slots = self._forward.holders_of(
-            names, ("o_ptr", "o_row_stride", "o_head_stride", "o_batch_stride", "lse_ptr",
-                    "tiles_ptr"))
-        self._forward_maps = tuple(names.index(n) for n in ("tmap_q", "tmap_k", "tmap_v",
-                                                             "tmap_o"))
+                                [p.ctype for p in self.params], maps, names,
+                                words=FORWARD_WORDS)
+        # a call's writes: the four map entries (adjacent in the ABI) as one slice, the
+        # per-call words as one slice of their array (FORWARD_WORDS' order)
+        first = names.index(maps[0])
+        if [names.index(n) for n in maps] != list(range(first, first + 4)):
+            raise ValueError(f"{self.stage.name}: tmap_q..tmap_o are not adjacent parameters")
+        self._forward_maps = slice(first, first + 4)
+        self._forward_words = self._forward.words
+        self._o_rows = max(call.total_q, 1)
         tiles_names = [n for n, _ in TILES_PARAMS]
         self._tiles = _Packed([self.tiles_values.get(n, 0) for n in tiles_names],
                               [t for _, t in TILES_PARAMS], (), tiles_names)
@@ -281,17 +289,19 @@ class Launcher:
         addresses step after step). The key holds everything the map encodes: a map of
         another row count would bound the box walk at the wrong row."""
         key = (name, ptr, strides, array_rows, heads, rows, box_rows)
-        tmap = self._maps.get(key)
-        if tmap is None:
+        entry = self._maps.get(key)
+        if entry is None:
             s_row, s_head, s_dim = (int(x) for x in strides)
             tmap = tma.encode_qkvo_map(ptr, "bshd", 1, heads, max(rows, 1),
                                        self.call.head_dim, box_rows, SWIZZLE_128B, TMA_CHUNK,
                                        (s_row * max(array_rows, 1), s_row, s_head, s_dim),
                                        name=name)
+            # (the map, the address of its 128 bytes: what a launch's entry points at)
+            entry = (tmap, int(tmap.getPtr()))
             if len(self._maps) >= 256:
                 self._maps.pop(next(iter(self._maps)), None)
-            self._maps[key] = tmap
-        return tmap
+            self._maps[key] = entry
+        return entry
 
     def run_tiles(self, workspace_ptr: int, cu_q_ptr: int, cu_k_ptr: int, seqused_ptr: int,
                   bounds_ptr: int) -> None:
@@ -304,8 +314,7 @@ class Launcher:
                 cu_q_ptr, cu_k_ptr, seqused_ptr, workspace_ptr,
                 workspace_ptr + self._scratch_offset, bounds_ptr)):
             holder.value = value
-        _check(self._launch(self.tiles_config, self.tiles_fn.handle, self._tiles.address, 0),
-               TILES_ENTRY)
+        self._tiles_launch(self._tiles.address)
 
     def run_forward(self, q, k, v, out, lse_ptr: int, table_ptr: int) -> None:
         """Enqueue the forward kernel's varlen build over the table at table_ptr. q, k, v and
@@ -328,8 +337,9 @@ class Launcher:
                 self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"))
 
     def maps_at(self, q, k, v, out) -> tuple:
-        """The four maps for (ptr, strides) pairs of arrays of this geometry (the plans' torch
-        path: no views built). A map seen before is one dict lookup (_map_at's key)."""
+        """The four (map, address) pairs for (ptr, strides) pairs of arrays of this geometry
+        (the plans' torch path: no views built). A map seen before is one dict lookup
+        (_map_at's key)."""
         call = self.call
         if not call.total_k:
             k = v = q                                           # as _maps_of
@@ -343,22 +353,18 @@ class Launcher:
                     ("k", k[0], k[1], k_rows, heads_kv, tk, bn),
                     ("v", v[0], v[1], k_rows, heads_kv, tk, bn),
                     ("out", out[0], out[1], tq, heads, tq, qb)):
-            tmap = get(key)
-            maps.append(tmap if tmap is not None else self._map_at(*key))
+            entry = get(key)
+            maps.append(entry if entry is not None else self._map_at(*key))
         return maps
 
     def _forward_locked(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
                         table_ptr: int) -> None:
-        entries = self._forward.array
-        for slot, tmap in zip(self._forward_maps, maps):
-            entries[slot] = tmap.getPtr()
-        for holder, value in zip(self._forward_slots, (
-                out_ptr, o_row, o_head, o_row * max(self.call.total_q, 1), lse_ptr,
-                table_ptr)):
-            holder.value = value
+        q, k, v, o = maps
+        self._forward.array[self._forward_maps] = (q[1], k[1], v[1], o[1])
+        self._forward_words[:] = (out_ptr, o_row, o_head, o_row * self._o_rows, lse_ptr,
+                                  table_ptr)                    # FORWARD_WORDS' order
         # the maps stay referenced (maps) until the driver has copied their bytes
-        _check(self._launch(self.forward_config, self.forward_fn.handle,
-                            self._forward.address, 0), "ptxattn_fwd (varlen)")
+        self._forward_launch(self._forward.address)
 
     def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
             cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
@@ -380,6 +386,11 @@ class Launcher:
             self._forward_locked(maps, out_ptr, o_row, o_head, lse_ptr, workspace_ptr)
 
 
+# the forward kernel's parameters a call rewrites besides its maps, in _forward_locked's order
+FORWARD_WORDS = ("o_ptr", "o_row_stride", "o_head_stride", "o_batch_stride", "lse_ptr",
+                 "tiles_ptr")
+
+
 class _Packed:
     """A kernel's parameters as a void*[] of our own (driver.pack_params' layout), built once:
     numbers sit in ctypes holders that a call rewrites in place, and the by-value tensor maps
@@ -389,11 +400,24 @@ class _Packed:
 
     _PLACEHOLDER = (ctypes.c_char * 128)()      # a map slot before its first call
 
-    def __init__(self, values, types, maps, names):
+    def __init__(self, values, types, maps, names, words=()):
         self.holders = []
         addresses = []
+        # `words`: 8-byte parameters (pointers, u64) kept adjacent in one array, in that
+        # order, so that a call rewrites them with one slice assignment
+        if set(words) - set(names):
+            raise ValueError(f"per-call words {sorted(set(words) - set(names))}: no such "
+                             "parameter")
+        self.words = (ctypes.c_uint64 * max(len(words), 1))()
         for name, value, ctype in zip(names, values, types):
-            if ctype is None:
+            if name in words:
+                if ctype is None or ctypes.sizeof(ctype) != 8:
+                    raise ValueError(f"{name}: a per-call word must be an 8-byte parameter")
+                i = words.index(name)
+                self.words[i] = int(value or 0)
+                self.holders.append(None)
+                addresses.append(ctypes.addressof(self.words) + 8 * i)
+            elif ctype is None:
                 if name not in maps:
                     raise ValueError(f"{name}: a by-value parameter without a per-call map")
                 self.holders.append(None)
@@ -414,12 +438,6 @@ def detached(call: VarlenCall) -> VarlenCall:
     return dataclasses.replace(call, q=None, k=None, v=None, out=None, out_given=None,
                                cu_q=None, cu_k=None, seqused_k=None, stream_object=None,
                                objects={})
-
-
-def _check(result, what: str) -> None:
-    err = int(result[0])
-    if err:
-        raise CudaError(err, f"cuLaunchKernelEx ({what})")
 
 
 # --------------------------------------------------------------------------- one call

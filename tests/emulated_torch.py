@@ -2,8 +2,8 @@
 integrations' own kernel path (plans, launches) on the CPU emulator.
 
 EmulatedTorch(fake, monkeypatch) makes, for the test's duration:
-- torch.empty(..., device=<a CPU device>) allocate in the emulator's global memory (a torch
-  view of the allocation's bytes), and to_device(t) copy t there with t's strides (a
+- torch.empty(..., device=<a CPU device>) and a CPU tensor's new_empty(...) allocate in the
+  emulator's global memory (a torch view of the allocation's bytes), and to_device(t) copy t there with t's strides (a
   transposed view stays transposed, as the kernels see transformers' tensors);
 - Tensor.data_ptr() answer the emulated device address of such a tensor (its offset kept),
   and is_cuda / get_device(), torch's raw current stream (0) and the device capability
@@ -60,7 +60,18 @@ class EmulatedTorch:
                 size = tuple(size[0])
             return self.empty(tuple(int(n) for n in size), dtype or torch.float32)
 
+        real_new_empty = T.new_empty
+
+        def new_empty(t, *size, dtype=None, **kw):
+            # a CUDA tensor's new_empty allocates on its device: here, the emulator's memory
+            if t.device.type != "cpu" or kw:
+                return real_new_empty(t, *size, dtype=dtype, **kw)
+            if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+                size = tuple(size[0])
+            return self.empty(tuple(int(n) for n in size), dtype or t.dtype)
+
         monkeypatch.setattr(T, "data_ptr", data_ptr)
+        monkeypatch.setattr(T, "new_empty", new_empty)
         monkeypatch.setattr(T, "is_cuda", property(lambda t: True), raising=False)
         monkeypatch.setattr(T, "get_device", lambda t: 0)
         monkeypatch.setattr(torch, "empty", empty)

@@ -486,6 +486,7 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel(paged):
     recording launch), for one split (decode writes out and LSE) and for several (decode
     writes the workspace, the combine the output); a paged Launcher's kernels get the block
     table's address."""
+    import functools
     import threading
     launched = []
 
@@ -511,17 +512,16 @@ def test_launcher_run_fills_every_per_call_slot_of_each_kernel(paged):
         ln.append_pack = decode_launch.Pack(decode_launch.append_params(paged),
                                             values(decode_launch.append_params(paged)),
                                             decode_launch.APPEND_PER_CALL + extra)
-        ln.decode_config = ln.combine_config = ln.append_config = None
         launched.clear()
 
-        def launch(config, fn, address, _extra):
+        def launch(fn, address):
             packs = {"decode": ln.decode, "combine": ln.combine, "append": ln.append_pack}
             pack = packs[fn]
             assert address == pack.address
             launched.append((fn, {n: h.value for n, h in pack.slot.items()
                                   if not isinstance(h, _FakeMap)}))
-            return (0,)
-        ln._launch = launch
+        ln.launches = {fn: functools.partial(launch, fn) for fn in ("append", "decode",
+                                                                    "combine")}
         ln.run(q_ptr=0x1000, out_ptr=0x2000, lse_ptr=0x3000, ws_ptr=0x4000,
                seqlens_ptr=0x5000, seqlen_const=77, k_new_ptr=0x6000, v_new_ptr=0x7000,
                bounds_ptr=0x8000, block_table_ptr=0x9000)

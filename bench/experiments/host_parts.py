@@ -6,10 +6,14 @@ PrefillPlan.run on torch tensors (8 sequences of 128 tokens, 32:8 heads, D 128, 
 offsets: one launch) is timed whole, with a caller's out= and without, and then its parts one
 by one, each in a loop of its own with the queue full (bench/callpath.py's host_us):
   torch_empty         torch.empty of the output's shape (what a run without out= allocates)
-  torch_meta_x3       tensors.torch_meta of q, k and v (the fast path's checks read these)
+  torch_meta_x3       tensors.torch_meta of q, k and v (session 9's checks read these)
+  torch_ptr_x3        tensors.torch_ptr of q, k and v (the same checks against the plan's
+                      shapes and strides, without tuples: what run() pays since session 10)
+  new_empty           q.new_empty of the output's shape (run()'s allocation since session 10)
   current_stream      tensors.torch_current_stream (the stream check)
   maps_at             the Launcher's four tensor maps for addresses seen before (dict lookups)
-  launch              the Launcher's launch from those maps (slots rewritten, cuLaunchKernelEx)
+  launch              the Launcher's launch from those maps (slots rewritten, cuLaunchKernelEx:
+                      through ctypes, or cuda.bindings with PTXATTN_LAUNCH=binding)
   sdpa_small          torch's SDPA on (1, 32, 128, 128): a torch attention call's host time
 The parts' sum against the whole says what is left in the glue. --fake: the pretend driver and
 CPU tensors (a plumbing check; the figures are this CPU's, not the H200 host's).
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import callpath as cb                                       # noqa: E402
 
 import ptxattn                                              # noqa: E402
-from ptxattn import tensors                                 # noqa: E402
+from ptxattn import driver, tensors                         # noqa: E402
 
 H, HKV, D, SEQS, LEN = 32, 8, 128, 8, 128
 
@@ -60,6 +64,10 @@ def parts(torch, device: str) -> dict:
         "torch_empty": lambda: torch.empty(geometry[5], dtype=torch.bfloat16, device=device),
         "torch_meta_x3": lambda: (tensors.torch_meta(q), tensors.torch_meta(k),
                                   tensors.torch_meta(v)),
+        "torch_ptr_x3": lambda: (tensors.torch_ptr(q, shapes[0], shapes[1], geometry[1]),
+                                 tensors.torch_ptr(k, shapes[2], shapes[3], geometry[1]),
+                                 tensors.torch_ptr(v, shapes[4], shapes[5], geometry[1])),
+        "new_empty": lambda: q.new_empty(geometry[5]),
         "current_stream": lambda: tensors.torch_current_stream(0),
         "maps_at": lambda: ln.maps_at((qp, shapes[1]), (kp, shapes[3]), (vp, shapes[5]),
                                       (op, out_strides)),
@@ -82,18 +90,21 @@ def main(argv=None) -> int:
             stack.enter_context(cb.torch_pretends_cuda(torch))
         device = "cpu" if args.fake else "cuda"
         fns = parts(torch, device)
+        mode = driver.launch_mode()
         block = cb._blocker(args.fake, torch)
         results = {}
         for label, fn in fns.items():
             results[label] = cb.host_us(fn, args.calls, args.repeats, block, args.fake)
             print(f"host_parts {label:16s} {results[label]['median_us']:7.2f} µs/call "
                   f"(cpu {results[label]['cpu_median_us']:.2f})", flush=True)
-    summed = sum(results[p]["median_us"] for p in ("torch_empty", "torch_meta_x3",
+    summed = sum(results[p]["median_us"] for p in ("new_empty", "torch_ptr_x3",
                                                    "current_stream", "maps_at", "launch"))
-    print(f"host_parts parts' sum {summed:.2f} µs against run {results['run']['median_us']:.2f}")
+    print(f"host_parts parts' sum {summed:.2f} µs against run {results['run']['median_us']:.2f}"
+          f" (launches: {mode})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"fake": args.fake, "parts": results, "parts_sum_us": summed}, f, indent=1)
+            json.dump({"fake": args.fake, "launch": mode, "parts": results,
+                       "parts_sum_us": summed}, f, indent=1)
     return 0
 
 

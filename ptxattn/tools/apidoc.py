@@ -38,6 +38,14 @@ ENVIRONMENT = {
                              "ValueError naming the first bad entry (waits for the GPU)."),
     "PTXATTN_POISON_WORKSPACE": ("unset (0)", "1: decode fills its split-KV workspace with NaN "
                                  "before each call (tests: a partial never written shows)."),
+    "PTXATTN_LAUNCH": ("unset (ctypes where libcuda has cuLaunchKernelEx)",
+                       "binding: every launch through cuda.bindings' cuLaunchKernelEx instead "
+                       "of ptxattn.fastlaunch's ctypes call (a measurement knob); read when a "
+                       "Launcher or LaunchSpec is built."),
+    "CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": (
+        "0", "cuda.bindings' own switch to the per-thread default stream; ptxattn reads it "
+             "too: set, every launch goes through the binding (which then resolves the "
+             "_ptsz entry points), not ctypes."),
     "PTXATTN_DECODE_PDL": ("1", "0: the decode's combine kernel launches plainly instead of "
                            "with programmatic dependent launch (a measurement knob)."),
     "PTXATTN_PAGED_VARIANT": ("unset: warp_ahead (decode_builds.DEFAULT_PAGED_VARIANT)",

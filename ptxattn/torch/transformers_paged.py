@@ -461,7 +461,7 @@ def _remembered(module, query, key, value, scaling, kwargs):
     if (geometry is None or (q_ptr | k_ptr | v_ptr) % 16
             or geometry[0] != (rows[0], rows[3], rows[1], rows[4], rows[2], rows[5])):
         return None
-    out = plan._run_at(query.device, q_ptr, k_ptr, v_ptr)
+    out = plan._run_at(query, q_ptr, k_ptr, v_ptr)
     sdpa._note_packed("varlen")
     return out.view(1, qs[2], qs[1], qs[3])
 
