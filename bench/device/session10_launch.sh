@@ -26,6 +26,15 @@ for mode in binding ctypes; do
         --repeats 7 >> "$LOG" 2>&1
     echo "serving_bench $mode rc $?" | tee -a "$LOG"
 done
+for mode in binding ctypes; do
+    part "decode host us per call (dechost_cpu --gpu), launches: $mode"
+    PTXATTN_LAUNCH=$([ $mode = binding ] && echo binding) timeout 60 python3 \
+        bench/experiments/dechost_cpu.py --gpu --out "$OUT/dechost-$mode.json" >> "$LOG" 2>&1
+    echo "dechost $mode rc $?" | tee -a "$LOG"
+done
+part "generate profile, batch 8 (dynamic)"
+timeout 120 python3 bench/experiments/generate_profile.py --batch 8 --no-static --tokens 24 \
+    >> "$LOG" 2>&1; echo "gen b8 rc $?" | tee -a "$LOG"
 part "end"
-grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  " "$LOG" | cut -c1-200 \
+grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  |us_per_call|== |steps: " "$LOG" | cut -c1-200 \
     | tail -70
