@@ -574,9 +574,13 @@ def plan_splits(q_shape, k_cache_shape, layout: str = "bshd", sm_count: int | No
 # extents against q, out and the new keys, an int length within the new top, the split
 # count of the new length) and runs a Launcher of the geometry rebound to them
 # (Launcher.rebind: two fresh tensor maps, cache_len, the append's cache pointers), remembering
-# nothing per step. A binding the second level has served before (a static cache seen on its
-# first step through the second level) takes the full path once, which remembers it at the
-# first level with a Launcher of its own, so a static cache's steady call stays that path.
+# nothing per step. A binding the second level served again within _PROMOTE_WITHIN of its
+# calls (a static cache: the same caches every step, one step of layers apart) takes the full
+# path once, which remembers it at the first level with a Launcher of its own, so a static
+# cache's steady call stays that path. A binding that comes back only later (a benchmark or a
+# server replaying the same prompt: the allocator hands back the same addresses at the same
+# lengths) stays on the second level: promoted, it would be evicted from the first level's
+# _STEADY_MAX entries before its next sight, a full path every replayed step.
 
 _STEADY: dict[tuple, "_Steady"] = {}
 _STEADY_MAX = 256
@@ -584,8 +588,10 @@ _STEADY_LOCK = threading.Lock()
 _LAUNCHERS: dict[tuple, Launcher] = {}
 _REBOUND: dict[tuple, "_Rebound"] = {}
 _REBOUND_SPLITS_MAX = 8      # Launchers a second-level entry keeps (one per split count)
-_SEEN: dict[tuple, None] = {}
+_SEEN: dict[tuple, int] = {}   # binding -> the second-level call that served it last
 _SEEN_MAX = 4096             # the bindings the second level served last (oldest go first)
+_PROMOTE_WITHIN = _STEADY_MAX  # second-level calls between two sights that promote a binding
+_SERVED = [0]                # second-level calls so far (under _STEADY_LOCK)
 
 
 def clear_steady_cache() -> None:
@@ -594,6 +600,7 @@ def clear_steady_cache() -> None:
         _LAUNCHERS.clear()
         _REBOUND.clear()
         _SEEN.clear()
+        _SERVED[0] = 0
 
 
 def _bounded_put(table: dict, key, value, limit: int) -> None:
@@ -816,8 +823,9 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
             if o0 < a1 and a0 < o1:
                 return None, key
     if second:
-        with _STEADY_LOCK:                  # a binding served here once; a second sight of
-            _bounded_put(_SEEN, binding, None, _SEEN_MAX)   # it takes the full path
+        with _STEADY_LOCK:                  # a binding served here; seen again soon, it
+            _SERVED[0] += 1                 # takes the full path (promoted, _moved_caches)
+            _bounded_put(_SEEN, binding, _SERVED[0], _SEEN_MAX)
     call = entry.call
     f_out = out if out is not None else torch.empty(call.out_shape, dtype=torch.bfloat16,
                                                     device=q.device)
@@ -845,7 +853,7 @@ def _moved_caches(rebound: _Rebound, km, vm):
     """(binding, cache spans, top, Launcher or None) for caches the second-level key leaves
     out, after the full path's checks of them (v_cache's shape, the length's range, TMA's
     base and strides, the append's shared strides and k_cache/v_cache overlap); None when one
-    fails (the full path then raises its error) or the binding was served here before. The
+    fails (the full path then raises its error) or the binding was served here recently. The
     Launcher is None when the new length asks for a split count this entry has not built."""
     call = rebound.call
     k_ptr, k_shape, k_strides, _ = km
@@ -857,8 +865,9 @@ def _moved_caches(rebound: _Rebound, km, vm):
     if not (1 <= length <= MAX_CACHE_LEN and seq_new <= length) or (k_ptr | v_ptr) % 16:
         return None
     binding = (k_ptr, v_ptr, length, tuple(k_strides), tuple(v_strides))
-    if binding in _SEEN:
-        return None
+    last = _SEEN.get(binding)
+    if last is not None and _SERVED[0] - last < _PROMOTE_WITHIN:
+        return None                        # a static cache's: promoted to the first level
     layout = call.layout
     try:
         for strides in ((k_strides,) if k_strides == v_strides else (k_strides, v_strides)):

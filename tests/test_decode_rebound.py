@@ -293,6 +293,31 @@ def test_a_static_cache_settles_on_the_first_level(fake, counted):
     assert len(decode._STEADY) == layers
 
 
+def test_a_replayed_sequence_stays_on_the_second_level(fake, counted, monkeypatch):
+    """The same growing caches at the same addresses and lengths again, more than
+    _PROMOTE_WITHIN second-level calls later (a benchmark replaying one prompt: the allocator
+    returns the same blocks): each replayed step is served by the second level, no full path
+    (session 10: generate_profile's replays took the full path on every repeated binding);
+    seen again within it, a binding is promoted (the static cache's rule)."""
+    monkeypatch.setattr(decode, "_PROMOTE_WITHIN", 8)
+    steps, layers = 6, 2
+    dyn = Dynamic(300, steps, layers)
+    q = _q()
+
+    def replay():
+        for step in range(steps):
+            for layer in range(layers):
+                decode.flash_attn_with_kvcache(q, *dyn.caches(step, layer))
+    replay()
+    first = counted["validate"]
+    replay()                               # 12 > 8 second-level calls since each sight
+    assert counted["validate"] == first, counted
+    # a binding seen again right away (within 8 calls) is promoted: one full path
+    k, v = dyn.caches(steps - 1, layers - 1)
+    decode.flash_attn_with_kvcache(q, k, v)
+    assert counted["validate"] == first + 1
+
+
 def test_a_launcher_rebound_and_back_launches_each_bindings_maps(fake):
     """Two remembered calls sharing one Launcher (the second level rebinds it) each launch
     with their own caches' maps: the binding goes with every run."""
