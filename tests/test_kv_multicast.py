@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ptxattn import kv_multicast, reference, stages, tile_walk
+from ptxattn import kv_multicast, ptx, reference, stages, tile_walk
 from ptxattn.api import prepare
 
 from emulator_checks import plant, qkv
@@ -109,7 +109,7 @@ def test_walk_section_in_pairs():
 # ---- the kernel on the emulator -------------------------------------------------------------
 
 def _run(monkeypatch, B, H, Lq, Lk, *, hkv=None, layout="bhld", seed=None, ctas=None,
-         lse=False, edits=()):
+         lse=False, edits=(), defines=MCAST, raw=False):
     from ptxattn.tools.emulator import fake_driver
     fake = fake_driver.install(monkeypatch, seed=seed, raise_hazards=False)
     if edits:
@@ -118,7 +118,7 @@ def _run(monkeypatch, B, H, Lq, Lk, *, hkv=None, layout="bhld", seed=None, ctas=
         monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", str(ctas))
     try:
         q, k, v = qkv(B, H, Lq, Lk, 128, heads_kv=hkv, layout=layout, seed=Lq + H)
-        p = prepare(q, k, v, layout=layout, return_lse=lse, defines=MCAST)
+        p = prepare(q, k, v, layout=layout, return_lse=lse, defines=defines)
         assert p.cluster == (2, 1, 1) and p.grid[0] % 2 == 0
         p.launch()
         out = p.out.to_numpy()
@@ -129,6 +129,8 @@ def _run(monkeypatch, B, H, Lq, Lk, *, hkv=None, layout="bhld", seed=None, ctas=
     (name, grid, block, smem, report), = fake.launches
     ref = reference.attention_reference(q, k, v, layout=layout, return_lse=lse)
     ref, ref_lse = ref if lse else (ref, None)
+    if raw:                                              # the output itself, not its metrics
+        return report, out, ref
     return report, reference.error_metrics(out, ref), got_lse, ref_lse
 
 
@@ -176,3 +178,57 @@ def test_emulator_catches_an_early_exit(monkeypatch):
     report, _, _, _ = _run(monkeypatch, 1, 2, 512, 512, seed=1, ctas=2, edits=(
         ("barrier.cluster.arrive.release;", ""), ("barrier.cluster.wait.acquire;", "")))
     assert "cluster-peer-exited" in {h.kind for h in report.hazards}, report.hazards
+
+
+# ---- what the emulator does not model: a shared::cta address's cluster rank ----------------
+
+def _desc_starts(text: str) -> list[list[str]]:
+    """Per wgmma descriptor built from an address (include/wgmma_desc.ptxh MAKE_DESC: shr 4,
+    cvt.u64, or), the statements between the shift and the cvt."""
+    lines = [s.strip() for s in text.splitlines()]
+    out = []
+    for i, s in enumerate(lines):
+        if s.startswith("cvt.u64.u32 %desc_"):
+            tmp = s.split(",")[1].strip().rstrip(";")
+            j = max(n for n in range(i) if lines[n].startswith(f"shr.u32 {tmp}, "))
+            out.append(lines[j + 1:i])
+    return out
+
+
+def test_descriptors_drop_the_cluster_rank():
+    """In a cluster launch a shared::cta address is %cluster_ctarank << 24 | offset on sm_90
+    (ptxas builds a .shared symbol's address from SR_CgaCtaId << 24); shifted right by 4,
+    rank 1's bit lands in bit 20 of a wgmma descriptor, the LBO field, and its MN-major V
+    descriptor reads the other half of D 256 bytes too far (the first GPU run: rank 1's
+    columns 64..127 wrong at every shape). The emulator's shared addresses carry no rank, so
+    the check is on the text: every descriptor of the multicast build keeps the offset's
+    bits 4-17 only; the unicast build's descriptors are as before (no mask)."""
+    mc = _desc_starts(ptx.source(_prod(), MCAST))
+    assert len(mc) >= 3                                   # K, V, and Q's per tile
+    assert all(between == ["and.b32 %tmp, %tmp, 0x3FFF;"] for between in mc), mc
+    assert all(between == [] for between in _desc_starts(ptx.source(_prod())))
+    old = _desc_starts(ptx.source(_prod(), {**MCAST, "PTXATTN_MCAST_DEBUG_NO_DESC_MASK": "1"}))
+    assert all(between == [] for between in old)          # the probe's failing build
+
+
+def _gpu_address(reg: str) -> tuple[str, str]:
+    """A planted edit: the descriptor of the tile at REG built from the address the GPU has
+    there (%cluster_ctarank << 24 | offset), the rest of the kernel left on the emulator's."""
+    return (f"shr.u32 %tmp, {reg}, 4;",
+            "{ .reg .b32 %hw; shl.b32 %hw, %cta_rank, 24; or.b32 %hw, %hw, " + reg
+            + "; shr.u32 %tmp, %hw, 4; }")
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_descriptors_on_the_gpus_addresses(monkeypatch, masked):
+    """K's and V's descriptors built from the GPU's addresses: the multicast build (masked)
+    computes every block right; the first build (PTXATTN_MCAST_DEBUG_NO_DESC_MASK) shows the
+    first GPU run's signature: rank 0's blocks and every block's columns 0..63 right, rank
+    1's (odd blocks') columns 64..127 wrong (NaN here: the read past the slot meets the
+    emulator's poisoned shared memory)."""
+    defines = MCAST if masked else {**MCAST, "PTXATTN_MCAST_DEBUG_NO_DESC_MASK": "1"}
+    _, out, ref = _run(monkeypatch, 1, 2, 256, 256, seed=1, defines=defines, raw=True,
+                       edits=(_gpu_address("%sK"), _gpu_address("%sV")))
+    ok = [reference.passes(reference.error_metrics(out[:, :, rows, cols], ref[:, :, rows, cols]))
+          for rows in (slice(0, 128), slice(128, 256)) for cols in (slice(0, 64), slice(64, 128))]
+    assert ok == ([True] * 4 if masked else [True, True, True, False]), ok

@@ -9,6 +9,9 @@
 #      cluster walking 4 pairs); a tool that refuses clusters is reported, not fatal
 #   4. ncu at natural clocks, base and mc at (4,16,8192,128): L2 hit rate, DRAM bytes, SM clock
 #      (only while END_S leaves time)
+# Run 2 re-tests the build after the rank-1 descriptor fix (run1: 18 of 19 tests failed; the
+# cause and the probe, bench/device/session10_mcast_probe.sh: bench/notes.md, "the rank-1
+# descriptor bug"): expected 19 passed, then the timings.
 # Expected: about 4 minutes (at most ~7 if every part runs to its timeout; ncu only while
 # END_S=250 s leaves room). Files in $OUT: mcast.log, variants.jsonl, ncu-mcast.jsonl.
 set -uo pipefail

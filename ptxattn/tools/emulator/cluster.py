@@ -17,7 +17,11 @@ What a launch with cluster dims (cx, cy, cz) gets here:
 Checked: an access of a peer's shared memory or barriers after the peer's last warp exited is
 a hazard (cluster-peer-exited): on the GPU its shared memory may already belong to another CTA.
 Not modelled: the memory ordering of .release/.acquire (memory is sequentially consistent),
-and clusters whose CTAs are not all resident (every CTA of the grid is).
+clusters whose CTAs are not all resident (every CTA of the grid is), and the rank bits of a
+shared::cta address: on sm_90 a CTA's own shared addresses are %cluster_ctarank << 24 | offset
+(a .shared symbol's address included), here plain offsets. Code that does arithmetic on
+them (a wgmma descriptor's 14-bit start field) is right here and wrong on rank 1 of the GPU
+unless it masks (tests/test_kv_multicast.py checks the multicast build's descriptors on text).
 """
 
 from __future__ import annotations
