@@ -14,11 +14,11 @@ import subprocess
 
 import numpy as np
 import pytest
+from cuda.bindings import driver as d          # cuda-python: a hard dependency
 
 from ptxattn import driver, fastlaunch
 from ptxattn.errors import CudaError
 
-d = pytest.importorskip("cuda.bindings.driver")
 
 CUDA_H_DIRS = ("/usr/local/cuda/include", "/usr/local/cuda-13.0/include")
 
