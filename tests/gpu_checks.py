@@ -41,6 +41,21 @@ def import_or_skip(name: str):
         skip_or_fail(f"{name} is not importable here: {type(e).__name__}: {e}")
 
 
+def launch_once(p, out, inputs, lse: bool):
+    """(out, lse or None) on the host after one launch of prepared call `p` into `out` (already
+    NaN-poisoned), its LSE poisoned first when asked; p closed and `out` and `inputs` freed."""
+    from ptxattn import driver
+    if lse:
+        driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
+    p.launch()
+    o = out.to_numpy()
+    l = p.lse.to_numpy() if lse else None
+    p.close()
+    for x in (*inputs, out):
+        x.free()
+    return o, l
+
+
 def seq_axis(layout: str) -> int:
     return 2 if layout == "bhld" else 1
 

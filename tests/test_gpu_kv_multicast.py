@@ -17,7 +17,7 @@ from ptxattn import driver, kv_multicast, tensors
 from ptxattn.api import prepare
 from ptxattn.reference import BF16, attention_reference, error_metrics, sample_rows
 
-from gpu_checks import assert_passes
+from gpu_checks import assert_passes, launch_once
 
 pytestmark = pytest.mark.gpu
 
@@ -45,15 +45,7 @@ def run(q, k, v, layout, lse=True):
     assert p.grid[0] % 2 == 0 and p.grid[1:] == (1, 1)
     most = driver.max_active_clusters(p.function, p.block, p.smem_bytes, p.cluster)
     assert 1 <= p.grid[0] // 2 <= most
-    if lse:
-        driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)  # f32 NaN
-    p.launch()
-    o = out.to_numpy()
-    l = p.lse.to_numpy() if lse else None
-    p.close()
-    for x in (qd, kd, vd, out):
-        x.free()
-    return o, l
+    return launch_once(p, out, (qd, kd, vd), lse)
 
 
 def check(B, H, Hkv, Lq, Lk, layout, seed, lse=True):

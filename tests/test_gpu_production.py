@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import ptxattn
-from ptxattn import driver, stages, tensors
+from ptxattn import stages, tensors
 from ptxattn.reference import BF16, attention_reference, error_metrics, passes, sample_rows
+from gpu_checks import launch_once
 
 pytestmark = pytest.mark.gpu
 
@@ -55,15 +56,7 @@ def launch(q, k, v, layout, *, lse=True, **mask):
     assert p.block == (build.threads, 1, 1)      # D = 64: 512 threads, three consumers
     assert p.smem_bytes == build.smem_bytes
     assert (("PTXATTN_MASKED", "1") in p.stage.defines) == masked
-    if lse:
-        driver.memset_u16(p.lse.ptr, 0xFFFF, 2 * p.lse.size)   # f32 NaN
-    p.launch()
-    o = out.to_numpy()
-    l = p.lse.to_numpy() if lse else None
-    p.close()
-    for x in (qd, kd, vd, out):
-        x.free()
-    return o, l
+    return launch_once(p, out, (qd, kd, vd), lse)
 
 
 def check(q, k, v, layout, seed, lse=True, **mask):
