@@ -21,7 +21,7 @@ import os
 import threading
 from pathlib import Path
 
-from . import driver, tma
+from . import driver, fastlaunch, tma
 from .decode_builds import (APPEND_THREADS, COMBINE_THREADS, THREADS, DecodeBuild,
                             paged_variant)
 from .stages import SWIZZLE_128B, ptx_root
@@ -154,6 +154,7 @@ class Pack:
             ([values[n] for n in names], [ctype for _, ctype in table]))
         self.slot = {n: self.holders[i] for i, n in enumerate(names)}
         self.per_call = tuple(self.slot[n] for n in per_call)
+        self.per_call_names = tuple(per_call)
         self._index = {n: i for i, n in enumerate(names)}
 
     def set_map(self, name: str, tmap) -> None:
@@ -167,6 +168,15 @@ class Pack:
         """The per-call slots, in the order of the kernel's *_PER_CALL names."""
         for holder, value in zip(self.per_call, values):
             holder.value = value
+
+    def frozen(self, *values) -> tuple[int, tuple]:
+        """A copy of the packed array with the per-call slots (fill's order) holding these
+        values, nothing shared that a later fill rewrites: (its address, what to keep
+        alive: the copy, its holders, the maps and constants it points at)."""
+        slots = {self._index[name]: type(holder)(value) for name, holder, value in zip(
+            self.per_call_names, self.per_call, values)}
+        address, keep = fastlaunch.frozen_params(self.holders[-1], slots)
+        return address, (keep, tuple(self.slot.values()))
 
 
 def binding_of(call) -> tuple:
@@ -357,6 +367,30 @@ class Launcher:
                 p = self.combine
                 p.fill(ws_ptr, ws_lse, out_ptr, lse_ptr)
                 launch["combine"](p.address)
+
+    def frozen(self, q_ptr: int, out_ptr: int, lse_ptr: int, ws_ptr: int, seqlens_ptr: int,
+               seqlen_const: int, k_new_ptr: int = 0, v_new_ptr: int = 0,
+               bounds_ptr: int = 0, block_table_ptr: int = 0) -> tuple:
+        """run()'s launches for the caches it holds with these arguments fixed (each kernel's
+        parameters copied: Pack.frozen), so that calling them takes no lock and rewrites no
+        slot: zero-argument launches in stream order, each returning its CUresult (0:
+        enqueued). A later rebind does not reach them (they keep the maps they point at)."""
+        split = self.splits > 1
+        ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
+        launches = []
+        with self.lock:
+            if self.append_fn is not None:
+                launches.append(self.launches["append"].frozen(*self.append_pack.frozen(
+                    k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const, block_table_ptr)))
+            if self.decode_fn is not None:
+                launches.append(self.launches["decode"].frozen(*self.decode.frozen(
+                    q_ptr, 0 if split else out_ptr, 0 if split else lse_ptr,
+                    ws_ptr if split else 0, ws_lse, seqlens_ptr, bounds_ptr, seqlen_const,
+                    block_table_ptr)))
+                if split:
+                    launches.append(self.launches["combine"].frozen(*self.combine.frozen(
+                        ws_ptr, ws_lse, out_ptr, lse_ptr)))
+        return tuple(launches)
 
 
 def programmatic_combine() -> bool:

@@ -441,6 +441,15 @@ class FastLaunch:
         if err:
             raise CudaError(err, self.what)
 
+    def frozen(self, params: int, keep):
+        """This launch with the void*[] at `params` (nothing rewrites it; `keep`: what it
+        points at) as a zero-argument call that returns the CUresult."""
+        fn = fastlaunch.raw_function()
+        if fn is None:
+            return FrozenLaunch(self, params, keep)
+        return fastlaunch.Frozen(fn, self._address, self._handle, params,
+                                 (keep, self._config), self.what)
+
 
 class BindingLaunch:
     """The same through cuda.bindings' cuLaunchKernelEx (as cu() answers it now)."""
@@ -455,6 +464,24 @@ class BindingLaunch:
         err = int(self._fn(self.config, self._handle, params, 0)[0])
         if err:
             raise CudaError(err, self.what)
+
+    def frozen(self, params: int, keep):
+        return FrozenLaunch(self, params, keep)
+
+
+class FrozenLaunch:
+    """A FastLaunch's or BindingLaunch's frozen() where fastlaunch.Frozen does not apply: the
+    same zero-argument call through the launch object (which raises its own CudaError;
+    0 otherwise, as Frozen's CUresult)."""
+
+    __slots__ = ("_launch", "_params", "_keep", "what")
+
+    def __init__(self, launch, params: int, keep):
+        self._launch, self._params, self._keep, self.what = launch, params, keep, launch.what
+
+    def __call__(self) -> int:
+        self._launch(self._params)             # raises CudaError itself
+        return 0
 
 
 def _fast_launch(config, function: Function, what: str) -> FastLaunch | None:

@@ -109,6 +109,7 @@ class Config:
 
 _LOCK = threading.Lock()
 _FUNCTION: list = []          # [the ctypes function or None], filled on first use
+_RAW: list = []               # [the same symbol without argtypes, or None]
 
 
 def wanted() -> bool:
@@ -129,6 +130,58 @@ def function():
     return _FUNCTION[0]
 
 
+def raw_function():
+    """The same cuLaunchKernelEx without argtypes: it takes ctypes.c_void_p objects as they
+    are (no conversion of Python ints per call), for launches whose arguments are all fixed
+    up front (Frozen)."""
+    if not _RAW:
+        with _LOCK:
+            if not _RAW:
+                fn = None
+                try:
+                    fn = ctypes.CDLL(LIBRARY)[SYMBOL]      # [name]: a new object, own argtypes
+                    fn.restype = ctypes.c_int
+                except (OSError, AttributeError):
+                    fn = None
+                _RAW.append(fn)
+    return _RAW[0]
+
+
+class Frozen:
+    """One kernel launch with every argument fixed: the config, the function and a void*[]
+    that nothing rewrites (frozen_params), so a call is the driver call alone and needs no
+    lock. `keep` holds what the array points at (holders, tensor maps) for as long as the
+    launch may be called."""
+
+    __slots__ = ("_fn", "_args", "_keep", "what")
+
+    def __init__(self, fn, config_address: int, handle: int, params_address: int, keep,
+                 what: str):
+        self._fn, self._keep, self.what = fn, keep, what
+        self._args = (ctypes.c_void_p(config_address), ctypes.c_void_p(handle),
+                      ctypes.c_void_p(params_address), None)
+
+    def __call__(self) -> int:
+        """The launch's CUresult (0: enqueued)."""
+        return self._fn(*self._args)
+
+
+def frozen_params(template, slots: dict) -> tuple[int, tuple]:
+    """A copy of a packed void*[] (`template`: a ctypes c_void_p array, driver.pack_params'
+    layout) with some entries replaced: `slots` maps an index to an address (a tensor map's
+    128 bytes) or to a ctypes value (held here, the entry pointing at it). Returns (the
+    copy's address, what must stay alive with it)."""
+    array = (ctypes.c_void_p * len(template))(*template)
+    held = []
+    for index, value in slots.items():
+        if isinstance(value, int):
+            array[index] = value
+        else:
+            held.append(value)
+            array[index] = ctypes.addressof(value)
+    return ctypes.addressof(array), (array, tuple(held))
+
+
 def _load():
     try:
         lib = ctypes.CDLL(LIBRARY)
@@ -143,3 +196,4 @@ def _load():
 def _reset_for_tests() -> None:
     with _LOCK:
         _FUNCTION.clear()
+        _RAW.clear()

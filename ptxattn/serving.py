@@ -40,6 +40,7 @@ engine rewrites afterwards.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import numpy as np
@@ -47,8 +48,10 @@ import numpy as np
 from . import decode, driver, tensors, varlen
 from .decode_builds import build_for, paged_variant
 from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
-                          check_out_view, choose_splits, m_tiles_of, scaled_paged_splits)
+                          check_out_view, choose_splits, m_tiles_of, overlaps,
+                          scaled_paged_splits)
 from .device_args import foreign, host_int32
+from .errors import CudaError
 from .varlen_plan import table_bytes, tile_table, window_params
 
 
@@ -111,6 +114,7 @@ class PrefillPlan:
         self._call = None                       # the first run's validated call
         self._launcher = None
         self._torch_geometry = None             # what _run_torch checks (torch plans)
+        self._frozen: dict = {}                 # addresses -> the Launcher's frozen launches
 
     def _own(self, values):
         view = _Int32View(values)
@@ -234,16 +238,28 @@ class PrefillPlan:
         lse = (like.new_empty(lse_shape, dtype=torch.float32)
                if lse_shape is not None else None)
         out_ptr = out.data_ptr()
-        maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
-                          (out_ptr, out_strides))
         lse_ptr = lse.data_ptr() if lse is not None else 0
+        ws = None
         if self._table is not None:
-            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, self._table.ptr, None)
+            ws_ptr = self._table.ptr
         else:
             ws = like.new_empty((ws_words,), dtype=torch.int32)
-            ln.run_at(maps, out_ptr, o_row, o_head, lse_ptr, ws.data_ptr(),
-                      self._offset_ptrs)
-            del ws                           # torch's caching allocator: stream-ordered
+            ws_ptr = ws.data_ptr()
+        # the launches of these addresses, frozen at their first call: the caching
+        # allocator hands a layer's tensors the same few addresses call after call
+        key = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ws_ptr)
+        launches = self._frozen.get(key)
+        if launches is None:
+            maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
+                              (out_ptr, out_strides))
+            launches = ln.frozen(maps, out_ptr, o_row, o_head, lse_ptr, ws_ptr,
+                                 None if self._table is not None else self._offset_ptrs)
+            _remember(self._frozen, key, launches)
+        for launch in launches:
+            err = launch()
+            if err:
+                raise CudaError(err, launch.what)
+        del ws                               # torch's caching allocator: stream-ordered
         return (out, lse) if lse is not None else out
 
     @property
@@ -253,6 +269,18 @@ class PrefillPlan:
         has fixed them; else None."""
         g = self._torch_geometry
         return None if g is None else g[:3]
+
+
+# frozen launches a plan keeps per layer of addresses (the oldest dropped past this): a
+# model's layers reuse a few allocator blocks, so a handful are live at a time
+FROZEN_PER_PLAN = 64
+
+
+def _remember(cache: dict, key, launches) -> None:
+    """Insert into a plan's bounded cache of frozen launches (plain dict order: oldest first)."""
+    if len(cache) >= FROZEN_PER_PLAN:
+        cache.pop(next(iter(cache), None), None)
+    cache[key] = launches
 
 
 def _aliases(out_ptr: int, input_ptrs: tuple, extents: tuple) -> bool:
@@ -379,6 +407,10 @@ class DecodePlan:
                                         max_pages=1, variant=paged_variant().name),
                     build.block_n, -(-max(longest, 1) // build.block_n))
         self._layers: dict = {}
+        # torch runs: the layers' geometry once a first torch layer fixed it (_TorchDecode),
+        # and per layer of caches its Launcher's frozen launches (_run_torch)
+        self._torch: _TorchDecode | None = None
+        self._torch_layers: dict = {}
 
     def _own(self, values):
         view = _Int32View(values)
@@ -411,7 +443,65 @@ class DecodePlan:
 
     def run(self, q, k_cache, v_cache, out=None, k=None, v=None):
         """One layer's decode step: the append (with k, v), the attention, the combine; out
-        (q's shape; fresh from the caller's allocator unless given), or (out, lse)."""
+        (q's shape, contiguous; fresh from the caller's allocator unless given), or
+        (out, lse)."""
+        if self._torch is not None:
+            result = self._run_torch(q, k_cache, v_cache, out, k, v)
+            if result is not None:
+                return result
+        return self._run_full(q, k_cache, v_cache, out, k, v)
+
+    def _run_torch(self, q, k_cache, v_cache, out, k, v):
+        """run() for plain torch tensors of the plan's torch geometry (_TorchDecode) on its
+        device and stream, caches seen before: their addresses checked as _run_full checks
+        them (shapes, strides, 16-byte bases, a given out not overlapping any input), then
+        the layer's launches for these addresses, frozen at their first call. None when
+        anything differs: then _run_full decides (and raises its errors)."""
+        g = self._torch
+        ptr, dev = tensors.torch_ptr, g.device
+        kc = ptr(k_cache, *g.k_cache, dev)
+        vc = ptr(v_cache, *g.v_cache, dev)
+        layer = self._torch_layers.get((kc, vc))
+        if layer is None:
+            return None
+        qp = ptr(q, *g.q, dev)
+        if qp is None or qp % 16 or tensors.torch_current_stream(dev) != g.stream:
+            return None
+        kp = vp = 0
+        if g.new is not None:
+            kp, vp = ptr(k, *g.new, dev), ptr(v, *g.new, dev)
+            if kp is None or vp is None or (kp | vp) % 16:
+                return None
+        elif k is not None or v is not None:
+            return None
+        inputs = (qp, kc, vc, kp, vp)
+        if out is not None:
+            op = ptr(out, *g.out, dev)
+            if op is None or op % 16 or _aliases(op, inputs, g.extents):
+                return None
+        else:
+            out = q.new_empty(g.out[0])
+            op = out.data_ptr()
+        torch = sys.modules["torch"]
+        lse = q.new_empty(g.lse_shape, dtype=torch.float32) if g.lse_shape else None
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+        ws = q.new_empty((g.ws_floats,), dtype=torch.float32) if g.ws_floats else None
+        ws_ptr = ws.data_ptr() if ws is not None else 0
+        key = (qp, op, lse_ptr, ws_ptr, kp, vp)
+        launches = layer.get(key)
+        if launches is None:
+            launcher, seqlens_ptr, seqlen_const, table_ptr = layer[None]
+            launches = launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const,
+                                       kp, vp, 0, table_ptr)
+            _remember(layer, key, launches)
+        for launch in launches:
+            err = launch()
+            if err:
+                raise CudaError(err, launch.what)
+        del ws                               # torch's caching allocator: stream-ordered
+        return (out, lse) if lse is not None else out
+
+    def _run_full(self, q, k_cache, v_cache, out, k, v):
         call, launcher, seqlens_ptr, seqlen_const, table_ptr, _, strides, shape = self._layer(
             q, k_cache, v_cache, k, v)
         # a plain bf16 torch q of the layer's shape and strides: its address alone (the
@@ -445,7 +535,7 @@ class DecodePlan:
                 out = tensors.empty(call.out_shape, stream=call.stream)
                 out_ptr = out.ptr
         else:
-            out_ptr = _ptr(out, call.stream)
+            out_ptr = self._checked_out(call, out, q, k_cache, v_cache, k, v)
         lse = None
         lse_ptr = 0
         if call.want_lse:
@@ -466,7 +556,85 @@ class DecodePlan:
         launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const, k_ptr, v_ptr,
                      0, table_ptr)
         del ws                               # stream-ordered (or torch's caching allocator)
+        if like is not None:
+            self._learn_torch(call, q, k_cache, v_cache, k, v,
+                              (launcher, seqlens_ptr, seqlen_const, table_ptr))
         return (out, lse) if call.want_lse else out
+
+    @staticmethod
+    def _checked_out(call, out, q, k_cache, v_cache, k, v) -> int:
+        """A caller's out: q's shape, contiguous (the layer's Launcher writes the output
+        with the strides it was built for), 16-byte aligned, aliasing no input."""
+        view = tensors.as_device_array(out, name="out", stream=call.stream)
+        strides = tensors.contiguous_strides(call.out_shape)
+        if tuple(view.shape) != tuple(call.out_shape) or (
+                math.prod(call.out_shape) > 1 and tuple(view.strides) != tuple(strides)):
+            raise ValueError(f"out: expected a contiguous array of q's shape "
+                             f"{tuple(call.out_shape)}, got shape {tuple(view.shape)} strides "
+                             f"{tuple(view.strides)}")
+        if view.readonly:
+            raise ValueError("out: the device array is exported read-only")
+        if view.ptr % 16:
+            raise ValueError(f"out: base address 0x{view.ptr:x} is not 16-byte aligned")
+        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}
+        for name, obj in inputs.items():
+            if obj is not None and overlaps(view, tensors.as_device_array(
+                    obj, name=name, stream=call.stream)):
+                raise ValueError(f"out: overlaps {name}; the output must not alias an input")
+        return view.ptr
+
+    def _learn_torch(self, call, q, k_cache, v_cache, k, v, layer) -> None:
+        """After a full run of torch tensors: the plan's torch geometry (from its first such
+        layer) and this layer's entry for _run_torch, when its tensors have that geometry."""
+        metas = [tensors.torch_meta(x) for x in (q, k_cache, v_cache)]
+        new = None
+        if call.seq_new:
+            new_metas = [tensors.torch_meta(x) for x in (k, v)]
+            if None in new_metas or new_metas[0][1:] != new_metas[1][1:]:
+                return
+            new = (tuple(new_metas[0][1]), tuple(new_metas[0][2]))
+        if None in metas:
+            return
+        (_, qs, qst, dev), (_, ks, kst, _), (_, vs, vst, _) = metas
+        out_shape = tuple(call.out_shape)
+        out_strides = tuple(tensors.contiguous_strides(out_shape))
+        geometry = _TorchDecode(
+            device=dev, stream=call.stream, q=(tuple(qs), tuple(qst)),
+            k_cache=(tuple(ks), tuple(kst)), v_cache=(tuple(vs), tuple(vst)), new=new,
+            out=(out_shape, out_strides),
+            lse_shape=tuple(call.lse_shape) if call.want_lse else None,
+            ws_floats=call.workspace_floats,
+            extents=tuple(tensors._span(0, *g, 2) for g in (
+                (tuple(qs), tuple(qst)), (tuple(ks), tuple(kst)), (tuple(vs), tuple(vst)),
+                new or ((0,), (1,)), new or ((0,), (1,)))) + (
+                tensors._span(0, out_shape, out_strides, 2),))
+        if self._torch is None:
+            self._torch = geometry
+        if geometry != self._torch:
+            return
+        key = (k_cache.data_ptr(), v_cache.data_ptr())
+        if key not in self._torch_layers:
+            if len(self._torch_layers) >= 4096:
+                self._torch_layers.pop(next(iter(self._torch_layers)), None)
+            self._torch_layers[key] = {None: layer}
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchDecode:
+    """What a DecodePlan's torch runs are checked against: device, stream, (shape, strides)
+    of q, the caches, the new keys/values (None without an append) and the output, the LSE's
+    shape (None without), the workspace's floats, and the byte extents about their bases of
+    q, k_cache, v_cache, k, v and the output (_aliases')."""
+    device: int
+    stream: int
+    q: tuple
+    k_cache: tuple
+    v_cache: tuple
+    new: tuple | None
+    out: tuple
+    lse_shape: tuple | None
+    ws_floats: int
+    extents: tuple
 
 
 def _int32_shape(name: str, obj) -> tuple:

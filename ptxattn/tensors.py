@@ -330,11 +330,18 @@ def torch_ptr(obj, shape: tuple, strides: tuple, device: int) -> int | None:
     it was validated with: no tuple built, one comparison each for shape and strides."""
     types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
         else _torch_types()
-    if (types is None or type(obj) is not types[1] or obj.dtype is not types[2]
-            or not obj.is_cuda or obj.requires_grad or obj.layout is not types[3]
-            or obj.is_nested or obj.is_conj() or obj.is_neg()
-            or obj.get_device() != device or obj.stride() != strides or obj.shape != shape):
-        return None                 # (is_nested before shape: a strided nested tensor has none)
+    if types is None or type(obj) is not types[1] or obj.dtype is not types[2]:
+        return None
+    try:
+        # torch_meta's checks in fewer reads: a bf16 tensor carries no conjugate bit (only
+        # complex ones do); the stride comparison refuses every non-strided layout (a sparse
+        # COO tensor's strides are zeros, the plans' innermost stride is 1; CSR and nested
+        # tensors have none and raise)
+        if (not obj.is_cuda or obj.get_device() != device or obj.requires_grad
+                or obj.is_neg() or obj.stride() != strides or obj.shape != shape):
+            return None
+    except RuntimeError:
+        return None
     return obj.data_ptr()
 
 

@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from . import builds, driver, launch, tensors, tma
+from . import builds, driver, fastlaunch, launch, tensors, tma
 from .choice import specialized
 from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
@@ -268,12 +268,15 @@ class Launcher:
             raise ValueError(f"{self.stage.name}: tmap_q..tmap_o are not adjacent parameters")
         self._forward_maps = slice(first, first + 4)
         self._forward_words = self._forward.words
+        self._forward_word_index = tuple(names.index(n) for n in FORWARD_WORDS)
         self._o_rows = max(call.total_q, 1)
         tiles_names = [n for n, _ in TILES_PARAMS]
         self._tiles = _Packed([self.tiles_values.get(n, 0) for n in tiles_names],
                               [t for _, t in TILES_PARAMS], (), tiles_names)
-        self._tiles_slots = self._tiles.holders_of(tiles_names, (
-            "cu_q_ptr", "cu_k_ptr", "seqused_k_ptr", "table_ptr", "scratch_ptr", "bounds_ptr"))
+        tiles_per_call = ("cu_q_ptr", "cu_k_ptr", "seqused_k_ptr", "table_ptr", "scratch_ptr",
+                          "bounds_ptr")
+        self._tiles_slots = self._tiles.holders_of(tiles_names, tiles_per_call)
+        self._tiles_index = tuple(tiles_names.index(n) for n in tiles_per_call)
         self._scratch_offset = 16 + 16 * call.max_entries
         self._maps: dict = {}
 
@@ -384,6 +387,26 @@ class Launcher:
             if offsets is not None:
                 self._tiles_locked(workspace_ptr, *offsets, 0)
             self._forward_locked(maps, out_ptr, o_row, o_head, lse_ptr, workspace_ptr)
+
+    def frozen(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
+               workspace_ptr: int, offsets: tuple | None) -> tuple:
+        """run_at's launches with these arguments fixed: each kernel's parameters copied into
+        a void*[] of their own (fastlaunch.frozen_params) that nothing rewrites, so a call
+        of them takes no lock and writes no slot. A tuple of zero-argument launches in
+        stream order, each returning its CUresult (0: enqueued); they keep the maps."""
+        launches = []
+        if offsets is not None:
+            values = (*offsets, workspace_ptr, workspace_ptr + self._scratch_offset, 0)
+            slots = {i: type(h)(value) for i, h, value in zip(
+                self._tiles_index, self._tiles_slots, values)}
+            address, keep = fastlaunch.frozen_params(self._tiles.array, slots)
+            launches.append(self._tiles_launch.frozen(address, keep))
+        words = (out_ptr, o_row, o_head, o_row * self._o_rows, lse_ptr, workspace_ptr)
+        slots = {i: ctypes.c_uint64(w) for i, w in zip(self._forward_word_index, words)}
+        slots.update({self._forward_maps.start + j: m[1] for j, m in enumerate(maps)})
+        address, keep = fastlaunch.frozen_params(self._forward.array, slots)
+        launches.append(self._forward_launch.frozen(address, (keep, tuple(maps))))
+        return tuple(launches)
 
 
 # the forward kernel's parameters a call rewrites besides its maps, in _forward_locked's order

@@ -14,6 +14,11 @@ by one, each in a loop of its own with the queue full (bench/callpath.py's host_
   maps_at             the Launcher's four tensor maps for addresses seen before (dict lookups)
   launch              the Launcher's launch from those maps (slots rewritten, cuLaunchKernelEx:
                       through ctypes, or cuda.bindings with PTXATTN_LAUNCH=binding)
+  frozen_launch       the same launch frozen (varlen.Launcher.frozen: its own parameter array,
+                      nothing rewritten, no lock): what run() pays since session 11
+  decode_run          DecodePlan.run of one layer (64 sequences, 32:8 heads, D 128, 8k cache,
+                      one new key appended: two launches), a fresh output
+  decode_run_out      the same with a caller's out=
   sdpa_small          torch's SDPA on (1, 32, 128, 128): a torch attention call's host time
 The parts' sum against the whole says what is left in the glue. --fake: the pretend driver and
 CPU tensors (a plumbing check; the figures are this CPU's, not the H200 host's).
@@ -56,6 +61,22 @@ def parts(torch, device: str) -> dict:
     qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     maps = ln.maps_at((qp, shapes[1]), (kp, shapes[3]), (vp, shapes[5]), (op, out_strides))
     table = plan._table.ptr
+    frozen = ln.frozen(maps, op, o_row, o_head, 0, table, None)
+
+    def frozen_launch():
+        for f in frozen:
+            f()
+    b, length = 64, 8192
+    kc = torch.empty(b, length, HKV, D, dtype=torch.bfloat16, device=device)
+    vc = torch.empty_like(kc)
+    dq = torch.randn(b, 1, H, D, dtype=torch.bfloat16, device=device)
+    kn = torch.randn(b, 1, HKV, D, dtype=torch.bfloat16, device=device)
+    vn = torch.randn_like(kn)
+    dout = torch.empty_like(dq)
+    step = ptxattn.plan_decode(batch=b, heads=H, heads_kv=HKV, head_dim=D, cache_len=length,
+                               cache_seqlens=np.full(b, length - 1, np.int32), seq_new=1,
+                               causal=True)
+    step.run(dq, kc, vc, k=kn, v=vn)
     sq = torch.randn(1, H, LEN, D, dtype=torch.bfloat16, device=device)
     F = torch.nn.functional
     return {
@@ -72,6 +93,9 @@ def parts(torch, device: str) -> dict:
         "maps_at": lambda: ln.maps_at((qp, shapes[1]), (kp, shapes[3]), (vp, shapes[5]),
                                       (op, out_strides)),
         "launch": lambda: ln.run_at(maps, op, o_row, o_head, 0, table, None),
+        "frozen_launch": frozen_launch,
+        "decode_run": lambda: step.run(dq, kc, vc, k=kn, v=vn),
+        "decode_run_out": lambda: step.run(dq, kc, vc, out=dout, k=kn, v=vn),
         "sdpa_small": lambda: F.scaled_dot_product_attention(sq, sq, sq, is_causal=True),
     }
 
@@ -98,7 +122,7 @@ def main(argv=None) -> int:
             print(f"host_parts {label:16s} {results[label]['median_us']:7.2f} µs/call "
                   f"(cpu {results[label]['cpu_median_us']:.2f})", flush=True)
     summed = sum(results[p]["median_us"] for p in ("new_empty", "torch_ptr_x3",
-                                                   "current_stream", "maps_at", "launch"))
+                                                   "current_stream", "frozen_launch"))
     print(f"host_parts parts' sum {summed:.2f} µs against run {results['run']['median_us']:.2f}"
           f" (launches: {mode})")
     if args.out:
