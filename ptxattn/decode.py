@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from . import driver, tensors, tma
+from .errors import CudaError
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
 from .decode_builds import FALLBACK_PAGED_VARIANT, PAGED_VARIANT_ENV, build_for, paged_variant
@@ -592,6 +593,7 @@ _SEEN: dict[tuple, int] = {}   # binding -> the second-level call that served it
 _SEEN_MAX = 4096             # the bindings the second level served last (oldest go first)
 _PROMOTE_WITHIN = _STEADY_MAX  # second-level calls between two sights that promote a binding
 _SERVED = [0]                # second-level calls so far (under _STEADY_LOCK)
+_FROZEN_PER_ENTRY = 16       # frozen launches a first-level entry keeps (oldest go first)
 
 
 def clear_steady_cache() -> None:
@@ -645,12 +647,14 @@ def _relative_span(arr) -> tuple[int, int] | None:
 
 
 class _Steady:
-    """A remembered call: its Launcher and what the per-call checks need."""
+    """A remembered call: its Launcher, what the per-call checks need, and its frozen
+    launches by per-call addresses (Launcher.frozen: bound to this entry's caches)."""
     __slots__ = ("ctx", "launcher", "call", "q_span", "new_span", "cache_spans", "top",
-                 "binding")
+                 "binding", "frozen")
 
     def __init__(self, ctx, call: DecodeCall, launcher: Launcher):
         self.ctx, self.call, self.launcher = ctx, call, launcher
+        self.frozen: dict = {}
         self.q_span = _relative_span(call.q)
         self.new_span = _relative_span(call.k_new)
         self.cache_spans = (call.k_cache.span(), call.v_cache.span())
@@ -841,9 +845,26 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
     if _on(env[1]) and ws is not None:
         driver.memset_u8(ws_ptr, 0xFF, 4 * n, stream=call.stream)
     bounds = _bounds_buffer(call) if _on(env[0]) else None
-    launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr,
-                 seqlen_value if seqlen_value is not None else call.lengths.value,
-                 k_ptr, v_ptr, bounds.ptr if bounds is not None else 0, table_ptr, binding)
+    seqlen_arg = seqlen_value if seqlen_value is not None else call.lengths.value
+    if second or bounds is not None or seqlen_value is not None:
+        # (an int length moves every step: its launches are not worth freezing)
+        launcher.run(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr, seqlen_arg, k_ptr, v_ptr,
+                     bounds.ptr if bounds is not None else 0, table_ptr, binding)
+    else:
+        # a first-level entry's launches for these addresses, frozen at their first call
+        # (the caching allocator hands the output and workspace the same blocks back)
+        fkey = (q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr, seqlen_arg, k_ptr, v_ptr,
+                table_ptr)
+        launches = entry.frozen.get(fkey)
+        if launches is None:
+            launches = launcher.frozen(q_ptr, out_ptr, lse_ptr, ws_ptr, seqlens_ptr,
+                                       seqlen_arg, k_ptr, v_ptr, 0, table_ptr, binding=binding)
+            with _STEADY_LOCK:
+                _bounded_put(entry.frozen, fkey, launches, _FROZEN_PER_ENTRY)
+        for launch in launches:
+            err = launch()
+            if err:
+                raise CudaError(err, launch.what)
     if bounds is not None:
         _raise_if_out_of_bounds(call, bounds)
     return ((f_out, lse) if return_lse else f_out), None

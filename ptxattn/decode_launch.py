@@ -370,15 +370,19 @@ class Launcher:
 
     def frozen(self, q_ptr: int, out_ptr: int, lse_ptr: int, ws_ptr: int, seqlens_ptr: int,
                seqlen_const: int, k_new_ptr: int = 0, v_new_ptr: int = 0,
-               bounds_ptr: int = 0, block_table_ptr: int = 0) -> tuple:
-        """run()'s launches for the caches it holds with these arguments fixed (each kernel's
-        parameters copied: Pack.frozen), so that calling them takes no lock and rewrites no
-        slot: zero-argument launches in stream order, each returning its CUresult (0:
-        enqueued). A later rebind does not reach them (they keep the maps they point at)."""
+               bounds_ptr: int = 0, block_table_ptr: int = 0,
+               binding: tuple | None = None) -> tuple:
+        """run()'s launches with these arguments fixed (each kernel's parameters copied:
+        Pack.frozen), so that calling them takes no lock and rewrites no slot: zero-argument
+        launches in stream order, each returning its CUresult (0: enqueued). binding: the
+        caches they read, as run's (None: the ones held now); a later rebind does not reach
+        them (they keep the maps they point at)."""
         split = self.splits > 1
         ws_lse = ws_ptr + 4 * self.splits * self.rows * self.build.head_dim if split else 0
         launches = []
         with self.lock:
+            if binding is not None and binding != self.bound:
+                self.rebind(binding)
             if self.append_fn is not None:
                 launches.append(self.launches["append"].frozen(*self.append_pack.frozen(
                     k_new_ptr, v_new_ptr, seqlens_ptr, seqlen_const, block_table_ptr)))

@@ -381,6 +381,11 @@ def test_torch_ptr_takes_exactly_what_torch_meta_takes_of_the_plans_geometry(mon
     nested = torch.nested.nested_tensor([torch.zeros(4, 8), torch.zeros(4, 8)],
                                         dtype=torch.bfloat16)
     assert tensors.torch_ptr(nested, shape, strides, 0) is None
+    # other layouts: refused by the stride comparison (torch_ptr reads no layout)
+    flat = torch.zeros(6, 32, dtype=torch.bfloat16)
+    assert tensors.torch_ptr(flat.to_sparse(), (6, 32), (32, 1), 0) is None, "sparse COO"
+    assert tensors.torch_ptr(flat.to_sparse_csr(), (6, 32), (32, 1), 0) is None, "CSR"
+    assert tensors.torch_ptr(flat, (6, 32), (32, 1), 0) == flat.data_ptr()
     monkeypatch.setattr(T, "is_cuda", property(lambda t: False), raising=False)
     assert tensors.torch_ptr(x, shape, strides, 0) is None, "a CPU tensor"
 

@@ -284,3 +284,29 @@ def test_a_decode_plan_checks_a_callers_out(pretend, first):
         assert len(pretend) == n, f"{name}: launched"
     good = torch.empty_like(q)
     assert plan.run(q, kc, vc, k=kn, v=vn, out=good) is good
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_remembered_kvcache_call_launches_what_the_full_path_did(pretend, append):
+    """flash_attn_with_kvcache's first-level remembered call (device lengths) runs its
+    entry's frozen launches: the parameter bytes of the full path's launch, call after call
+    (out= given and one split, so every address is the same)."""
+    gen = torch.Generator().manual_seed(8)
+    q, kc, vc, kn, vn = _decode_case(gen)
+    lens = torch.tensor([600, 7, 300], dtype=torch.int32)
+    out = torch.empty_like(q)
+    kw = dict(k=kn, v=vn) if append else {}
+    tables = ([append_params(False)] if append else []) + [decode_params()]
+    decode.clear_steady_cache()
+    calls = []
+    for _ in range(3):
+        pretend.clear()
+        got = ptxattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
+                                              num_splits=1, out=out, **kw)
+        assert got is out
+        assert len(pretend) == len(tables)
+        calls.append([param_bytes(a, sizes_of(t)) for (f, a), t in zip(pretend, tables)])
+    assert calls[0] == calls[1] == calls[2]
+    (entry,) = decode._STEADY.values()
+    assert len(entry.frozen) == 1, "the remembered calls did not run frozen launches"
+    decode.clear_steady_cache()

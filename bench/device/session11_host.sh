@@ -4,7 +4,7 @@
 # serving, the transformers integration, decode), then host time of the tree before
 # (build/old: git archive of the session's start, carried) and after, interleaved in one call
 # on one host: bench/experiments/host_parts.py (PrefillPlan.run and its parts, DecodePlan.run)
-# and serving_bench.py --parts host,integration.
+# and serving_bench.py --parts host,integration, decode_bench's host figures (b8_32k, b1_8k).
 # Files: $OUT/host.log, $OUT/parts-{old,new}-{1,2}.json, $OUT/{old,new}/*serving*.json
 set -uo pipefail
 source bench/device/call_setup.sh host.log
@@ -32,6 +32,14 @@ for tree in old new; do
         --repeats 7) >> "$LOG" 2>&1
     echo "serving_bench $tree rc $?" | tee -a "$LOG"
 done
+for tree in old new; do
+    part "decode_bench host $tree"
+    mkdir -p "$OUT/$tree"
+    (cd "$(tree_of $tree)" && PYTHONPATH=/tmp/site:$PWD timeout ${DEC_S:-100} \
+        python3 bench/decode_bench.py --out "$OUT/$tree" --cases b8_32k,b1_8k --rounds 3 \
+        --reps 5) >> "$LOG" 2>&1
+    echo "decode_bench $tree rc $?" | tee -a "$LOG"
+done
 part "end"
-grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  " "$LOG" | cut -c1-200 \
+grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  |host us" "$LOG" | cut -c1-200 \
     | tail -80
