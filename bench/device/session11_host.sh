@@ -40,6 +40,12 @@ for tree in old new; do
         --reps 5) >> "$LOG" 2>&1
     echo "decode_bench $tree rc $?" | tee -a "$LOG"
 done
+for tree in old new; do
+    part "decode host us per call (dechost_cpu --gpu) $tree"
+    (cd "$(tree_of $tree)" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 \
+        bench/experiments/dechost_cpu.py --gpu --out "$OUT/dechost-$tree.json") >> "$LOG" 2>&1
+    echo "dechost $tree rc $?" | tee -a "$LOG"
+done
 part "end"
-grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  |host us" "$LOG" | cut -c1-200 \
+grep -E "=====|rc |passed|failed|FAILED|host_parts |integration |host  |host us|us_per_call" "$LOG" | cut -c1-200 \
     | tail -80
