@@ -5,7 +5,7 @@
 # (build/old: git archive of the session's start, carried) and after, interleaved in one call
 # on one host: bench/experiments/host_parts.py (PrefillPlan.run and its parts, DecodePlan.run)
 # and serving_bench.py --parts host,integration, decode_bench's host figures (b8_32k, b1_8k).
-# Files: $OUT/host.log, $OUT/parts-{old,new}-{1,2}.json, $OUT/{old,new}/*serving*.json
+# Files (7): $OUT/host.log, $OUT/parts-{old,new}.json, $OUT/{old,new}/*{serving,decode}*.json
 set -uo pipefail
 source bench/device/call_setup.sh host.log
 ROOT=$PWD
@@ -20,7 +20,7 @@ for round in 1 2; do
         part "host_parts $tree (round $round)"
         (cd "$(tree_of $tree)" && PYTHONPATH=/tmp/site:$PWD timeout ${PARTS_S:-45} \
             python3 bench/experiments/host_parts.py \
-            --out "$OUT/parts-$tree-$round.json") >> "$LOG" 2>&1
+            $([ $round = 1 ] && echo --out "$OUT/parts-$tree.json")) >> "$LOG" 2>&1
         echo "host_parts $tree $round rc $?" | tee -a "$LOG"
     done
 done
@@ -43,7 +43,7 @@ done
 for tree in old new; do
     part "decode host us per call (dechost_cpu --gpu) $tree"
     (cd "$(tree_of $tree)" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 \
-        bench/experiments/dechost_cpu.py --gpu --out "$OUT/dechost-$tree.json") >> "$LOG" 2>&1
+        bench/experiments/dechost_cpu.py --gpu) >> "$LOG" 2>&1
     echo "dechost $tree rc $?" | tee -a "$LOG"
 done
 part "end"
