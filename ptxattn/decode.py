@@ -30,7 +30,6 @@ import threading
 import numpy as np
 
 from . import driver, tensors, tma
-from .errors import CudaError
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
 from .decode_builds import FALLBACK_PAGED_VARIANT, PAGED_VARIANT_ENV, build_for, paged_variant
@@ -861,10 +860,7 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
                                        seqlen_arg, k_ptr, v_ptr, 0, table_ptr, binding=binding)
             with _STEADY_LOCK:
                 _bounded_put(entry.frozen, fkey, launches, _FROZEN_PER_ENTRY)
-        for launch in launches:
-            err = launch()
-            if err:
-                raise CudaError(err, launch.what)
+        driver.launch_frozen(launches)
     if bounds is not None:
         _raise_if_out_of_bounds(call, bounds)
     return ((f_out, lse) if return_lse else f_out), None

@@ -469,6 +469,15 @@ class BindingLaunch:
         return FrozenLaunch(self, params, keep)
 
 
+def launch_frozen(launches) -> None:
+    """Enqueue frozen launches (FastLaunch.frozen's, BindingLaunch.frozen's) in order; a
+    CUresult other than 0 raises CudaError naming the launch."""
+    for launch in launches:
+        err = launch()
+        if err:
+            raise CudaError(err, launch.what)
+
+
 class FrozenLaunch:
     """A FastLaunch's or BindingLaunch's frozen() where fastlaunch.Frozen does not apply: the
     same zero-argument call through the launch object (which raises its own CudaError;

@@ -51,7 +51,6 @@ from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host
                           check_out_view, choose_splits, m_tiles_of, overlaps,
                           scaled_paged_splits)
 from .device_args import foreign, host_int32
-from .errors import CudaError
 from .varlen_plan import table_bytes, tile_table, window_params
 
 
@@ -255,10 +254,7 @@ class PrefillPlan:
             launches = ln.frozen(maps, out_ptr, o_row, o_head, lse_ptr, ws_ptr,
                                  None if self._table is not None else self._offset_ptrs)
             _remember(self._frozen, key, launches)
-        for launch in launches:
-            err = launch()
-            if err:
-                raise CudaError(err, launch.what)
+        driver.launch_frozen(launches)
         del ws                               # torch's caching allocator: stream-ordered
         return (out, lse) if lse is not None else out
 
@@ -494,10 +490,7 @@ class DecodePlan:
             launches = launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const,
                                        kp, vp, 0, table_ptr)
             _remember(layer, key, launches)
-        for launch in launches:
-            err = launch()
-            if err:
-                raise CudaError(err, launch.what)
+        driver.launch_frozen(launches)
         del ws                               # torch's caching allocator: stream-ordered
         return (out, lse) if lse is not None else out
 
