@@ -830,16 +830,17 @@ def _steady_call(q, k_cache, v_cache, k, v, cache_seqlens, causal, window_size, 
             _SERVED[0] += 1                 # takes the full path (promoted, _moved_caches)
             _bounded_put(_SEEN, binding, _SERVED[0], _SEEN_MAX)
     call = entry.call
-    f_out = out if out is not None else torch.empty(call.out_shape, dtype=torch.bfloat16,
-                                                    device=q.device)
+    # fresh tensors as q's new_empty (q is a plain bf16 CUDA tensor: torch.empty without the
+    # dtype and device arguments to parse)
+    f_out = out if out is not None else q.new_empty(call.out_shape)
     out_ptr = om[0] if out is not None else f_out.data_ptr()
     lse = None
     lse_ptr = 0
     if return_lse:
-        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+        lse = q.new_empty(call.lse_shape, dtype=torch.float32)
         lse_ptr = lse.data_ptr()
     n = workspace_floats(launcher.splits, call.rows, call.head_dim)
-    ws = torch.empty((n,), dtype=torch.float32, device=q.device) if n else None
+    ws = q.new_empty((n,), dtype=torch.float32) if n else None
     ws_ptr = ws.data_ptr() if n else 0
     if _on(env[1]) and ws is not None:
         driver.memset_u8(ws_ptr, 0xFF, 4 * n, stream=call.stream)
