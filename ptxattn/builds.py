@@ -43,6 +43,7 @@ SMEM_ALIGN = 1024                  # the kernel rounds the dynamic base up to a 
 BF16 = 2                           # bytes per element
 PRECISIONS = {"bf16": 2, "fp8": 1}  # the precision column: bytes per Q, K, V element (O is bf16)
 FP8_K_STEP = 32                    # keys (bytes) of one e4m3 wgmma k-step: FP8 BLOCK_N's unit
+FP8_RING_DEFAULT = 2               # the FP8 rows' ring depth (a variant's FP8_KV_STAGES differs)
 FP8_SCALE_BLOCK = 128              # rows a Q descale covers, keys a K descale covers (and V^T's
                                    # padding of Lk: fp8_reference.Q_BLOCK, V_BLOCK)
 F32_BYTES = 4                      # a descale
@@ -138,8 +139,14 @@ class Build:
 
     @property
     def defines(self) -> dict[str, str]:
-        """The preprocessor defines that select this row (a variant's; {} for a table row)."""
-        return {"FP8_BLOCK_N": str(self.block_n)} if self.variant else {}
+        """The preprocessor defines that select this row (a variant's; {} for a table row):
+        FP8_BLOCK_N, and FP8_KV_STAGES where the ring differs from its head dim's FP8 row."""
+        if not self.variant:
+            return {}
+        out = {"FP8_BLOCK_N": str(self.block_n)}
+        if self.kv_stages != FP8_RING_DEFAULT:
+            out["FP8_KV_STAGES"] = str(self.kv_stages)
+        return out
 
     @property
     def desc_qk_bits(self) -> str:
@@ -309,7 +316,8 @@ class Build:
         need(self.block_n % 16 == 0 and self.block_n <= 256, "BLOCK_N: a multiple of 16, <= 256")
         need(self.block_n_shift is not None or self.variant,
              "BLOCK_N must be a power of two (tile counts shift; a variant's divide)")
-        need(self.kv_stage_shift is not None, "the ring depth must be a power of two")
+        need(self.kv_stage_shift is not None or self.variant,
+             "the ring depth must be a power of two (a variant's divides)")
         need(self.q_buffers in (1, 2), "one or two Q buffers")
         need(not (self.o_staged_in_q and self.q_buffers == 2),
              "O staged in Q needs the one Q buffer (the next tile's Q would land on O)")
@@ -401,6 +409,16 @@ FP8_VARIANTS: dict[str, Build] = {
                   why="FlashAttention-3's FP8 tile at D = 128 (128 x 224): S 112 + P 28 + O 64 "
                       "registers leave ~36 of 240 (the table's estimate wants 44: ptxas decides); "
                       "V^T in seven 32-byte swizzled row blocks"),
+    "n192s3": Build(head_dim=128, consumers=2, block_n=192, kv_stages=3, q_buffers=2,
+                    o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n192s3",
+                    why="n192 with a 3-deep K/V ring (208 KiB of shared memory; 224 keys would "
+                        "need 232): a tile's K and V land further ahead of the consumers"),
+    "d256n128": Build(head_dim=256, consumers=2, block_n=128, kv_stages=2, q_buffers=1,
+                      o_staged_in_q=False, precision="fp8", variant="d256n128",
+                      registers_by_ptxas=True,
+                      why="FlashAttention-3's FP8 tile at D = 256 (128 x 128): S 64 + P 16 + O "
+                          "128 registers leave ~32 of 240 (ptxas decides); Q (64 KiB), the ring "
+                          "(128 KiB) and O's staging (64 KiB) fit 227 KiB only with one Q buffer"),
 }
 
 BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in BUILDS}
@@ -426,15 +444,18 @@ def table(precision: str = "bf16") -> tuple[Build, ...]:
 def fp8_variant(head_dim: int, defines: dict | None = None) -> Build:
     """The FP8 row a build's defines select: a variant's (FP8_BLOCK_N=...), else the table's
     row of the head dim; ValueError for an FP8_BLOCK_N no variant of that head dim has."""
-    n = (defines or {}).get("FP8_BLOCK_N")
-    if n is None:
+    defines = defines or {}
+    n = defines.get("FP8_BLOCK_N")
+    if n is None and "FP8_KV_STAGES" not in defines:
         return get(head_dim, "fp8")
+    stages = str(defines.get("FP8_KV_STAGES", FP8_RING_DEFAULT))
     for b in FP8_VARIANTS.values():
-        if b.head_dim == head_dim and str(b.block_n) == str(n):
+        if b.head_dim == head_dim and str(b.block_n) == str(n) and str(b.kv_stages) == stages:
             return b
-    raise ValueError(f"FP8_BLOCK_N={n}: no FP8 variant at head dim {head_dim} (variants: "
-                     + ", ".join(f"{k} (D {b.head_dim}, N {b.block_n})"
-                                 for k, b in FP8_VARIANTS.items()) + ")")
+    raise ValueError(f"FP8_BLOCK_N={n}, FP8_KV_STAGES={stages}: no FP8 variant at head dim "
+                     f"{head_dim} (variants: " + ", ".join(
+                         f"{k} (D {b.head_dim}, N {b.block_n}, ring {b.kv_stages})"
+                         for k, b in FP8_VARIANTS.items()) + ")")
 
 
 def get(head_dim: int, precision: str = "bf16") -> Build:

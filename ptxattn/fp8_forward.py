@@ -223,8 +223,9 @@ def prepare(plan, defines: dict | None = None) -> PreparedFp8:
     K descale a head where its tiles straddle K's 128-key blocks."""
     build = build_of(plan.head_dim, defines)
     if build.variant:
-        if plan.masked:
-            raise ValueError(f"FP8 variant {build.variant}: dense only (no causal or window)")
+        if plan.masked and build.block_n_shift is None:
+            raise ValueError(f"FP8 variant {build.variant}: dense only (no causal or window: "
+                             "the masked walk shifts by log2 BLOCK_N)")
         # pre-quantized inputs carry FlashAttention-3's (batch, heads_kv) K descales
         if builds.FP8_SCALE_BLOCK % build.block_n and not plan.quantized:
             raise ValueError(f"FP8 variant {build.variant}: its {build.block_n}-key tiles "

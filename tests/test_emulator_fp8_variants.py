@@ -1,7 +1,9 @@
-"""The FP8 D = 128 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles) on the
-CPU emulator, against the FP8 model tiled as they are (tests/fp8_checks.py), before any
-device run. They take pre-quantized e4m3 inputs with FlashAttention-3's (batch, heads_kv)
-descales (their tiles straddle K's 128-key descale blocks) and only the dense build.
+"""The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
+3-deep ring at 192, 128-key tiles at D = 256) on the CPU emulator, against the FP8 model tiled
+as they are (tests/fp8_checks.py), before any device run. They are checked on pre-quantized
+e4m3 inputs with FlashAttention-3's (batch, heads_kv) descales (what the 192/224 ones take:
+their tiles straddle K's 128-key descale blocks; those two build only the dense kernel, the
+power-of-two ones the masked one too: causal is checked for d256n128).
 
 Covered: key counts that end in a partial last tile (the tail mask at 192 and 224: one key, a
 tile and one, a few past a whole 128-key V^T padding block), exactly one and two whole tiles,
@@ -19,7 +21,7 @@ from fp8_checks import check_prequantized, prequantized_inputs, variant_call
 from ptxattn import builds, fp8, fp8_forward
 from ptxattn import fp8_reference as model
 from ptxattn.reference import BF16
-from ptxattn.tools.emulator.errors import MemoryFault
+from ptxattn.tools.emulator.errors import EmulatorError
 
 VARIANTS = sorted(builds.FP8_VARIANTS)
 
@@ -41,8 +43,8 @@ def _id(c):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_fp8_variant_on_the_emulator(emulated_gpu, variant, case):
     b, h, hk, lq, lk = case
-    q8, k8, v8, descales = prequantized_inputs(b, h, hk, lq, lk, 128, seed=lq + lk)
     build = builds.FP8_VARIANTS[variant]
+    q8, k8, v8, descales = prequantized_inputs(b, h, hk, lq, lk, build.head_dim, seed=lq + lk)
     out, lse = variant_call(q8, k8, v8, descales, fp8_forward.variant_defines(variant))
     check_prequantized(out, lse, q8, k8, v8, descales, block_n=build.block_n)
     report = emulated_gpu.launches[-1][-1]
@@ -55,11 +57,31 @@ def test_fp8_variant_persistent_grid(emulated_gpu, monkeypatch, variant):
     """Two CTAs over 2 x 3 heads x 3 ragged Q tiles: the ring's slots and phases and the
     chunked V^T loads carried across Q tiles."""
     monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "2")
-    q8, k8, v8, descales = prequantized_inputs(2, 3, 3, 300, 500, 128, seed=31)
+    d = builds.FP8_VARIANTS[variant].head_dim
+    q8, k8, v8, descales = prequantized_inputs(2, 3, 3, 300, 500, d, seed=31)
     out, lse = variant_call(q8, k8, v8, descales, fp8_forward.variant_defines(variant))
     check_prequantized(out, lse, q8, k8, v8, descales,
                        block_n=builds.FP8_VARIANTS[variant].block_n)
     assert emulated_gpu.launches[-1][1][0] <= 2
+
+
+@pytest.mark.parametrize("diagonal", ["bottom_right", "top_left"])
+def test_fp8_power_of_two_variant_causal(emulated_gpu, diagonal):
+    """d256n128 builds the masked kernel too (its BLOCK_N is a power of two): causal, GQA,
+    ragged both ways, against the model with the same mask."""
+    q8, k8, v8, descales = prequantized_inputs(1, 4, 2, 150, 300, 256, seed=9)
+    from ptxattn import fp8 as fp8_api
+    plan = fp8_api.validate(q8, k8, v8, return_lse=True, causal=True, diagonal=diagonal,
+                            **descales)
+    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n128"))
+    try:
+        prepared.out.fill_u16(0xFFFF)
+        prepared.launch()
+        out, lse = prepared.out.to_numpy(), prepared.lse.to_numpy()
+    finally:
+        prepared.close()
+    check_prequantized(out, lse, q8, k8, v8, descales, block_n=128, causal=True,
+                       diagonal=diagonal)
 
 
 def test_the_model_tiling_matters_here():
@@ -97,6 +119,9 @@ def test_fp8_variant_refusals(emulated_gpu):
     # the 192-key V^T loads: the boxes past the first at the first one's keys (the loop
     # never ends: the emulator faults as the destination leaves shared memory)
     ("n192", "add.u32 %kv_row, %kv_row, 64;", "add.u32 %kv_row, %kv_row, 0;"),
+    # the 3-deep ring: the previous tile's V slot from g / 6 instead of g / 3 (the consumer
+    # reads V where the producer did not put it, or waits on the wrong barrier)
+    ("n192s3", "shr.u32 %prev_slot, %prev_slot, 1;", "shr.u32 %prev_slot, %prev_slot, 2;"),
     # the tail mask at a power-of-two remainder (seq_k & 191)
     ("n192", "rem.u32 %key_limit, %seq_k, 192;", "and.b32 %key_limit, %seq_k, 191;"),
 ])
@@ -112,8 +137,8 @@ def test_control_planted_variant_bugs_fail(emulated_gpu, variant, old, new):
         done.append(1)
         return text.replace(old, new)
     emulated_gpu.rewrite_ptx = rewrite
-    q8, k8, v8, descales = prequantized_inputs(1, 2, 1, 150, 300, 128, seed=450)
-    with pytest.raises((AssertionError, MemoryFault)):
+    q8, k8, v8, descales = prequantized_inputs(1, 2, 1, 150, 1000, 128, seed=450)
+    with pytest.raises((AssertionError, EmulatorError)):
         out, lse = variant_call(q8, k8, v8, descales, fp8_forward.variant_defines(variant))
         check_prequantized(out, lse, q8, k8, v8, descales,
                            block_n=builds.FP8_VARIANTS[variant].block_n)

@@ -53,8 +53,8 @@ def test_committed_headers_equal_the_generators_output():
 def test_the_fp8_rows_are_the_launchers_and_the_generators():
     assert HEAD_DIMS == fp8_forward.HEAD_DIMS == (64, 128, 256)
     assert all(b.fp8 and b.precision == "fp8" for b in builds.FP8_BUILDS)
-    assert ptxgen_fp8.shapes() == sorted((b.block_n, b.head_dim) for b in builds.FP8_BUILDS
-                                         + tuple(builds.FP8_VARIANTS.values()))
+    assert ptxgen_fp8.shapes() == sorted({(b.block_n, b.head_dim) for b in builds.FP8_BUILDS
+                                          + tuple(builds.FP8_VARIANTS.values())})
     in_header = sorted(int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$",
                                                   FP8_SECTION, re.M))
     assert in_header == list(HEAD_DIMS)
@@ -262,6 +262,17 @@ def test_the_fp8_variants():
     # S + P + O: 184 of 240 at 192 (fits the table's estimate), 204 at 224 (ptxas decides)
     assert n192.s_regs + n192.p_regs + n192.o_regs == 184
     assert n224.s_regs + n224.p_regs + n224.o_regs == 204 and n224.registers_by_ptxas
+    s3, d256 = builds.FP8_VARIANTS["n192s3"], builds.FP8_VARIANTS["d256n128"]
+    assert s3.kv_stage_shift is None and s3.defines == {"FP8_BLOCK_N": "192",
+                                                        "FP8_KV_STAGES": "3"}
+    assert s3.smem_bytes <= builds.MAX_DYNAMIC_SMEM < 3 * 2 * n224.kv_tile_bytes + 65536
+    assert d256.block_n_shift == 7 and d256.q_buffers == 1 and d256.defines == {
+        "FP8_BLOCK_N": "128"}
+    assert d256.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+    for b in (s3, d256):
+        assert fp8_forward.build_of(b.head_dim, b.defines) is b
+    with pytest.raises(ValueError, match="no FP8 variant"):
+        fp8_forward.build_of(128, {"FP8_BLOCK_N": "224", "FP8_KV_STAGES": "3"})
 
 
 def test_the_fp8_variants_select_their_layout_and_refuse_the_rest():

@@ -1,5 +1,5 @@
-"""The FP8 D = 128 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles) on the
-GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
+"""The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
+3-deep ring at 192, 128-key tiles at D = 256) on the GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
 as each variant is, on pre-quantized e4m3 inputs with FlashAttention-3's (batch, heads_kv)
 descales (what the variants take), every output poisoned first; and on bf16 inputs quantized
 per head against float64 with the FP8 path's bar, beside today's default build. The CPU
@@ -44,7 +44,8 @@ SHAPES = [  # (B, H, Hkv, Lq, Lk): one key, tails of every size, whole tiles, GQ
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_variant_matches_the_model(variant, shape):
     b, h, hk, lq, lk = shape
-    q8, k8, v8, descales = prequantized_inputs(b, h, hk, lq, lk, 128, seed=lq + lk)
+    d = builds.FP8_VARIANTS[variant].head_dim
+    q8, k8, v8, descales = prequantized_inputs(b, h, hk, lq, lk, d, seed=lq + lk)
     out, lse = variant_call(q8, k8, v8, descales, fp8_forward.variant_defines(variant))
     check_prequantized(out, lse, q8, k8, v8, descales,
                        block_n=builds.FP8_VARIANTS[variant].block_n)
@@ -53,7 +54,8 @@ def test_variant_matches_the_model(variant, shape):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_persistent_grid_walks_many_tiles(variant, monkeypatch):
     monkeypatch.setenv("PTXATTN_PERSISTENT_CTAS", "3")
-    q8, k8, v8, descales = prequantized_inputs(2, 3, 3, 700, 900, 128, seed=7)
+    d = builds.FP8_VARIANTS[variant].head_dim
+    q8, k8, v8, descales = prequantized_inputs(2, 3, 3, 700, 900, d, seed=7)
     out, lse = variant_call(q8, k8, v8, descales, fp8_forward.variant_defines(variant))
     check_prequantized(out, lse, q8, k8, v8, descales,
                        block_n=builds.FP8_VARIANTS[variant].block_n)
@@ -67,15 +69,33 @@ def _per_head_e4m3(x):
     return model.to_e4m3(f / scale[..., None, None]), scale
 
 
-@pytest.mark.parametrize("variant", ["default"] + VARIANTS)
-def test_variant_accuracy_on_random_inputs(variant):
+@pytest.mark.parametrize("variant,d", [("default", 128), ("default", 256)]
+                         + [(v, builds.FP8_VARIANTS[v].head_dim) for v in VARIANTS])
+def test_variant_accuracy_on_random_inputs(variant, d):
     """bf16 N(0, 1) inputs quantized per head: within the FP8 bar of float64, as the default
     build is on the same e4m3 inputs (bench/fp8_bench.py's FP8_BAR)."""
     rng = np.random.default_rng(11)
-    q, k, v = (rng.standard_normal((1, 4, 2048, 128), dtype=np.float32).astype(BF16)
+    q, k, v = (rng.standard_normal((1, 4, 2048, d), dtype=np.float32).astype(BF16)
                for _ in range(3))
     (q8, qs), (k8, ks), (v8, vs) = (_per_head_e4m3(x) for x in (q, k, v))
     out, lse = variant_call(q8, k8, v8, dict(q_descale=qs, k_descale=ks, v_descale=vs),
                             fp8_forward.variant_defines(variant))
     m = error_metrics(out, attention_reference(q, k, v))
     assert m["nan_count"] == 0 and m["rel_l2"] <= 0.075, m
+
+
+@pytest.mark.parametrize("diagonal", ["bottom_right", "top_left"])
+def test_power_of_two_variant_causal(diagonal):
+    """d256n128 builds the masked kernel too: causal with GQA, ragged both ways."""
+    from ptxattn import fp8
+    q8, k8, v8, descales = prequantized_inputs(2, 4, 2, 700, 1300, 256, seed=13)
+    plan = fp8.validate(q8, k8, v8, return_lse=True, causal=True, diagonal=diagonal,
+                        **descales)
+    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n128"))
+    try:
+        prepared.launch()
+        out, lse = prepared.out.to_numpy(), prepared.lse.to_numpy()
+    finally:
+        prepared.close()
+    check_prequantized(out, lse, q8, k8, v8, descales, block_n=128, causal=True,
+                       diagonal=diagonal)

@@ -65,6 +65,18 @@ def _aliases(b: builds.Build) -> list[str]:
     ]
 
 
+def ring_magic(d: int) -> tuple[int, int]:
+    """(M, s) with floor(g / d) == (g * M >> 32) >> s for every g < 2^31 (a ring depth that is
+    not a power of two divides so in the hot loop, not by div.u32's general sequence)."""
+    for s in range((d - 1).bit_length(), -1, -1):
+        m = (1 << (32 + s)) // d + 1
+        # exact for g < 2^31 when M's excess over 2^(32+s)/d, times 2^31, stays below
+        # 2^(32+s)/d's distance to the next multiple (Granlund-Montgomery): checked exactly
+        if m < 1 << 32 and (m * d - (1 << (32 + s))) * (1 << 31) < (1 << (32 + s)):
+            return m, s
+    raise ValueError(f"ring depth {d}: no 32-bit magic divisor")
+
+
 def figures(b: builds.Build) -> list[tuple[str, object, str]]:
     """(name, value, comment) of every figure of the row, in the header's order: a value is an
     int, or the text an operand must expand to (a product, a descriptor's name)."""
@@ -100,7 +112,14 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
         ("KV_TX_BYTES", b.kv_tx_bytes, "a K or V FULL's expect_tx"),
         ("KV_SLOT_DESC", b.kv_slot_desc, "KV_TILE_BYTES >> 4: a slot's descriptor step"),
         ("KV_STAGES", b.kv_stages, "ring depth"),
-        ("KV_STAGE_SHIFT", b.kv_stage_shift, "log2(KV_STAGES)"),
+    ]
+    if b.kv_stage_shift is not None:
+        out.append(("KV_STAGE_SHIFT", b.kv_stage_shift, "log2(KV_STAGES)"))
+    else:
+        magic, shift = ring_magic(b.kv_stages)
+        out += [("RING_MAGIC", hex(magic), "g / KV_STAGES = mul.hi(g, RING_MAGIC) >> RING_MAGIC_SHIFT"),
+                ("RING_MAGIC_SHIFT", shift, "")]
+    out += [
         ("O_STAGED_IN_Q", int(b.o_staged_in_q), ""),
     ]
     notes = {"SMEM_Q": "buffer b, consumer c at SMEM_Q + (CONSUMERS*b + c)*Q_TILE_BYTES",
@@ -171,12 +190,14 @@ def _rows(rows: tuple[builds.Build, ...], what: str,
     out = []
     for i, b in enumerate(variants):
         test = " && ".join(f"{k} == {v}" for k, v in b.defines.items())
+        if "FP8_KV_STAGES" not in b.defines:
+            test += " && !defined(FP8_KV_STAGES)"
         out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim} && "
                    f"defined(FP8_BLOCK_N) && {test}")
         out.append(f"// ---- measurement variant {b.variant} (builds.FP8_VARIANTS)")
         out += _row(b)
     if variants:
-        out += ["#elif defined(FP8_BLOCK_N)",
+        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES)",
                 '#error "production: FP8_BLOCK_N names no variant of this head dim '
                 '(builds.FP8_VARIANTS)"']
     for i, b in enumerate(rows):
@@ -247,6 +268,17 @@ def header() -> str:
         "#define KV_TILES_OF_KEYS(DST, KEYS) div.u32 DST, KEYS, BLOCK_N;",
         "#define KEYS_OF_KV_TILES(DST, TILES) mul.lo.u32 DST, TILES, BLOCK_N;",
         "#define KEY_TAIL(DST, KEYS) rem.u32 DST, KEYS, BLOCK_N;",
+        "#endif",
+        "// ---- the K/V ring: fill g of the walk uses slot g % KV_STAGES, its barriers' phase",
+        "// (g / KV_STAGES) & 1 (shifts at a power-of-two depth; the n192s3 variant divides)",
+        "#ifdef KV_STAGE_SHIFT",
+        "#define RING_SLOT(DST, G) and.b32 DST, G, KV_STAGES - 1;",
+        "#define RING_FILL(DST, G) shr.u32 DST, G, KV_STAGE_SHIFT;",
+        "#else",
+        "// g / KV_STAGES as mul.hi and a shift by RING_MAGIC, RING_MAGIC_SHIFT (the row's; exact",
+        "// for every g below 2^31), g % KV_STAGES from it (DST other than G)",
+        "#define RING_FILL(DST, G) mul.hi.u32 DST, G, RING_MAGIC; shr.u32 DST, DST, RING_MAGIC_SHIFT;",
+        "#define RING_SLOT(DST, G) RING_FILL(DST, G) mul.lo.u32 DST, DST, KV_STAGES; sub.u32 DST, G, DST;",
         "#endif", "",
         "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
     return "\n".join(out)
