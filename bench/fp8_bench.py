@@ -63,12 +63,19 @@ def inputs(torch, shape, layout, seed):
             for _ in range(3)]
 
 
-def check(name, q, k, v, out, layout, bar):
-    """rel L2 and NaN of `out` against float64 on 128 sampled rows of every head."""
+def reference_rows(q, k, v, layout):
+    """(rows, float64 reference on them): 128 sampled rows of every head (check's)."""
     seq_axis = 2 if layout == "bhld" else 1
     host = [x.float().cpu().numpy() for x in (q, k, v)]
     rows = sample_rows(host[0].shape[seq_axis], 128, seed=1)
-    ref = attention_reference(*host, layout=layout, rows=rows)
+    return rows, attention_reference(*host, layout=layout, rows=rows)
+
+
+def check(name, q, k, v, out, layout, bar, reference=None):
+    """rel L2 and NaN of `out` against float64 on 128 sampled rows of every head (reference:
+    reference_rows' result, computed here when not given)."""
+    seq_axis = 2 if layout == "bhld" else 1
+    rows, ref = reference if reference is not None else reference_rows(q, k, v, layout)
     got = out.float().cpu().numpy() if hasattr(out, "float") else \
         out.to_numpy().astype(np.float32)
     m = error_metrics(np.take(got, rows, axis=seq_axis), ref)
@@ -212,6 +219,7 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
     (q8, qs), (k8, ks), (v8, vs) = (per_head_e4m3(torch, x, layout) for x in (q, k, v))
     stream = torch.cuda.current_stream().cuda_stream
     ours, checks, prepared_all = {}, {}, []
+    ref = reference_rows(q, k, v, layout)          # one float64 reference for every row
     for var in variants:
         label = f"fp8 {var}"
         try:
@@ -226,7 +234,7 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
             checks[label] = {"error": f"{type(exc).__name__}: {exc}"[:400], "passes": False}
             continue
         prepared_all.append(prep)
-        checks[label] = check(label, q, k, v, prep.out, layout, FP8_BAR)
+        checks[label] = check(label, q, k, v, prep.out, layout, FP8_BAR, ref)
         if checks[label]["passes"]:
             ours[label] = (prep.launch_forward, stream)
     plan = fp8.validate(q, k, v, layout=layout)
@@ -234,19 +242,20 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
     today.launch()
     torch.cuda.synchronize()
     prepared_all.append(today)
-    checks["fp8 forward"] = check("fp8 forward", q, k, v, today.out, layout, FP8_BAR)
+    checks["fp8 forward"] = check("fp8 forward", q, k, v, today.out, layout, FP8_BAR, ref)
     if checks["fp8 forward"]["passes"]:
         ours["fp8 forward"] = (today.launch_forward, stream)
     bf16 = attn_module.prepare(q, k, v, layout=layout)
     bf16.launch()
     torch.cuda.synchronize()
-    checks["bf16 production"] = check("bf16 production", q, k, v, bf16.out, layout, 4e-3)
+    checks["bf16 production"] = check("bf16 production", q, k, v, bf16.out, layout, 4e-3,
+                                      ref)
     if checks["bf16 production"]["passes"]:
         ours["bf16 production"] = (bf16.launch, stream)
     cudnn = bench._cudnn_launcher(torch, q, k, v, layout)
     peer_out = cudnn()
     peer_out = peer_out.transpose(1, 2) if layout == "bshd" else peer_out
-    checks["cudnn"] = check("cuDNN", q, k, v, peer_out, layout, 4e-3)
+    checks["cudnn"] = check("cuDNN", q, k, v, peer_out, layout, 4e-3, ref)
     peer = (cudnn, stream) if checks["cudnn"]["passes"] else None
     timed = bench.time_rounds(ours, peer, rounds=rounds, reps=reps,
                               rng=np.random.default_rng(seed))
