@@ -205,6 +205,40 @@ def per_head_e4m3(torch, x, layout):
     return (x.float() / view).to(torch.float8_e4m3fn), scale.contiguous()
 
 
+def variant_sustained(record: dict, ours: dict, peer, cfg, *, rng, sampler, **kw) -> list:
+    """--variants' sustained windows (sustained.figures, after the rounds): every timed row of
+    ours {label: (launch, stream)} but today's call ("fp8 forward": the default build's
+    speed on other operands), and peer (cuDNN) when timed. Into record: rows[label]
+    ["sustained"], their x_default_sustained (over "fp8 default"'s), cudnn_sustained,
+    sustained_order; prints a line a row."""
+    rows, flops = record["rows"], record["flops"]
+    kernels = {lab: sustained.Kernel(*ours[lab], flops, rows[lab]["ms"]) for lab in ours
+               if rows.get(lab, {}).get("ms") and lab != "fp8 forward"}
+    with_peer = peer is not None and record.get("cudnn_ms")
+    if with_peer:
+        kernels[bench.PEER] = sustained.Kernel(*peer, flops, record["cudnn_ms"])
+    if not kernels:
+        return []
+    figs = sustained.figures(kernels, cfg, rng=rng, peer=bench.PEER if with_peer else None,
+                             sampler=sampler, log=print, **kw)
+    base = figs.get("fp8 default", {}).get("tflops")
+    for lab in kernels:
+        if lab == bench.PEER:
+            continue
+        rows[lab]["sustained"] = f = figs[lab]
+        if base and f.get("tflops"):
+            rows[lab]["x_default_sustained"] = f["tflops"] / base
+        if f.get("tflops"):
+            print(f"  {lab:16s} sustained {f['tflops']:7.1f} TFLOP/s"
+                  + (f" at {f['sm_mhz_median']:.0f} MHz" if f.get("sm_mhz_median") else "")
+                  + (f", {rows[lab]['x_default_sustained']:.3f}x fp8 default"
+                     if "x_default_sustained" in rows[lab] else ""))
+    if with_peer:
+        record["cudnn_sustained"] = figs[bench.PEER]
+    record["sustained_order"] = list(figs)
+    return list(figs)
+
+
 def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=None,
                  sampler=None):
     """One shape, the FP8 variants (names: "default" and builds.FP8_VARIANTS keys) against each
@@ -298,25 +332,8 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
               "variants": list(variants), "checks": checks, "rows": rows,
               "cudnn_ms": cudnn_ms, "orders": timed["orders"], "clocks": timed["clocks"]}
     if sampler is not None:
-        kernels = {lab: sustained.Kernel(*ours[lab], flops, rows[lab]["ms"]) for lab in ours
-                   if rows.get(lab, {}).get("ms") and lab != "fp8 forward"}
-        with_peer = peer is not None and cudnn_ms
-        if with_peer:
-            kernels[bench.PEER] = sustained.Kernel(*peer, flops, cudnn_ms)
-        figs = sustained.figures(kernels, cfg, rng=np.random.default_rng([seed, 29]),
-                                 peer=bench.PEER if with_peer else None, sampler=sampler,
-                                 log=print)
-        for lab in kernels:
-            if lab != bench.PEER:
-                rows[lab]["sustained"] = figs[lab]
-        if with_peer:
-            record["cudnn_sustained"] = figs[bench.PEER]
-        record["sustained_order"] = list(figs)
-        for lab in kernels:
-            f = figs.get(lab, {})
-            if f.get("tflops"):
-                print(f"  {lab:16s} sustained {f['tflops']:7.1f} TFLOP/s"
-                      + (f" at {f['sm_mhz_median']:.0f} MHz" if f.get("sm_mhz_median") else ""))
+        variant_sustained(record, ours, peer, cfg, sampler=sampler,
+                          rng=np.random.default_rng([seed, 29]))
     for prep in prepared_all:
         prep.close()
     bf16.close()
