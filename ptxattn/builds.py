@@ -35,6 +35,7 @@ Q_BOX_ROWS = 64                    # a consumer warpgroup's query rows (the wgmm
 SWIZZLE_ROW_BYTES = 128            # a 128-byte swizzled row: 64 bf16 of D
 SWIZZLE_COLS = SWIZZLE_ROW_BYTES // 2
 SMALL_SWIZZLE_ROW_BYTES = 64      # a 64-byte swizzled row (FP8 tiles of 64 bytes a row)
+SMALLEST_SWIZZLE_ROW_BYTES = 32   # a 32-byte swizzled row (V^T of the 224-key FP8 variant)
 DESC_UNIT = 16                     # wgmma descriptors address 16-byte units
 MBAR_BYTES = 8                     # one mbarrier
 BARRIER_ALIGN = 128                # the mbarriers' room is rounded up to this
@@ -42,6 +43,7 @@ SMEM_ALIGN = 1024                  # the kernel rounds the dynamic base up to a 
 BF16 = 2                           # bytes per element
 PRECISIONS = {"bf16": 2, "fp8": 1}  # the precision column: bytes per Q, K, V element (O is bf16)
 FP8_K_STEP = 32                    # keys (bytes) of one e4m3 wgmma k-step: FP8 BLOCK_N's unit
+FP8_RING_DEFAULT = 2               # the FP8 rows' ring depth (a variant's FP8_KV_STAGES differs)
 FP8_SCALE_BLOCK = 128              # rows a Q descale covers, keys a K descale covers (and V^T's
                                    # padding of Lk: fp8_reference.Q_BLOCK, V_BLOCK)
 F32_BYTES = 4                      # a descale
@@ -67,6 +69,11 @@ class Build:
     # exponentials of every 8 on the FMA pipe (a polynomial) instead of MUFU: where MUFU binds
     # (the FP8 rate halves the GEMMs' time, not the softmax's); -D SW_EXP2_PER_8 overrides
     sw_exp2_per_8: int = 0
+    # "": a row attention() runs; else a measurement variant of the FP8 row of its head dim
+    # (FP8_VARIANTS), selected by its defines (-D FP8_BLOCK_N=...), never by default
+    variant: str = ""
+    # the table's register estimate is over the budget by a few: ptxas's report decides
+    registers_by_ptxas: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -117,8 +124,29 @@ class Build:
 
     @property
     def vt_row_bytes(self) -> int:
-        """FP8: bytes of one row of a V^T tile (BLOCK_N keys of one channel), 128 or 64."""
+        """FP8: bytes of one swizzled row of a V^T tile: BLOCK_N keys of one channel (128 or
+        64), or, where BLOCK_N is not a swizzle width (the variants' 192, 224), the widest
+        swizzle width that divides it (64, 32): the tile is then [BLOCK_N / row][D][row]."""
+        for width in (SWIZZLE_ROW_BYTES, SMALL_SWIZZLE_ROW_BYTES, SMALLEST_SWIZZLE_ROW_BYTES):
+            if self.block_n % width == 0:
+                return width
         return self.block_n
+
+    @property
+    def vt_chunks(self) -> int:
+        """FP8: V^T's row blocks a tile (one TMA box each): 1, or 3 at 192 keys, 7 at 224."""
+        return self.block_n // self.vt_row_bytes
+
+    @property
+    def defines(self) -> dict[str, str]:
+        """The preprocessor defines that select this row (a variant's; {} for a table row):
+        FP8_BLOCK_N, and FP8_KV_STAGES where the ring differs from its head dim's FP8 row."""
+        if not self.variant:
+            return {}
+        out = {"FP8_BLOCK_N": str(self.block_n)}
+        if self.kv_stages != FP8_RING_DEFAULT:
+            out["FP8_KV_STAGES"] = str(self.kv_stages)
+        return out
 
     @property
     def desc_qk_bits(self) -> str:
@@ -133,8 +161,9 @@ class Build:
         next 64 of D); FP8 wants both operands K-major, so V^T, D rows of BLOCK_N keys."""
         if not self.fp8:
             return f"DESC_MNMAJOR_SW128_{self.block_n}ROWS"
-        return "DESC_KMAJOR_SW64" if self.vt_row_bytes == SMALL_SWIZZLE_ROW_BYTES \
-            else "DESC_KMAJOR_SW128"
+        return {SMALL_SWIZZLE_ROW_BYTES: "DESC_KMAJOR_SW64",
+                SMALLEST_SWIZZLE_ROW_BYTES: "DESC_KMAJOR_SW32"}.get(self.vt_row_bytes,
+                                                                    "DESC_KMAJOR_SW128")
 
     @property
     def kv_slot_desc(self) -> int:
@@ -272,7 +301,8 @@ class Build:
     @property
     def label(self) -> str:
         """How messages name the row: "head dim 128", "fp8 head dim 128"."""
-        return f"{'fp8 ' if self.fp8 else ''}head dim {self.head_dim}"
+        return (f"{'fp8 ' if self.fp8 else ''}head dim {self.head_dim}"
+                + (f" variant {self.variant}" if self.variant else ""))
 
     def check(self) -> None:
         """ValueError naming the figure when a row cannot be built."""
@@ -284,8 +314,10 @@ class Build:
              f"{', '.join(PRECISIONS)})")
         need(self.head_dim % SWIZZLE_COLS == 0, f"D must be a multiple of {SWIZZLE_COLS}")
         need(self.block_n % 16 == 0 and self.block_n <= 256, "BLOCK_N: a multiple of 16, <= 256")
-        need(self.block_n_shift is not None, "BLOCK_N must be a power of two (tile counts shift)")
-        need(self.kv_stage_shift is not None, "the ring depth must be a power of two")
+        need(self.block_n_shift is not None or self.variant,
+             "BLOCK_N must be a power of two (tile counts shift; a variant's divide)")
+        need(self.kv_stage_shift is not None or self.variant,
+             "the ring depth must be a power of two (a variant's divides)")
         need(self.q_buffers in (1, 2), "one or two Q buffers")
         need(not (self.o_staged_in_q and self.q_buffers == 2),
              "O staged in Q needs the one Q buffer (the next tile's Q would land on O)")
@@ -293,9 +325,12 @@ class Build:
              "O staged in Q needs Q's rows to hold O's (bf16 O is twice e4m3 Q)")
         if self.fp8:
             need(self.block_n % FP8_K_STEP == 0 and self.vt_row_bytes in
-                 (SMALL_SWIZZLE_ROW_BYTES, SWIZZLE_ROW_BYTES),
+                 (SMALLEST_SWIZZLE_ROW_BYTES, SMALL_SWIZZLE_ROW_BYTES, SWIZZLE_ROW_BYTES)
+                 and (self.vt_chunks == 1 or self.variant),
                  "FP8 BLOCK_N: 64 or 128 keys (V^T's swizzled rows; k-steps of 32)")
-            need(FP8_SCALE_BLOCK % self.block_n == 0,
+            # a variant whose tiles straddle K's 128-key blocks takes one K descale a head
+            # (fp8_forward.prepare refuses per-block K descales for it)
+            need(FP8_SCALE_BLOCK % self.block_n == 0 or self.variant,
                  f"FP8 BLOCK_N must divide the {FP8_SCALE_BLOCK} keys of a K descale")
             need(self.head_dim * self.element_bytes % SMALL_SWIZZLE_ROW_BYTES == 0 and
                  (self.head_dim * self.element_bytes == SMALL_SWIZZLE_ROW_BYTES or
@@ -303,7 +338,7 @@ class Build:
                  "FP8 D: 64 bytes or a multiple of 128 (Q's and K's swizzled rows)")
         need(self.named_barriers <= NAMED_BARRIERS, f"{self.named_barriers} named barriers")
         need(self.s_regs + self.p_regs + self.o_regs + self.regs_besides_tiles
-             <= self.consumer_regs,
+             <= self.consumer_regs or self.registers_by_ptxas,
              f"S {self.s_regs} + P {self.p_regs} + O {self.o_regs} registers do not fit a "
              f"consumer's {self.consumer_regs}")
         need(self.smem_bytes <= MAX_DYNAMIC_SMEM,
@@ -357,11 +392,40 @@ FP8_BUILDS: tuple[Build, ...] = (
               "buffers and an own O staging (64 KiB bf16)"),
 )
 
+# Measurement variants of FP8 rows (never chosen by attention(); fp8_forward.prepare takes one
+# through its defines, bench/fp8_bench.py --variant names them): wider key tiles, as
+# FlashAttention-3's FP8 tile at D = 128 (128 x 224), to spread the softmax's per-tile fixed
+# costs (row max/sum shuffles, the O rescale, barriers and waits) over more keys. Dense only
+# (no PTXATTN_MASKED build: the masked walk shifts by BLOCK_N_SHIFT), and their tiles straddle
+# K's 128-key descale blocks, so they take one K descale a head.
+FP8_VARIANTS: dict[str, Build] = {
+    "n192": Build(head_dim=128, consumers=2, block_n=192, kv_stages=2, q_buffers=2,
+                  o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n192",
+                  why="128 x 192 tiles: 1.5x the keys over the same per-tile fixed costs; S 96 + "
+                      "P 24 + O 64 registers; V^T in three 64-byte swizzled row blocks"),
+    "n224": Build(head_dim=128, consumers=2, block_n=224, kv_stages=2, q_buffers=2,
+                  o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n224",
+                  registers_by_ptxas=True,
+                  why="FlashAttention-3's FP8 tile at D = 128 (128 x 224): S 112 + P 28 + O 64 "
+                      "registers leave ~36 of 240 (the table's estimate wants 44: ptxas decides); "
+                      "V^T in seven 32-byte swizzled row blocks"),
+    "n192s3": Build(head_dim=128, consumers=2, block_n=192, kv_stages=3, q_buffers=2,
+                    o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n192s3",
+                    why="n192 with a 3-deep K/V ring (208 KiB of shared memory; 224 keys would "
+                        "need 232): a tile's K and V land further ahead of the consumers"),
+    "d256n128": Build(head_dim=256, consumers=2, block_n=128, kv_stages=2, q_buffers=1,
+                      o_staged_in_q=False, precision="fp8", variant="d256n128",
+                      registers_by_ptxas=True,
+                      why="FlashAttention-3's FP8 tile at D = 256 (128 x 128): S 64 + P 16 + O "
+                          "128 registers leave ~32 of 240 (ptxas decides); Q (64 KiB), the ring "
+                          "(128 KiB) and O's staging (64 KiB) fit 227 KiB only with one Q buffer"),
+}
+
 BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in BUILDS}
 HEAD_DIMS: tuple[int, ...] = tuple(sorted(BY_HEAD_DIM))
 FP8_BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in FP8_BUILDS}
 FP8_HEAD_DIMS: tuple[int, ...] = tuple(sorted(FP8_BY_HEAD_DIM))
-for _b in BUILDS + FP8_BUILDS:
+for _b in BUILDS + FP8_BUILDS + tuple(FP8_VARIANTS.values()):
     _b.check()
 if DEFAULT_HEAD_DIM not in BY_HEAD_DIM or len(BY_HEAD_DIM) != len(BUILDS):
     raise ValueError("build table: one row per head dim, the default among them")
@@ -375,6 +439,23 @@ def table(precision: str = "bf16") -> tuple[Build, ...]:
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
     return BUILDS if precision == "bf16" else FP8_BUILDS
+
+
+def fp8_variant(head_dim: int, defines: dict | None = None) -> Build:
+    """The FP8 row a build's defines select: a variant's (FP8_BLOCK_N=...), else the table's
+    row of the head dim; ValueError for an FP8_BLOCK_N no variant of that head dim has."""
+    defines = defines or {}
+    n = defines.get("FP8_BLOCK_N")
+    if n is None and "FP8_KV_STAGES" not in defines:
+        return get(head_dim, "fp8")
+    stages = str(defines.get("FP8_KV_STAGES", FP8_RING_DEFAULT))
+    for b in FP8_VARIANTS.values():
+        if b.head_dim == head_dim and str(b.block_n) == str(n) and str(b.kv_stages) == stages:
+            return b
+    raise ValueError(f"FP8_BLOCK_N={n}, FP8_KV_STAGES={stages}: no FP8 variant at head dim "
+                     f"{head_dim} (variants: " + ", ".join(
+                         f"{k} (D {b.head_dim}, N {b.block_n}, ring {b.kv_stages})"
+                         for k, b in FP8_VARIANTS.items()) + ")")
 
 
 def get(head_dim: int, precision: str = "bf16") -> Build:

@@ -43,9 +43,21 @@ DESCALE_PARAMS: tuple[Param, ...] = (
 PARAMS: tuple[Param, ...] = LINEAGE_PARAMS + PRODUCTION_PARAMS + DESCALE_PARAMS + (WALK_SECTION,)
 
 
-def build_of(head_dim: int) -> builds.Build:
-    """The FP8 row of a head dim (ValueError naming the ones there are)."""
-    return builds.get(head_dim, "fp8")
+def build_of(head_dim: int, defines: dict | None = None) -> builds.Build:
+    """The FP8 row of a head dim (ValueError naming the ones there are), or the measurement
+    variant its defines select (FP8_BLOCK_N=..., builds.FP8_VARIANTS)."""
+    return builds.fp8_variant(head_dim, defines)
+
+
+def variant_defines(name: str) -> dict[str, str]:
+    """The defines of a measurement variant by name ("n192", "n224"; "" or "default": none)."""
+    if name in ("", "default"):
+        return {}
+    try:
+        return dict(builds.FP8_VARIANTS[name].defines)
+    except KeyError:
+        raise ValueError(f"FP8 variant {name!r}: expected default or one of "
+                         f"{', '.join(builds.FP8_VARIANTS)}") from None
 
 
 def grid(build: builds.Build, batch: int, heads: int, seq_q: int,
@@ -88,7 +100,7 @@ def kernel(head_dim: int, masked: bool, defines: dict | None = None) -> driver.F
                      + (" -DPTXATTN_MASKED" if masked else ""))
             module = driver.load_module(forward_source(head_dim, masked, defines), label)
             function = module.function(ENTRY)
-            function.set_max_dynamic_smem(build_of(head_dim).smem_bytes)
+            function.set_max_dynamic_smem(build_of(head_dim, defines).smem_bytes)
             _KERNELS[key] = function
         return _KERNELS[key]
 
@@ -108,13 +120,16 @@ def e4m3_map(arr: DeviceArray, layout: str, batch: int, heads: int, seq: int, he
 def vt_map(vt8: DeviceArray, build: builds.Build):
     """V^T's map: 5-D (keys, D, 1, heads_kv, batch) over (B, Hkv, D, Lk_pad) e4m3, a box of
     BLOCK_N keys of every channel (producer.ptxh: V_TILE_BOX, the tile's first key leading):
-    lands as [D][BLOCK_N bytes], swizzled by its rows (128B at 128 keys, 64B at 64)."""
+    lands as [D][BLOCK_N bytes], swizzled by its rows (128B at 128 keys, 64B at 64). A variant
+    whose BLOCK_N is no swizzle width loads a tile as vt_chunks boxes of vt_row_bytes keys
+    (64B-swizzled at 192 keys, 32B at 224; kv_multicast.ptxh's KV_LOAD_V)."""
     b, hkv, d, lk_pad = vt8.shape
-    swizzle = (SWIZZLE_128B if build.vt_row_bytes == builds.SWIZZLE_ROW_BYTES
-               else tma.SWIZZLE_64B)
+    swizzle = {builds.SWIZZLE_ROW_BYTES: SWIZZLE_128B,
+               builds.SMALL_SWIZZLE_ROW_BYTES: tma.SWIZZLE_64B,
+               builds.SMALLEST_SWIZZLE_ROW_BYTES: tma.SWIZZLE_32B}[build.vt_row_bytes]
     return tma.encode_tiled(vt8.ptr, (lk_pad, d, 1, hkv, b),
                             (lk_pad, d * lk_pad, d * lk_pad, hkv * d * lk_pad),
-                            (build.block_n, d, 1, 1, 1), swizzle, data_type="u8", name="v")
+                            (build.vt_row_bytes, d, 1, 1, 1), swizzle, data_type="u8", name="v")
 
 
 class PreparedFp8:
@@ -203,8 +218,19 @@ def _fa3_descales(plan, owned: list):
 
 
 def prepare(plan, defines: dict | None = None) -> PreparedFp8:
-    """Allocate, quantize-or-transpose, build maps and parameters (launch nothing)."""
-    build = build_of(plan.head_dim)
+    """Allocate, quantize-or-transpose, build maps and parameters (launch nothing). `defines`:
+    a measurement knob's, or a variant's (variant_defines), which takes the dense build and one
+    K descale a head where its tiles straddle K's 128-key blocks."""
+    build = build_of(plan.head_dim, defines)
+    if build.variant:
+        if plan.masked and build.block_n_shift is None:
+            raise ValueError(f"FP8 variant {build.variant}: dense only (no causal or window: "
+                             "the masked walk shifts by log2 BLOCK_N)")
+        # pre-quantized inputs carry FlashAttention-3's (batch, heads_kv) K descales
+        if builds.FP8_SCALE_BLOCK % build.block_n and not plan.quantized:
+            raise ValueError(f"FP8 variant {build.variant}: its {build.block_n}-key tiles "
+                             "straddle K's 128-key descale blocks; it takes pre-quantized "
+                             "e4m3 inputs with FlashAttention-3's (batch, heads_kv) descales")
     ctx = driver.context()
     stream = plan.stream
     function = kernel(plan.head_dim, plan.masked, defines)

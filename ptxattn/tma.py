@@ -197,7 +197,8 @@ def encode_qkvo_map(ptr: int, layout: str, batch: int, heads: int, seq: int, hea
 
 
 SWIZZLE_64B = "64B"          # FP8 tiles of 64-byte rows (ptxattn/fp8.py)
-_SWIZZLE_BYTES = {SWIZZLE_NONE: None, SWIZZLE_64B: 64, SWIZZLE_128B: 128}
+SWIZZLE_32B = "32B"          # V^T's row blocks in the FP8 224-key variant (fp8_forward.vt_map)
+_SWIZZLE_BYTES = {SWIZZLE_NONE: None, SWIZZLE_32B: 32, SWIZZLE_64B: 64, SWIZZLE_128B: 128}
 
 
 def encode_tiled(ptr: int, dims, byte_strides, box, swizzle: str, *, data_type: str = "bf16",
@@ -234,6 +235,7 @@ def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="b
     d = cu()
     sw = {SWIZZLE_128B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
           SWIZZLE_64B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+          SWIZZLE_32B: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
           SWIZZLE_NONE: d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}[swizzle]
     kind = (d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if data_type == "bf16"
             else d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)
@@ -257,7 +259,7 @@ def _encode(ptr, dims, byte_strides, box, swizzle, row_bytes, name, data_type="b
 # used by default: tests/test_gpu_fastlaunch.py checks both give the same 128 bytes). cuda.h's
 # enum values, which tests/test_fastlaunch.py checks against the binding's enums:
 CT_DATA_TYPE = {"bf16": 9, "u8": 0}                  # CU_TENSOR_MAP_DATA_TYPE_{BFLOAT16,UINT8}
-CT_SWIZZLE = {SWIZZLE_NONE: 0, SWIZZLE_64B: 2, SWIZZLE_128B: 3}
+CT_SWIZZLE = {SWIZZLE_NONE: 0, SWIZZLE_32B: 1, SWIZZLE_64B: 2, SWIZZLE_128B: 3}
 CT_INTERLEAVE_NONE, CT_L2_PROMOTION_128B, CT_OOB_FILL_NONE = 0, 2, 0
 TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 128        # CUtensorMap: 16 words, alignas(128)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import ptxattn
-from ptxattn import fp8_quantize, tensors
+from ptxattn import driver, fp8_quantize, tensors
 from ptxattn import fp8_reference as model
 from ptxattn.reference import BF16, attention_reference, error_metrics, sample_rows
 
@@ -169,17 +169,35 @@ def prequantized_inputs(B, H, Hkv, Lq, Lk, D, seed, given=DESCALES):
     return q8, k8, v8, descales
 
 
-def check_prequantized(got, lse, q8, k8, v8, descales, **mask):
+def check_prequantized(got, lse, q8, k8, v8, descales, block_n=None, **mask):
     """The kernel's out (BHLD) and LSE on e4m3 inputs against the FP8 model on the same e4m3
-    values and descales."""
+    values and descales (tiled by block_n keys: None, the FP8 row's; a variant's own)."""
     group = q8.shape[1] // k8.shape[1]
     seq_k = k8.shape[2]
     inputs = model.Fp8Inputs(q8, np.repeat(descales["q_descale"], group, axis=1)[..., None],
                              k8, descales["k_descale"][..., None],
                              model.permute_vt(v8, model.padded_keys(seq_k)),
                              descales["v_descale"][..., None], seq_k, k_block=1 << 30)
-    want, want_lse = model.fp8_attention_model(inputs, return_lse=True, **mask)
+    want, want_lse = model.fp8_attention_model(inputs, return_lse=True, block_n=block_n,
+                                               **mask)
     m = error_metrics(got, want)
     assert m["nan_count"] == 0 and m["rel_l2"] <= MODEL_BAR, f"out against the model: {m}"
     lse_err = float(np.abs(np.asarray(lse, np.float64) - want_lse).max())
     assert lse_err <= LSE_MODEL_TOL, f"lse max error {lse_err:.3e} against the model"
+
+
+def variant_call(q8, k8, v8, descales, defines, layout="bhld"):
+    """A measurement variant's forward (fp8_forward.prepare with its defines) on e4m3 NumPy
+    inputs with FlashAttention-3's descales; (out, lse) as NumPy. Its out is the call's own
+    allocation (the emulator's fresh memory is NaN; on the GPU, the check's NaN count and
+    the model comparison catch rows left unwritten only where they differ)."""
+    from ptxattn import fp8, fp8_forward
+    plan = fp8.validate(q8, k8, v8, layout=layout, return_lse=True, **descales)
+    prepared = fp8_forward.prepare(plan, defines)
+    try:
+        prepared.out.fill_u16(0xFFFF)               # poisoned: every element must be written
+        prepared.launch()
+        got, got_lse = prepared.out.to_numpy(), prepared.lse.to_numpy()
+    finally:
+        prepared.close()
+    return got, got_lse

@@ -278,6 +278,7 @@ def test_tensor_map_enums_are_the_bindings():
         "u8": int(d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8)}
     s = d.CUtensorMapSwizzle
     assert tma.CT_SWIZZLE == {SWIZZLE_NONE: int(s.CU_TENSOR_MAP_SWIZZLE_NONE),
+                              tma.SWIZZLE_32B: int(s.CU_TENSOR_MAP_SWIZZLE_32B),
                               tma.SWIZZLE_64B: int(s.CU_TENSOR_MAP_SWIZZLE_64B),
                               SWIZZLE_128B: int(s.CU_TENSOR_MAP_SWIZZLE_128B)}
     assert (tma.CT_INTERLEAVE_NONE, tma.CT_L2_PROMOTION_128B, tma.CT_OOB_FILL_NONE) == (

@@ -53,7 +53,8 @@ def test_committed_headers_equal_the_generators_output():
 def test_the_fp8_rows_are_the_launchers_and_the_generators():
     assert HEAD_DIMS == fp8_forward.HEAD_DIMS == (64, 128, 256)
     assert all(b.fp8 and b.precision == "fp8" for b in builds.FP8_BUILDS)
-    assert ptxgen_fp8.shapes() == sorted((b.block_n, b.head_dim) for b in builds.FP8_BUILDS)
+    assert ptxgen_fp8.shapes() == sorted({(b.block_n, b.head_dim) for b in builds.FP8_BUILDS
+                                          + tuple(builds.FP8_VARIANTS.values())})
     in_header = sorted(int(d) for d in re.findall(r"^#(?:el)?if HEAD_DIM == (\d+)$",
                                                   FP8_SECTION, re.M))
     assert in_header == list(HEAD_DIMS)
@@ -238,3 +239,50 @@ def test_fp8_and_varlen_are_not_one_build():
         ptx.source(stages.PRODUCTION, {"PTXATTN_FP8": "1", "PTXATTN_VARLEN": "1"})
     for one in ({"PTXATTN_FP8": "1"}, {"PTXATTN_VARLEN": "1"}):
         assert ".entry" in ptx.source(stages.PRODUCTION, one)
+
+
+def test_the_fp8_variants():
+    """The measurement variants (builds.FP8_VARIANTS): wider key tiles at D = 128, V^T in
+    row blocks of a swizzle width, selected only by their defines; the table's rows keep their
+    V^T layout (one block)."""
+    n192, n224 = builds.FP8_VARIANTS["n192"], builds.FP8_VARIANTS["n224"]
+    assert (n192.block_n, n192.vt_row_bytes, n192.vt_chunks, n192.desc_v_bits) == \
+        (192, 64, 3, "DESC_KMAJOR_SW64")
+    assert (n224.block_n, n224.vt_row_bytes, n224.vt_chunks, n224.desc_v_bits) == \
+        (224, 32, 7, "DESC_KMAJOR_SW32")
+    assert all(b.vt_chunks == 1 and not b.variant for b in builds.FP8_BUILDS)
+    assert [b.vt_row_bytes for b in builds.FP8_BUILDS] == [128, 128, 64]
+    for b in (n192, n224):
+        assert b.block_n_shift is None and b.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+        assert b.kv_tile_bytes == b.vt_chunks * b.vt_row_bytes * b.head_dim
+        assert fp8_forward.build_of(128, b.defines) is b
+        assert fp8_forward.variant_defines(b.variant) == {"FP8_BLOCK_N": str(b.block_n)}
+    assert fp8_forward.build_of(128) is builds.FP8_BY_HEAD_DIM[128]
+    assert fp8_forward.variant_defines("default") == {}
+    # S + P + O: 184 of 240 at 192 (fits the table's estimate), 204 at 224 (ptxas decides)
+    assert n192.s_regs + n192.p_regs + n192.o_regs == 184
+    assert n224.s_regs + n224.p_regs + n224.o_regs == 204 and n224.registers_by_ptxas
+    s3, d256 = builds.FP8_VARIANTS["n192s3"], builds.FP8_VARIANTS["d256n128"]
+    assert s3.kv_stage_shift is None and s3.defines == {"FP8_BLOCK_N": "192",
+                                                        "FP8_KV_STAGES": "3"}
+    assert s3.smem_bytes <= builds.MAX_DYNAMIC_SMEM < 3 * 2 * n224.kv_tile_bytes + 65536
+    assert d256.block_n_shift == 7 and d256.q_buffers == 1 and d256.defines == {
+        "FP8_BLOCK_N": "128"}
+    assert d256.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+    for b in (s3, d256):
+        assert fp8_forward.build_of(b.head_dim, b.defines) is b
+    with pytest.raises(ValueError, match="no FP8 variant"):
+        fp8_forward.build_of(128, {"FP8_BLOCK_N": "224", "FP8_KV_STAGES": "3"})
+
+
+def test_the_fp8_variants_select_their_layout_and_refuse_the_rest():
+    from ptxattn.tools import ptxgen_layout
+    text = fp8_forward.forward_source(128, False, {"FP8_BLOCK_N": "224"})
+    assert "m64n224k32" in text and "div.u32 %kv_tiles, %kv_tiles, 224;" in text
+    default = fp8_forward.forward_source(128, False)
+    assert "m64n128k32" in default and "m64n224k32" not in default
+    assert "shr.u32 %kv_tiles, %kv_tiles, 7;" in default
+    for bad in ({"FP8_BLOCK_N": "160"}, {"FP8_BLOCK_N": "192", "PTXATTN_MASKED": "1"}):
+        with pytest.raises(Exception, match="FP8_BLOCK_N|dense"):
+            fp8_forward.forward_source(128, "PTXATTN_MASKED" in bad, bad)
+    assert "VT_CHUNKS 7" in ptxgen_layout.header()

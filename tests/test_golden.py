@@ -50,7 +50,12 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
            for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")]
     assert names == ["default", "PTXATTN_TRACE=1", *[f"SW_EXP2_PER_8={k}" for k in range(9)],
                      "PTXATTN_MASKED=1", "PTXATTN_VARLEN=1", "HEAD_DIM=64", "HEAD_DIM=256",
-                     "PTXATTN_KV_MULTICAST=1", *fp8]
+                     "PTXATTN_KV_MULTICAST=1", *fp8,
+                     "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=192",
+                     "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=224",
+                     "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=192 FP8_KV_STAGES=3",
+                     "PTXATTN_FP8=1 HEAD_DIM=256 FP8_BLOCK_N=128",
+                     "PTXATTN_FP8=1 HEAD_DIM=256 FP8_BLOCK_N=128 PTXATTN_MASKED=1"]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 

@@ -28,6 +28,7 @@ import re
 import sys
 from pathlib import Path
 
+from .. import builds as _builds
 from .. import ptx, stages
 
 # The build variants in use, in ONE place: each knob names the values the lineage is built
@@ -47,6 +48,13 @@ KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("PTXATTN_FP8", tuple(f"1{dim}{mask}" for mask in ("", " PTXATTN_MASKED=1")
                           for dim in ("", " HEAD_DIM=64", " HEAD_DIM=256")),
      r"^#ifn?def PTXATTN_FP8"),
+    # its measurement variants (builds.FP8_VARIANTS, selected by FP8_BLOCK_N / FP8_KV_STAGES):
+    # dense each, and masked where BLOCK_N is a power of two (the masked walk shifts)
+    ("PTXATTN_FP8", tuple(
+        f"1 HEAD_DIM={b.head_dim} " + " ".join(f"{k}={v}" for k, v in b.defines.items()) + mask
+        for b in _builds.FP8_VARIANTS.values()
+        for mask in (("", " PTXATTN_MASKED=1") if b.block_n_shift is not None else ("",))),
+     r"^#if HEAD_DIM == \d+ && defined\(FP8_BLOCK_N\)"),
 )
 
 

@@ -29,6 +29,9 @@ from ..stages import ptx_root
 # The shapes generated: the lineage's (N 64 and 128, D 128) and every row of the production
 # kernel's build table (ptxattn/builds.py), so that a new head dim there is one row.
 BLOCK_NS = tuple(sorted({64, 128} | {b.block_n for b in builds.BUILDS}))   # the N of S = Q K^T
+# widths only FP8 rows take (the variants' 192, 224): their score macros, no bf16 k-steps
+FP8_ONLY_NS = tuple(sorted({b.block_n for b in builds.FP8_BUILDS
+                            + tuple(builds.FP8_VARIANTS.values())} - set(BLOCK_NS)))
 HEAD_DIMS = tuple(sorted({128} | set(builds.HEAD_DIMS)))   # D: the K of Q K^T, the N of O = P V
 
 ROWS = 64                     # query rows per consumer warpgroup (the wgmma M)
@@ -78,11 +81,14 @@ def _guarded(name: str, about: str, body: list[str]) -> str:
 
 # ---- per tile width N: the scores -------------------------------------------------------------
 
-def score_header(n: int) -> str:
+def score_header(n: int, gemms: bool = True) -> str:
     regs = n // 2
     lo = [i for i in range(regs) if half(i) == "lo"]
     hi = [i for i in range(regs) if half(i) == "hi"]
     out: list[str] = []
+    if not gemms:        # (fragments.ptxh names the lineage's S accumulators, N 64 and 128)
+        out += _macro(f"S_ACC_N{n}", None, _reg_list("s", regs),
+                      f"S = Q K^T for 64 rows x N {n}: {regs} accumulators per thread")
     for name, rows in (("LO", lo), ("HI", hi)):
         # the stages' order: first the even column of every 8-chunk, then the odd one
         order = [i for i in rows if i & 1 == 0] + [i for i in rows if i & 1]
@@ -129,10 +135,11 @@ def score_header(n: int) -> str:
                   "m64n8k16 against a\nshared tile of bf16 ones (DONES: K-major, 8 rows of one "
                   "swizzle atom; all ones, so it never steps). %rs0 (lo row)\nand %rs2 (hi row) each hold a full row's sum, "
                   "%rs1 and %rs3 the same again (column 1)")
-    for d in HEAD_DIMS:
+    for d in HEAD_DIMS if gemms else ():
         out += gemm_macros(n, d)
-    return _guarded(f"gen_n{n}.ptxh", f"Score fragments of a 64 x {n} S tile ({regs} per thread); "
-                    f"the QK^T and PV k-steps for N = {n}.", out)
+    return _guarded(f"gen_n{n}.ptxh", f"Score fragments of a 64 x {n} S tile ({regs} per thread)"
+                    + (f"; the QK^T and PV k-steps for N = {n}." if gemms else
+                       " (FP8 only: its k-steps are gen_fp8.ptxh's)."), out)
 
 
 def gemm_macros(n: int, d: int, *, k_block_bytes: int | None = None,
@@ -256,6 +263,7 @@ def exp2_header() -> str:
 
 def headers() -> dict[str, str]:
     out = {f"gen_n{n}.ptxh": score_header(n) for n in BLOCK_NS}
+    out.update({f"gen_n{n}.ptxh": score_header(n, gemms=False) for n in FP8_ONLY_NS})
     out.update({f"gen_d{d}.ptxh": output_header(d) for d in HEAD_DIMS})
     out["gen_exp2.ptxh"] = exp2_header()
     return out

@@ -34,7 +34,12 @@ HEADER = "gen_fp8.ptxh"
 
 def shapes() -> list[tuple[int, int]]:
     """(BLOCK_N, D) of every FP8 row: the k-steps' shapes."""
-    return sorted({(b.block_n, b.head_dim) for b in builds.FP8_BUILDS})
+    return sorted({(b.block_n, b.head_dim) for b in _rows()})
+
+
+def _rows() -> tuple[builds.Build, ...]:
+    """The FP8 rows and the measurement variants (builds.FP8_VARIANTS)."""
+    return builds.FP8_BUILDS + tuple(builds.FP8_VARIANTS.values())
 
 
 def block_ns() -> list[int]:
@@ -46,7 +51,7 @@ def head_dims() -> list[int]:
 
 
 def _row(n: int, d: int) -> builds.Build:
-    return next(b for b in builds.FP8_BUILDS if (b.block_n, b.head_dim) == (n, d))
+    return next(b for b in _rows() if (b.block_n, b.head_dim) == (n, d))
 
 
 def _wgmma(n: int) -> str:
@@ -78,19 +83,26 @@ def qk_macro(n: int, d: int) -> list[str]:
 
 def pv_macro(n: int, d: int) -> list[str]:
     """O += P V: n / 32 k-steps of 32 keys; B is V^T, K-major: D rows of n key bytes (permuted
-    within groups of 32), one swizzled block, a step 32 bytes along it."""
-    steps = n // K_STEP
+    within groups of 32), one swizzled block, a step 32 bytes along it; where n is not a
+    swizzle width (the variants), [n / row][D][row] blocks: past a block's row, the next block
+    D rows * row bytes on."""
+    row = _row(n, d).vt_row_bytes
+    steps, per_block = n // K_STEP, row // K_STEP
     step = K_STEP // DESC_UNIT
+    jump = d * row // DESC_UNIT - (per_block - 1) * step
     body = []
     for t in range(steps):
         if t:
-            body.append(f"add.s64 DV, DV, {step};")
+            body.append(f"add.s64 DV, DV, {jump if t % per_block == 0 else step};")
         p = ", ".join(f"%p{4 * t + j}" for j in range(4))
         body.append(f"{_wgmma(d)} O_ACC_D{d}, {{{p}}}, DV, 1, 1, 1;")
     return ptxgen._macro(
         f"PV_FP8_N{n}_D{d}", "DV", body,
-        f"O += P V: {steps} k-steps of 32 keys; DV (b64): V^T (D rows of {n} bytes, "
-        f"{_row(n, d).vt_row_bytes}B-swizzled, K-major) steps {step}")
+        (f"O += P V: {steps} k-steps of 32 keys; DV (b64): V^T (D rows of {n} bytes, "
+         f"{row}B-swizzled, K-major) steps {step}") if row == n else
+        (f"O += P V: {steps} k-steps of 32 keys; DV (b64): V^T in {n // row} blocks of D rows "
+         f"of {row} bytes ({row}B-swizzled, K-major),\nsteps {step} within a block, {jump} to "
+         "the next"))
 
 
 def pack_macro(n: int) -> list[str]:

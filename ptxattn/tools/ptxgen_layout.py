@@ -65,6 +65,18 @@ def _aliases(b: builds.Build) -> list[str]:
     ]
 
 
+def ring_magic(d: int) -> tuple[int, int]:
+    """(M, s) with floor(g / d) == (g * M >> 32) >> s for every g < 2^31 (a ring depth that is
+    not a power of two divides so in the hot loop, not by div.u32's general sequence)."""
+    for s in range((d - 1).bit_length(), -1, -1):
+        m = (1 << (32 + s)) // d + 1
+        # exact for g < 2^31 when M's excess over 2^(32+s)/d, times 2^31, stays below
+        # 2^(32+s)/d's distance to the next multiple (Granlund-Montgomery): checked exactly
+        if m < 1 << 32 and (m * d - (1 << (32 + s))) * (1 << 31) < (1 << (32 + s)):
+            return m, s
+    raise ValueError(f"ring depth {d}: no 32-bit magic divisor")
+
+
 def figures(b: builds.Build) -> list[tuple[str, object, str]]:
     """(name, value, comment) of every figure of the row, in the header's order: a value is an
     int, or the text an operand must expand to (a product, a descriptor's name)."""
@@ -75,9 +87,10 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
     ]
     if b.block_m_shift is not None:
         out.append(("BLOCK_M_SHIFT", b.block_m_shift, "log2(BLOCK_M)"))
+    out.append(("BLOCK_N", b.block_n, "key/value rows a K/V tile"))
+    if b.block_n_shift is not None:      # else the tile arithmetic multiplies and divides
+        out.append(("BLOCK_N_SHIFT", b.block_n_shift, "log2(BLOCK_N)"))
     out += [
-        ("BLOCK_N", b.block_n, "key/value rows a K/V tile"),
-        ("BLOCK_N_SHIFT", b.block_n_shift, "log2(BLOCK_N)"),
         ("CTA_THREADS", b.threads, "a producer warpgroup and the consumers"),
         ("CONSUMER_THREADS", b.consumers * builds.WARPGROUP,
          "the arrivals that release a K/V slot or Q"),
@@ -99,7 +112,14 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
         ("KV_TX_BYTES", b.kv_tx_bytes, "a K or V FULL's expect_tx"),
         ("KV_SLOT_DESC", b.kv_slot_desc, "KV_TILE_BYTES >> 4: a slot's descriptor step"),
         ("KV_STAGES", b.kv_stages, "ring depth"),
-        ("KV_STAGE_SHIFT", b.kv_stage_shift, "log2(KV_STAGES)"),
+    ]
+    if b.kv_stage_shift is not None:
+        out.append(("KV_STAGE_SHIFT", b.kv_stage_shift, "log2(KV_STAGES)"))
+    else:
+        magic, shift = ring_magic(b.kv_stages)
+        out += [("RING_MAGIC", hex(magic), "g / KV_STAGES = mul.hi(g, RING_MAGIC) >> RING_MAGIC_SHIFT"),
+                ("RING_MAGIC_SHIFT", shift, "")]
+    out += [
         ("O_STAGED_IN_Q", int(b.o_staged_in_q), ""),
     ]
     notes = {"SMEM_Q": "buffer b, consumer c at SMEM_Q + (CONSUMERS*b + c)*Q_TILE_BYTES",
@@ -118,6 +138,11 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
     out += [(f"BAR_O_{c}", b.bar_o(c), f"consumer {c}'s O staging") for c in range(b.consumers)]
     out.append(("DESC_QK_BITS", b.desc_qk_bits,
                 f"Q and K K-major, {b.qk_row_bytes}-byte swizzled rows"))
+    if b.fp8 and b.vt_chunks > 1:
+        out += [("VT_CHUNKS", b.vt_chunks, f"V^T's {b.vt_row_bytes}-byte row blocks a tile, "
+                 "a TMA box each"),
+                ("VT_CHUNK_KEYS", b.vt_row_bytes, "keys of one row block (its TMA box)"),
+                ("VT_CHUNK_BYTES", b.head_dim * b.vt_row_bytes, "one row block: D rows")]
     out.append(("DESC_V_BITS", b.desc_v_bits,
                 f"V^T K-major: D rows of {b.vt_row_bytes} key bytes" if b.fp8 else
                 "V MN-major: LBO BLOCK_N rows * 128 B to the next 64 of D"))
@@ -156,13 +181,27 @@ def _row(b: builds.Build) -> list[str]:
     return out
 
 
-def _rows(rows: tuple[builds.Build, ...], what: str) -> list[str]:
-    """`#if HEAD_DIM == d` ... `#endif` over the rows of one precision."""
+def _rows(rows: tuple[builds.Build, ...], what: str,
+          variants: tuple[builds.Build, ...] = ()) -> list[str]:
+    """`#if HEAD_DIM == d` ... `#endif` over the rows of one precision (its measurement
+    variants first, each selected by its defines; an FP8_BLOCK_N no variant has is an error)."""
     dims = sorted(b.head_dim for b in rows)
     named = ", ".join(map(str, dims[:-1])) + f" or {dims[-1]}"
     out = []
+    for i, b in enumerate(variants):
+        test = " && ".join(f"{k} == {v}" for k, v in b.defines.items())
+        if "FP8_KV_STAGES" not in b.defines:
+            test += " && !defined(FP8_KV_STAGES)"
+        out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim} && "
+                   f"defined(FP8_BLOCK_N) && {test}")
+        out.append(f"// ---- measurement variant {b.variant} (builds.FP8_VARIANTS)")
+        out += _row(b)
+    if variants:
+        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES)",
+                '#error "production: FP8_BLOCK_N names no variant of this head dim '
+                '(builds.FP8_VARIANTS)"']
     for i, b in enumerate(rows):
-        out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim}")
+        out.append(f"#{'if' if i == 0 and not variants else 'elif'} HEAD_DIM == {b.head_dim}")
         out += _row(b)
     return out + ["#else", f'#error "production: {what}HEAD_DIM must be {named} (a row of '
                   'ptxattn/builds.py)"', "#endif"]
@@ -171,8 +210,8 @@ def _rows(rows: tuple[builds.Build, ...], what: str) -> list[str]:
 def header() -> str:
     table = ["//   precision D    consumers BLOCK_M BLOCK_N ring  Q buffers  O staged  smem      "
              "registers/thread (S, P, O of the consumer budget)"]
-    for b in builds.BUILDS + builds.FP8_BUILDS:
-        table.append(f"//   {b.precision:<9} {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} "
+    for b in builds.BUILDS + builds.FP8_BUILDS + tuple(builds.FP8_VARIANTS.values()):
+        table.append(f"//   {b.precision + ('/' + b.variant if b.variant else ''):<9} {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} "
                      f"{b.block_n:<7} {b.kv_stages:<5} {b.q_buffers:<10} "
                      f"{'in Q' if b.o_staged_in_q else 'own':<9} "
                      f"{b.smem_bytes:<9} S {b.s_regs}, P {b.p_regs}, O {b.o_regs} "
@@ -214,8 +253,34 @@ def header() -> str:
         *_rows(builds.BUILDS, ""),
         "#else",
         "// ==== the FP8 builds (-D PTXATTN_FP8: attention(precision=\"fp8\"))",
-        *_rows(builds.FP8_BUILDS, "FP8: "),
-        "#endif", "", "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
+        *_rows(builds.FP8_BUILDS, "FP8: ", tuple(builds.FP8_VARIANTS.values())),
+        "#endif", "",
+        "// ---- K/V tile arithmetic: shifts where BLOCK_N is a power of two; the FP8 variants'",
+        "// 192 and 224 multiply and divide (dense builds only: the masked walk shifts)",
+        "#ifdef BLOCK_N_SHIFT",
+        "#define KV_TILES_OF_KEYS(DST, KEYS) shr.u32 DST, KEYS, BLOCK_N_SHIFT;",
+        "#define KEYS_OF_KV_TILES(DST, TILES) shl.b32 DST, TILES, BLOCK_N_SHIFT;",
+        "#define KEY_TAIL(DST, KEYS) and.b32 DST, KEYS, BLOCK_N - 1;",
+        "#else",
+        "#if defined(PTXATTN_MASKED) || defined(PTXATTN_VARLEN) || defined(PTXATTN_KV_MULTICAST)",
+        '#error "production: a BLOCK_N that is not a power of two builds only the dense kernel"',
+        "#endif",
+        "#define KV_TILES_OF_KEYS(DST, KEYS) div.u32 DST, KEYS, BLOCK_N;",
+        "#define KEYS_OF_KV_TILES(DST, TILES) mul.lo.u32 DST, TILES, BLOCK_N;",
+        "#define KEY_TAIL(DST, KEYS) rem.u32 DST, KEYS, BLOCK_N;",
+        "#endif",
+        "// ---- the K/V ring: fill g of the walk uses slot g % KV_STAGES, its barriers' phase",
+        "// (g / KV_STAGES) & 1 (shifts at a power-of-two depth; the n192s3 variant divides)",
+        "#ifdef KV_STAGE_SHIFT",
+        "#define RING_SLOT(DST, G) and.b32 DST, G, KV_STAGES - 1;",
+        "#define RING_FILL(DST, G) shr.u32 DST, G, KV_STAGE_SHIFT;",
+        "#else",
+        "// g / KV_STAGES as mul.hi and a shift by RING_MAGIC, RING_MAGIC_SHIFT (the row's; exact",
+        "// for every g below 2^31), g % KV_STAGES from it (DST other than G)",
+        "#define RING_FILL(DST, G) mul.hi.u32 DST, G, RING_MAGIC; shr.u32 DST, DST, RING_MAGIC_SHIFT;",
+        "#define RING_SLOT(DST, G) RING_FILL(DST, G) mul.lo.u32 DST, DST, KV_STAGES; sub.u32 DST, G, DST;",
+        "#endif", "",
+        "#endif // PTXATTN_PRODUCTION_LAYOUT_PTXH", ""]
     return "\n".join(out)
 
 

@@ -543,10 +543,11 @@ def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -
     text = disassemble(asm.cubin)
     smem = stage.smem_bytes
     if stage.production and defines and str(defines.get("PTXATTN_FP8", "0")) != "0":
-        # -d PTXATTN_FP8: the e4m3 build's shared memory (builds.FP8_BUILDS), not bf16's
+        # -d PTXATTN_FP8: the e4m3 build's shared memory (builds.FP8_BUILDS, or the variant
+        # -d FP8_BLOCK_N=... selects: builds.FP8_VARIANTS), not bf16's
         try:
-            smem = _builds.get(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
-                               "fp8").smem_bytes
+            smem = _builds.fp8_variant(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
+                                       defines).smem_bytes
         except ValueError:
             pass                                  # no such build: ptxas said so already
     elif stage.production and defines and "HEAD_DIM" in defines:
