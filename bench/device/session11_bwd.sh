@@ -49,8 +49,9 @@ for kind in ("burst", "sustained"):
             line += (f"  sustained x cuDNN: edv {e.get('sustained_ratio') or float('nan'):.3f}"
                      f" m80 {m.get('sustained_ratio') or float('nan'):.3f}")
         print(line)
-        print(f"{'':<17} rel L2 vs cuDNN edv {e['check_vs_cudnn_rel_l2']}  "
-              f"m80 {m['check_vs_cudnn_rel_l2']}  clocks {e.get('clocks')}")
+        l2 = lambda r: " ".join(f"{k} {x:.2e}" for k, x in r["check_vs_cudnn_rel_l2"].items())
+        mhz = lambda r: (r.get("clocks") or {}).get("clocks_sm")
+        print(f"{'':<17} rel L2 vs cuDNN: edv {l2(e)} | m80 {l2(m)} | SM MHz {mhz(e)}, {mhz(m)}")
 PY
 part "end"
 grep -vE "^\s*$" "$LOG" | grep -E "=====|rc |edv/m80|rel L2|skipped|passed|failed|FAILED|Error" \
