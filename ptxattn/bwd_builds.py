@@ -47,8 +47,10 @@ process can time today's build against them; `defines` selects a row in bwd.ptx)
     of the fp32 S^T registers, which die at the packing: dV, dK, dP^T and the packed P^T are
     188 registers where m80's early dV would hold 228. dV is issued before dP^T is waited on,
     so the exponentials run under dP^T (m80's SASS waits for dP^T after 5 of its 40: ptxas
-    hoists the wait, nothing orders the softmax before it) and the dS^T math under dV. dS^T
-    sees P rounded to bf16 (the value dV already multiplies by).
+    hoists the wait, nothing orders the softmax before it) and the dS^T math under dV. dV is
+    then done when dQ^T is issued, so dQ^T waits for dV only and is queued behind dK (with
+    dK, dV and both packed halves in flight ptxas serialized every wgmma). dS^T sees P rounded
+    to bf16 (the value dV already multiplies by).
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
 block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2; with
@@ -282,7 +284,7 @@ VARIANTS["m80_edv"] = {128: replace(
     why="m80's 80-row tiles and schedule with early dV: dS^T = P^T (dP^T - delta) from the packed "
         "bf16 P^T (dV's A fragments), so S^T's 40 fp32 registers die at the packing (188 live "
         "at dS^T, not 228); dV issued before dP^T is waited on: the exponentials run under dP^T, "
-        "the dS^T math under dV")}
+        "the dS^T math under dV; dQ^T queued behind dK (it waits for dV only)")}
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
 
