@@ -42,6 +42,15 @@ process can time today's build against them; `defines` selects a row in bwd.ptx)
     228 registers), and dQ^T is issued once dV and dK retired (their A fragments beside dQ^T
     and the next S^T: ptxas serializes every wgmma). The per-block costs (hand-offs, barriers, the loop's top) spread over 25%
     more rows, and the SS GEMMs read 115 B per tensor cycle instead of 128.
+  - m80_edv (D = 128): m80 with early dV. dS^T = P^T (dP^T - delta) takes P^T from its packed
+    bf16 pairs (`ds_from_pt`: the RS A fragments of dV, unpacked by a shift or a mask) instead
+    of the fp32 S^T registers, which die at the packing: dV, dK, dP^T and the packed P^T are
+    188 registers where m80's early dV would hold 228. dV is issued before dP^T is waited on,
+    so the exponentials run under dP^T (m80's SASS waits for dP^T after 5 of its 40: ptxas
+    hoists the wait, nothing orders the softmax before it) and the dS^T math under dV. dV is
+    then done when dQ^T is issued, so dQ^T waits for dV only and is queued behind dK (with
+    dK, dV and both packed halves in flight ptxas serialized every wgmma). dS^T sees P rounded
+    to bf16 (the value dV already multiplies by).
 
 dQ = dS K (64 x D per consumer pair) is split between the consumers by its rows when a query
 block has 128 rows (D = 64) and by its columns otherwise (a consumer's 64 rows x D / 2; with
@@ -82,15 +91,18 @@ class Build:
     st_ahead: bool = False     # the next block's S^T issued under this block's dQ
     dq_red: bool = False       # dQ added from the consumers' registers: no staging tile
     dq_t: bool = False         # dQ^T = K^T dS^T (D in M), dS^T stored transposed (m80)
+    ds_from_pt: bool = False   # dS^T from the packed bf16 P^T, not the fp32 S^T (m80_edv)
     variant: str = "default"   # the build table's name for this row (VARIANTS)
 
     @property
     def layout_defines(self) -> dict[str, str]:
         """The -D switches that select this build's block of gen_bwd_layout.ptxh beside
-        HEAD_DIM (the ones that change tiles or offsets; {} for today's builds)."""
+        HEAD_DIM (the ones that change tiles, offsets or the block's macros: EARLY_DV and
+        DS_TILE with ds_from_pt; {} for today's builds)."""
         return {**({"PTXATTN_BWD_QSPLIT": "1"} if self.query_split else {}),
                 **({"PTXATTN_BWD_DQRED": "1"} if self.dq_red else {}),
-                **({"PTXATTN_BWD_DQT": "1"} if self.dq_t else {})}
+                **({"PTXATTN_BWD_DQT": "1"} if self.dq_t else {}),
+                **({"PTXATTN_BWD_DSPT": "1"} if self.ds_from_pt else {})}
 
     @property
     def postprocess_defines(self) -> dict[str, str]:
@@ -157,10 +169,12 @@ class Build:
         """The most that is live at once, by the schedule (production's consumer): dV, dK, S^T
         (P^T), dP^T (dS^T), and with early_dv the packed P^T that the in-flight dV GEMM reads;
         dQ lives once S^T and dP^T are dead (with query_split beside both packed halves, the
-        A fragments of the RS k-steps); with st_ahead the next block's S^T beside dQ."""
+        A fragments of the RS k-steps); with st_ahead the next block's S^T beside dQ; with
+        ds_from_pt the fp32 S^T is dead at dS^T (P^T read from its packed pairs)."""
         r = self.registers
-        at_ds = r["dV"] + r["dK"] + r["S^T (then P^T)"] + r["dP^T (then dS^T)"] + \
-            (r["P^T packed"] if self.early_dv else 0)
+        at_ds = r["dV"] + r["dK"] + r["dP^T (then dS^T)"] + \
+            (0 if self.ds_from_pt else r["S^T (then P^T)"]) + \
+            (r["P^T packed"] if self.early_dv or self.ds_from_pt else 0)
         at_dq = r["dV"] + r["dK"] + r["dS^T packed"] + r["dQ"] + \
             (r["P^T packed"] if self.query_split else 0)
         ahead = r["dV"] + r["dK"] + r["dQ"] + r["S^T (then P^T)"] if self.st_ahead else 0
@@ -264,6 +278,13 @@ VARIANTS: dict[str, dict[int, Build]] = {
                              "transposed; no early dV (228 registers with it), dQ^T after dV and "
                              "dK; st_ahead's schedule")},
 }
+# m80 with early dV: dS^T from the packed P^T, so that the fp32 S^T dies at the packing
+VARIANTS["m80_edv"] = {128: replace(
+    VARIANTS["m80"][128], early_dv=True, ds_from_pt=True, variant="m80_edv",
+    why="m80's 80-row tiles and schedule with early dV: dS^T = P^T (dP^T - delta) from the packed "
+        "bf16 P^T (dV's A fragments), so S^T's 40 fp32 registers die at the packing (188 live "
+        "at dS^T, not 228); dV issued before dP^T is waited on: the exponentials run under dP^T, "
+        "the dS^T math under dV; dQ^T queued behind dK (it waits for dV only)")}
 VARIANT_NAMES = (DEFAULT_VARIANT, *VARIANTS)
 
 

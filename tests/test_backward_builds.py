@@ -168,6 +168,40 @@ def test_probabilities_read_their_query_columns(n):
             assert c == 8 * (i >> 2) + (i & 1), (name, i, c)
 
 
+def test_ds_from_the_packed_probabilities_reads_the_half_pack_pt_wrote():
+    """DS_PT_N80 (m80_edv): value i of dS^T multiplies (dP^T_i - delta of its column) by P^T_i
+    unpacked from %pt<i / 2>, the half that PACK_PT_N80 wrote %st<i> into (cvt.rn.bf16x2's
+    first source is the high half: a mask for odd i, a shift for even i), as the bf16 value."""
+    import ml_dtypes
+    text = ptxgen_bwd.headers()["gen_bwd_n80.ptxh"]
+    packed_from = {}
+    for s in _macro_body(text, "PACK_PT_N80"):
+        dst, hi, lo = re.findall(r"%(?:pt|st)(\d+)", s)
+        packed_from[int(dst)] = (int(lo), int(hi))
+    body = _macro_body(text, "DS_PT_N80")
+    rng = np.random.default_rng(0)
+    st = rng.random(40).astype(np.float32)
+    bits = st.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+    pt = {j: (int(bits[hi]) << 16) | int(bits[lo]) for j, (lo, hi) in packed_from.items()}
+    unpacked, col, seen = None, None, []
+    for s in body:
+        if s.startswith("ld.shared.v2.f32"):
+            col = int(re.search(r"ADDR\+(\d+)", s).group(1)) // 4
+        elif s.startswith(("shl.b32", "and.b32")):
+            j = int(re.search(r"%pt(\d+)", s).group(1))
+            word = pt[j] << 16 if s.startswith("shl") else pt[j] & 0xFFFF0000
+            unpacked = np.uint32(word & 0xFFFFFFFF).view(np.float32)
+        elif s.startswith("sub.f32"):
+            i = int(re.search(r"%dpt(\d+)", s).group(1))
+            assert col + int(re.findall(r"T([01])", s)[0]) == 8 * (i >> 2) + (i & 1), s
+        elif s.startswith("mul.f32"):
+            i = int(re.search(r"%dpt(\d+)", s).group(1))
+            assert "%pt_f32" in s, s
+            seen.append(i)
+            assert unpacked == st[i].astype(ml_dtypes.bfloat16).astype(np.float32), (i, s)
+    assert sorted(seen) == list(range(40))
+
+
 def _defines(path: Path) -> dict[str, int]:
     return {k: int(v) for k, v in
             re.findall(r"^#define (\w+) (\d+)\b", path.read_text(), flags=re.M)}

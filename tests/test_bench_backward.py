@@ -13,15 +13,17 @@ bench = bench_script("backward_bench")
 def test_each_case_times_the_variants_it_has():
     everything = list(bwd_builds.VARIANT_NAMES)
     today = bwd_builds.DEFAULT_VARIANT        # today's rows, by name (None: the measured default)
-    assert bench.case_variants("dense", everything) == [today, "st_ahead", "dqred", "m80"]
-    assert bench.case_variants("causal", everything) == [today, "st_ahead", "dqred", "m80"]
+    d128 = [today, "st_ahead", "dqred", "m80", "m80_edv"]
+    assert bench.case_variants("dense", everything) == d128
+    assert bench.case_variants("causal", everything) == d128
     assert bench.case_variants("d64", everything) == [today, "st_ahead", "dqred"]
-    assert bench.case_variants("gqa", everything) == [today, "st_ahead", "dqred", "m80"]
+    assert bench.case_variants("gqa", everything) == d128
     assert bench.case_variants("d256", everything) == [today, "qsplit", "qsplit_dqred"]
     assert bench.case_variants("d256", ["qsplit"]) == [today, "qsplit"]
     assert bench.case_variants("dense", ["m80", "st_ahead"]) == [today, "m80", "st_ahead"]
     # deterministic=True: today's build and the variants that keep its order
-    assert bench.case_variants("deterministic", everything) == [today, "st_ahead", "m80"]
+    assert bench.case_variants("deterministic", everything) == [today, "st_ahead", "m80",
+                                                                 "m80_edv"]
     assert bench.case_variants("dense", ["default"]) == [today]
 
 

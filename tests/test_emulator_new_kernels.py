@@ -127,6 +127,9 @@ VARIANT_CASES = [
     ("m80", dict(B=1, H=2, Hkv=1, Lq=200, Lk=150, D=128)),
     ("m80", dict(B=1, H=1, Hkv=1, Lq=190, Lk=140, D=128, causal=True)),
     ("m80", dict(B=1, H=2, Hkv=2, Lq=170, Lk=300, D=128, window=(50, 7), layout="bshd")),
+    ("m80_edv", dict(B=1, H=2, Hkv=1, Lq=200, Lk=150, D=128)),
+    ("m80_edv", dict(B=1, H=1, Hkv=1, Lq=190, Lk=140, D=128, causal=True)),
+    ("m80_edv", dict(B=1, H=2, Hkv=2, Lq=170, Lk=300, D=128, window=(50, 7), layout="bshd")),
 ]
 
 
@@ -158,7 +161,7 @@ def test_todays_d256_build_has_the_known_hazard_at_that_shape(emulated):
 
 
 @pytest.mark.parametrize("variant,D", [("default", 256), ("qsplit", 256), ("st_ahead", 128),
-                                       ("m80", 128)])
+                                       ("m80", 128), ("m80_edv", 128)])
 def test_deterministic_variants_are_bitwise_on_the_emulator(emulated, variant, D):
     """deterministic=True, two runs with different random interleavings of the emulator's
     warps and async retirements: the same bits (3 query heads on one K/V head and 2-4 key

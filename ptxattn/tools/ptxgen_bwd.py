@@ -195,6 +195,20 @@ def transposed_fragment_header(n: int) -> str:
     out = _accumulators(n, (("ST", "st", "S^T (then P^T)"), ("DPT", "dpt", "dP^T (then dS^T)"),
                             ("DQ", "dq", "dQ^T")))
     out += _score_math(n)
+    body = []
+    for j in range(n // 8):
+        body.append(f"ld.shared.v2.f32 {{T0, T1}}, [ADDR+{32 * j}];")
+        for i in range(4 * j, 4 * j + 4):
+            # value 2k is the low half of %pt<k> (cvt.rn.bf16x2's second source), 2k + 1 the high
+            unpack = (f"and.b32 %pt_f32, %pt{i // 2}, -65536;" if i & 1 else
+                      f"shl.b32 %pt_f32, %pt{i // 2}, 16;")
+            body += [unpack, f"sub.f32 %dpt{i}, %dpt{i}, T{i & 1};",
+                     f"mul.f32 %dpt{i}, %dpt{i}, %pt_f32;"]
+    out += _macro(f"DS_PT_N{n}", "ADDR, T0, T1", body,
+                  "dS^T <- P^T * (dP^T - delta[query]) in place, P^T read from its packed bf16 "
+                  "pairs %pt (PACK_PT's,\nthe A fragments of dV), so that the fp32 %st may die "
+                  "at the packing. ADDR (b32, shared): this\nthread's first column of the tile's "
+                  "delta row; T0, T1 (f32) scratch; %pt_f32 (b32) one P value")
     body = ["stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 "
             f"[%ds_row_0+{t * K_STEP * ROW_BYTES}], "
             f"{{%dst{4 * t}, %dst{4 * t + 1}, %dst{4 * t + 2}, %dst{4 * t + 3}}};"
@@ -367,7 +381,7 @@ def _log2(x: int) -> int:
 
 
 LAYOUT_SWITCHES = ("PTXATTN_BWD_QSPLIT", "PTXATTN_BWD_DQRED",     # Build.layout_defines' names
-                   "PTXATTN_BWD_DQT")
+                   "PTXATTN_BWD_DQT", "PTXATTN_BWD_DSPT")
 
 
 def layout_rows() -> list[bwd_builds.Build]:
@@ -450,7 +464,7 @@ def layout_header() -> str:
                     f"#define DK_GEMM(DB) DK_GEMM_{gk}(DB)"]
         out += [f"#define DQ_GEMM(DA, DB) DQ_GEMM_{gk}(DA, DB)",
                 f"#define SOFTMAX_PT(A, S, T0, T1) SOFTMAX_PT_N{s}(A, S, T0, T1)",
-                f"#define DS_TILE(A, T0, T1) DS_N{s}(A, T0, T1)",
+                f"#define DS_TILE(A, T0, T1) DS_{'PT_' if b.ds_from_pt else ''}N{s}(A, T0, T1)",
                 f"#define PACK_PT PACK_PT_N{s}", f"#define PACK_DST PACK_DST_N{s}",
                 f"#define MASK_ST(A, B, C, D) MASK_ST_N{s}(A, B, C, D)",
                 f"#define STMATRIX_DST STMATRIX_DST{'_T' if b.dq_t else ''}_N{s}"]
