@@ -162,6 +162,10 @@ class PrefillPlan:
             self._extents = tuple(tensors._span(0, *self._geometry[name], 2)
                                   for name in ("q", "k", "v")) + (
                 tensors._span(0, tuple(call.out_shape), tuple(out_strides), 2),)
+            # (shape, strides) of q, k, v and a caller's out, as torch_ptrs checks them
+            self._checked = tuple((self._geometry[n][0], self._geometry[n][1])
+                                  for n in ("q", "k", "v"))
+            self._checked_out = self._checked + ((tuple(call.out_shape), tuple(out_strides)),)
             self._torch_geometry = (
                 shapes, call.q.device, call.stream,
                 # what _run_at reads, worked out once
@@ -204,22 +208,23 @@ class PrefillPlan:
         16-byte bases; a given out: contiguous, of q's shape, not overlapping q, k or v),
         the launches. None when anything differs: then the full run() decides (and raises
         its errors)."""
-        ptr = tensors.torch_ptr
         geometry = self._torch_geometry
-        shapes, device = geometry[0], geometry[1]
-        qp = ptr(q, shapes[0], shapes[1], device)
-        kp = ptr(k, shapes[2], shapes[3], device)
-        vp = ptr(v, shapes[4], shapes[5], device)
-        if (qp is None or kp is None or vp is None or (qp | kp | vp) % 16
+        device = geometry[1]
+        if out is None:
+            ptrs = tensors.torch_ptrs((q, k, v), self._checked, device)
+        else:
+            ptrs = tensors.torch_ptrs((q, k, v, out), self._checked_out, device)
+        if (ptrs is None or (ptrs[0] | ptrs[1] | ptrs[2]) % 16
                 or tensors.torch_current_stream(device) != geometry[2]):
             return None
         if out is not None:
-            op = ptr(out, geometry[5], geometry[4], device)
-            if op is None or op % 16 or _aliases(op, (qp, kp, vp), self._extents):
+            op = ptrs[3]
+            if op % 16 or _aliases(op, ptrs[:3], self._extents):
                 return None
-        return self._run_at(q, qp, kp, vp, out)
+            return self._run_at(q, ptrs[0], ptrs[1], ptrs[2], out, op)
+        return self._run_at(q, ptrs[0], ptrs[1], ptrs[2])
 
-    def _run_at(self, like, q_ptr: int, k_ptr: int, v_ptr: int, out=None):
+    def _run_at(self, like, q_ptr: int, k_ptr: int, v_ptr: int, out=None, out_ptr: int = 0):
         """One layer from the addresses of torch tensors that have the plan's shapes and
         strides, on its device and torch's current stream there, 16-byte aligned: what
         _run_torch checks, which a caller of this must have checked (the transformers
@@ -227,36 +232,44 @@ class PrefillPlan:
         addresses, so this is no public entry). `like`: a plain bf16 torch.Tensor on the
         plan's device (q: fresh tensors are its new_empty, torch.empty without the device
         and dtype arguments to parse). The output is `out` (checked by _run_torch) or fresh;
-        LSE and workspace fresh from torch's allocator (stream-ordered); then the launches."""
-        torch = sys.modules["torch"]
-        ln, geometry = self._launcher, self._torch_geometry
-        shapes = geometry[0]
-        (o_row, o_head), out_strides, out_shape, lse_shape, ws_words = geometry[3:]
+        LSE and workspace fresh from torch's allocator (stream-ordered); then the launches.
+        out_ptr: a given out's address (its data_ptr() when 0)."""
+        geometry = self._torch_geometry
         if out is None:
-            out = like.new_empty(out_shape)
-        lse = (like.new_empty(lse_shape, dtype=torch.float32)
-               if lse_shape is not None else None)
-        out_ptr = out.data_ptr()
-        lse_ptr = lse.data_ptr() if lse is not None else 0
-        ws = None
+            out = like.new_empty(geometry[5])
+            out_ptr = out.data_ptr()
+        elif not out_ptr:
+            out_ptr = out.data_ptr()
+        lse = lse_ptr = ws = None
+        if geometry[6] is not None:
+            lse = like.new_empty(geometry[6], dtype=sys.modules["torch"].float32)
+            lse_ptr = lse.data_ptr()
         if self._table is not None:
             ws_ptr = self._table.ptr
         else:
-            ws = like.new_empty((ws_words,), dtype=torch.int32)
+            ws = like.new_empty((geometry[7],), dtype=sys.modules["torch"].int32)
             ws_ptr = ws.data_ptr()
         # the launches of these addresses, frozen at their first call: the caching
         # allocator hands a layer's tensors the same few addresses call after call
         key = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ws_ptr)
         launches = self._frozen.get(key)
         if launches is None:
-            maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
-                              (out_ptr, out_strides))
-            launches = ln.frozen(maps, out_ptr, o_row, o_head, lse_ptr, ws_ptr,
-                                 None if self._table is not None else self._offset_ptrs)
-            _remember(self._frozen, key, launches)
+            launches = self._freeze(key)
         driver.launch_frozen(launches)
         del ws                               # torch's caching allocator: stream-ordered
         return (out, lse) if lse is not None else out
+
+    def _freeze(self, key: tuple) -> tuple:
+        """The Launcher's frozen launches for _run_at's addresses, remembered under key."""
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, ws_ptr = key
+        geometry, ln = self._torch_geometry, self._launcher
+        shapes, (o_row, o_head), out_strides = geometry[0], geometry[3], geometry[4]
+        maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
+                          (out_ptr, out_strides))
+        launches = ln.frozen(maps, out_ptr, o_row, o_head, lse_ptr or 0, ws_ptr,
+                             None if self._table is not None else self._offset_ptrs)
+        _remember(self._frozen, key, launches)
+        return launches
 
     @property
     def _torch_layout(self):
