@@ -4,6 +4,9 @@ and cuDNN bf16 in the same process, by DESIGN.md's protocol.
     PTXATTN_REQUIRE_GPU=1 python bench/fp8_bench.py                    # the three shapes
     python bench/fp8_bench.py --shapes wan --rounds 10 --reps 10 --out bench/results
 
+--shapes causal-16k-d128,causal-16k-d256: the masked builds at the targets' shapes (causal,
+bottom-right; FLOPs credited halved as in `ptxattn bench`), every kernel and check causal.
+
 Per shape, after a check of each kernel on sampled rows (one that fails is not timed):
 rounds (>= 10) in which every kernel is timed once, in a random order, each interleaved launch
 by launch with cuDNN (CUDA events around each launch, the host never waiting); per kernel the
@@ -49,7 +52,19 @@ SHAPES = {   # name: (B, H, L, D, layout), the issue's targets in TFLOP/s or x o
     "16k-d128": ((2, 16, 16384, 128), "bhld", "FP8 >= 1000 TFLOP/s"),
     "16k-d256": ((2, 8, 16384, 256), "bhld", "FP8 >= 1150 TFLOP/s"),
     "wan": ((1, 12, 32760, 128), "bshd", ">= 1.6x our bf16, quantization included"),
+    # the masked builds (no target of their own): FLOPs credited halved, as ptxattn bench does
+    "causal-16k-d128": ((2, 16, 16384, 128), "bhld", "the masked build, beside 16k-d128"),
+    "causal-16k-d256": ((2, 8, 16384, 256), "bhld", "the masked build, beside 16k-d256"),
 }
+
+
+def shape_of(name):
+    """(dims, layout, target, causal, FLOPs credited) of a SHAPES entry: causal for the
+    causal- ones, whose FLOPs are halved."""
+    (b, h, length, d), layout, target = SHAPES[name]
+    causal = name.startswith("causal-")
+    return (b, h, length, d), layout, target, causal, \
+        4 * b * h * length * length * d // (2 if causal else 1)
 FP8_BAR = 0.075          # rel L2 on sampled rows: the model's ~0.053 x 1.25 + 5e-3 (notes.md)
 LABELS = ("fp8 forward", "fp8 + quantize", "quantize alone", "bf16 production")
 SUSTAINED = ("fp8 forward", "bf16 production")   # and cuDNN: attention FLOPs, no quantizer
@@ -63,19 +78,20 @@ def inputs(torch, shape, layout, seed):
             for _ in range(3)]
 
 
-def reference_rows(q, k, v, layout):
+def reference_rows(q, k, v, layout, causal=False):
     """(rows, float64 reference on them): 128 sampled rows of every head (check's)."""
     seq_axis = 2 if layout == "bhld" else 1
     host = [x.float().cpu().numpy() for x in (q, k, v)]
     rows = sample_rows(host[0].shape[seq_axis], 128, seed=1)
-    return rows, attention_reference(*host, layout=layout, rows=rows)
+    return rows, attention_reference(*host, layout=layout, rows=rows, causal=causal)
 
 
-def check(name, q, k, v, out, layout, bar, reference=None):
+def check(name, q, k, v, out, layout, bar, reference=None, causal=False):
     """rel L2 and NaN of `out` against float64 on 128 sampled rows of every head (reference:
     reference_rows' result, computed here when not given)."""
     seq_axis = 2 if layout == "bhld" else 1
-    rows, ref = reference if reference is not None else reference_rows(q, k, v, layout)
+    rows, ref = reference if reference is not None else reference_rows(q, k, v, layout,
+                                                                        causal)
     got = out.float().cpu().numpy() if hasattr(out, "float") else \
         out.to_numpy().astype(np.float32)
     m = error_metrics(np.take(got, rows, axis=seq_axis), ref)
@@ -114,23 +130,24 @@ def add_sustained(record: dict, ours: dict, peer, cfg, *, rng, sampler, **kw) ->
 
 
 def run_shape(torch, name, rounds, reps, seed, defines=None, cfg=None, sampler=None):
-    (b, h, length, d), layout, target = SHAPES[name]
+    (b, h, length, d), layout, target, causal, flops = shape_of(name)
     print(f"{name}: (B, H, L, D) = {(b, h, length, d)} {layout.upper()}; target {target}")
     q, k, v = inputs(torch, (b, h, length, d), layout, seed)
-    flops = 4 * b * h * length * length * d
-    plan = fp8.validate(q, k, v, layout=layout)
+    ref = reference_rows(q, k, v, layout, causal)  # one float64 reference for every row
+    plan = fp8.validate(q, k, v, layout=layout, causal=causal)
     prepared = fp8_forward.prepare(plan, defines or None)
     prepared.launch()
     torch.cuda.synchronize()
-    checks = {"fp8": check("fp8", q, k, v, prepared.out, layout, FP8_BAR)}
-    bf16 = attn_module.prepare(q, k, v, layout=layout)
+    checks = {"fp8": check("fp8", q, k, v, prepared.out, layout, FP8_BAR, ref)}
+    bf16 = attn_module.prepare(q, k, v, layout=layout, causal=causal)
     bf16.launch()
     torch.cuda.synchronize()
-    checks["bf16 production"] = check("bf16 production", q, k, v, bf16.out, layout, 4e-3)
-    cudnn = bench._cudnn_launcher(torch, q, k, v, layout)
+    checks["bf16 production"] = check("bf16 production", q, k, v, bf16.out, layout, 4e-3,
+                                      ref)
+    cudnn = bench._cudnn_launcher(torch, q, k, v, layout, causal=causal)
     peer_out = cudnn()                              # BHLD views: back to the layout
     peer_out = peer_out.transpose(1, 2) if layout == "bshd" else peer_out
-    checks["cudnn"] = check("cuDNN", q, k, v, peer_out, layout, 4e-3)
+    checks["cudnn"] = check("cuDNN", q, k, v, peer_out, layout, 4e-3, ref)
     stream = torch.cuda.current_stream().cuda_stream
     ours = {}
     if checks["fp8"]["passes"]:
@@ -181,7 +198,7 @@ def run_shape(torch, name, rounds, reps, seed, defines=None, cfg=None, sampler=N
         print(f"  {'cuDNN bf16':16s} {cudnn_ms:8.3f} ms, {flops / (cudnn_ms * 1e-3) / 1e12:7.1f} "
               f"TFLOP/s")
     record = {"shape": [b, h, length, d], "layout": layout, "target": target, "flops": flops,
-              "checks": checks, "rows": rows, "cudnn_ms": cudnn_ms, "orders": timed["orders"],
+              "causal": causal, "checks": checks, "rows": rows, "cudnn_ms": cudnn_ms, "orders": timed["orders"],
               "clocks": timed["clocks"]}
     if sampler is not None:
         record["sustained_order"] = add_sustained(record, ours, peer, cfg, sampler=sampler,
@@ -245,20 +262,19 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
     other in the same rounds, on per-head quantized operands; plus today's call ("fp8
     forward", the quantizer's operands), our bf16 and cuDNN. The record run_shape makes, with
     rows "fp8 <variant>" (x_default: speed over "fp8 default")."""
-    (b, h, length, d), layout, target = SHAPES[name]
+    (b, h, length, d), layout, target, causal, flops = shape_of(name)
     print(f"{name}: (B, H, L, D) = {(b, h, length, d)} {layout.upper()}; variants "
           f"{', '.join(variants)}")
     q, k, v = inputs(torch, (b, h, length, d), layout, seed)
-    flops = 4 * b * h * length * length * d
     (q8, qs), (k8, ks), (v8, vs) = (per_head_e4m3(torch, x, layout) for x in (q, k, v))
     stream = torch.cuda.current_stream().cuda_stream
     ours, checks, prepared_all = {}, {}, []
-    ref = reference_rows(q, k, v, layout)          # one float64 reference for every row
+    ref = reference_rows(q, k, v, layout, causal)  # one float64 reference for every row
     for var in variants:
         label = f"fp8 {var}"
         try:
             plan = fp8.validate(q8, k8, v8, layout=layout, q_descale=qs, k_descale=ks,
-                                v_descale=vs)
+                                v_descale=vs, causal=causal)
             prep = fp8_forward.prepare(plan, {**(defines or {}),
                                               **fp8_forward.variant_defines(var)})
             prep.launch()                        # V's transpose, then the forward
@@ -271,7 +287,7 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
         checks[label] = check(label, q, k, v, prep.out, layout, FP8_BAR, ref)
         if checks[label]["passes"]:
             ours[label] = (prep.launch_forward, stream)
-    plan = fp8.validate(q, k, v, layout=layout)
+    plan = fp8.validate(q, k, v, layout=layout, causal=causal)
     today = fp8_forward.prepare(plan, defines or None)
     today.launch()
     torch.cuda.synchronize()
@@ -279,14 +295,14 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
     checks["fp8 forward"] = check("fp8 forward", q, k, v, today.out, layout, FP8_BAR, ref)
     if checks["fp8 forward"]["passes"]:
         ours["fp8 forward"] = (today.launch_forward, stream)
-    bf16 = attn_module.prepare(q, k, v, layout=layout)
+    bf16 = attn_module.prepare(q, k, v, layout=layout, causal=causal)
     bf16.launch()
     torch.cuda.synchronize()
     checks["bf16 production"] = check("bf16 production", q, k, v, bf16.out, layout, 4e-3,
                                       ref)
     if checks["bf16 production"]["passes"]:
         ours["bf16 production"] = (bf16.launch, stream)
-    cudnn = bench._cudnn_launcher(torch, q, k, v, layout)
+    cudnn = bench._cudnn_launcher(torch, q, k, v, layout, causal=causal)
     peer_out = cudnn()
     peer_out = peer_out.transpose(1, 2) if layout == "bshd" else peer_out
     checks["cudnn"] = check("cuDNN", q, k, v, peer_out, layout, 4e-3, ref)
@@ -329,7 +345,7 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
         print(f"  {'cuDNN bf16':16s} {cudnn_ms:8.3f} ms, {flops / (cudnn_ms * 1e-3) / 1e12:7.1f} "
               f"TFLOP/s")
     record = {"shape": [b, h, length, d], "layout": layout, "target": target, "flops": flops,
-              "variants": list(variants), "checks": checks, "rows": rows,
+              "causal": causal, "variants": list(variants), "checks": checks, "rows": rows,
               "cudnn_ms": cudnn_ms, "orders": timed["orders"], "clocks": timed["clocks"]}
     if sampler is not None:
         variant_sustained(record, ours, peer, cfg, sampler=sampler,
@@ -344,8 +360,9 @@ def parse_args(argv=None):
     """The command line, checked (ap.error before anything runs): args.names (the shapes),
     args.defines {NAME: VALUE}, args.sustained_cfg (a sustained.Config or None)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES),
-                    help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(n for n in SHAPES if not n.startswith("causal-")),
+                    help=f"comma-separated, of {', '.join(SHAPES)} (default: all but the "
+                         "causal ones)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)

@@ -384,20 +384,23 @@ FP8_BUILDS: tuple[Build, ...] = (
               "KiB free (a 3- or 4-deep ring is the measurement to try); 1 of 8 exponentials "
               "on the FMA pipe: MUFU binds at the FP8 rate (measured 1.09x the all-MUFU build, "
               "2 of 8 1.03x)"),
-    Build(head_dim=256, consumers=2, block_n=64, kv_stages=2, q_buffers=2, o_staged_in_q=False,
-          precision="fp8",
-          why="the bf16 row's BLOCK_N 64 (O alone is 128 registers a thread; BLOCK_N 128, "
-              "FlashAttention-3's FP8 tile, leaves 0 registers to spare: the next thing to "
-              "measure); e4m3 Q (32 KiB a buffer) and ring (64 KiB) leave room for two Q "
-              "buffers and an own O staging (64 KiB bf16)"),
+    Build(head_dim=256, consumers=2, block_n=128, kv_stages=2, q_buffers=1, o_staged_in_q=False,
+          precision="fp8", registers_by_ptxas=True,
+          why="FlashAttention-3's FP8 tile at D = 256 (128 x 128): twice the keys of the bf16 "
+              "row's tile over the same per-tile costs (measured 1.16x the 128 x 64 tile, "
+              "bench/notes.md, session 11). S 64 + P 16 + O 128 registers leave ~32 of 240 "
+              "(the table's estimate is over: ptxas's report decides, no spills). Q (64 KiB), "
+              "the ring (128 KiB) and O's own staging (64 KiB) fit 227 KiB only with one Q "
+              "buffer"),
 )
 
 # Measurement variants of FP8 rows (never chosen by attention(); fp8_forward.prepare takes one
-# through its defines, bench/fp8_bench.py --variant names them): wider key tiles, as
-# FlashAttention-3's FP8 tile at D = 128 (128 x 224), to spread the softmax's per-tile fixed
-# costs (row max/sum shuffles, the O rescale, barriers and waits) over more keys. Dense only
-# (no PTXATTN_MASKED build: the masked walk shifts by BLOCK_N_SHIFT), and their tiles straddle
-# K's 128-key descale blocks, so they take one K descale a head.
+# through its defines, bench/fp8_bench.py --variant names them): wider key tiles at D = 128, as
+# FlashAttention-3's FP8 tile there (128 x 224), to spread the softmax's per-tile fixed costs
+# (row max/sum shuffles, the O rescale, barriers and waits) over more keys; and the D = 256
+# row's former 128 x 64 tile. The 192- and 224-key ones are dense only (no PTXATTN_MASKED
+# build: the masked walk shifts by BLOCK_N_SHIFT), and their tiles straddle K's 128-key
+# descale blocks, so they take one K descale a head.
 FP8_VARIANTS: dict[str, Build] = {
     "n192": Build(head_dim=128, consumers=2, block_n=192, kv_stages=2, q_buffers=2,
                   o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n192",
@@ -413,12 +416,11 @@ FP8_VARIANTS: dict[str, Build] = {
                     o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="n192s3",
                     why="n192 with a 3-deep K/V ring (208 KiB of shared memory; 224 keys would "
                         "need 232): a tile's K and V land further ahead of the consumers"),
-    "d256n128": Build(head_dim=256, consumers=2, block_n=128, kv_stages=2, q_buffers=1,
-                      o_staged_in_q=False, precision="fp8", variant="d256n128",
-                      registers_by_ptxas=True,
-                      why="FlashAttention-3's FP8 tile at D = 256 (128 x 128): S 64 + P 16 + O "
-                          "128 registers leave ~32 of 240 (ptxas decides); Q (64 KiB), the ring "
-                          "(128 KiB) and O's staging (64 KiB) fit 227 KiB only with one Q buffer"),
+    "d256n64": Build(head_dim=256, consumers=2, block_n=64, kv_stages=2, q_buffers=2,
+                     o_staged_in_q=False, precision="fp8", variant="d256n64",
+                     why="the D = 256 FP8 row until session 12 (the bf16 row's 128 x 64 tile; "
+                         "e4m3 Q, 32 KiB a buffer, and the ring, 64 KiB, leave room for two Q "
+                         "buffers and an own O staging): kept to measure the default against"),
 }
 
 BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in BUILDS}

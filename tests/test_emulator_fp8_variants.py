@@ -1,9 +1,9 @@
 """The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
-3-deep ring at 192, 128-key tiles at D = 256) on the CPU emulator, against the FP8 model tiled
+3-deep ring at 192, the former 64-key tiles at D = 256) on the CPU emulator, against the FP8 model tiled
 as they are (tests/fp8_checks.py), before any device run. They are checked on pre-quantized
 e4m3 inputs with FlashAttention-3's (batch, heads_kv) descales (what the 192/224 ones take:
 their tiles straddle K's 128-key descale blocks; those two build only the dense kernel, the
-power-of-two ones the masked one too: causal is checked for d256n128).
+power-of-two ones the masked one too: causal is checked for d256n64).
 
 Covered: key counts that end in a partial last tile (the tail mask at 192 and 224: one key, a
 tile and one, a few past a whole 128-key V^T padding block), exactly one and two whole tiles,
@@ -67,20 +67,20 @@ def test_fp8_variant_persistent_grid(emulated_gpu, monkeypatch, variant):
 
 @pytest.mark.parametrize("diagonal", ["bottom_right", "top_left"])
 def test_fp8_power_of_two_variant_causal(emulated_gpu, diagonal):
-    """d256n128 builds the masked kernel too (its BLOCK_N is a power of two): causal, GQA,
+    """d256n64 (the former D = 256 row) builds the masked kernel too (its BLOCK_N is a power of two): causal, GQA,
     ragged both ways, against the model with the same mask."""
     q8, k8, v8, descales = prequantized_inputs(1, 4, 2, 150, 300, 256, seed=9)
     from ptxattn import fp8 as fp8_api
     plan = fp8_api.validate(q8, k8, v8, return_lse=True, causal=True, diagonal=diagonal,
                             **descales)
-    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n128"))
+    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n64"))
     try:
         prepared.out.fill_u16(0xFFFF)
         prepared.launch()
         out, lse = prepared.out.to_numpy(), prepared.lse.to_numpy()
     finally:
         prepared.close()
-    check_prequantized(out, lse, q8, k8, v8, descales, block_n=128, causal=True,
+    check_prequantized(out, lse, q8, k8, v8, descales, block_n=64, causal=True,
                        diagonal=diagonal)
 
 

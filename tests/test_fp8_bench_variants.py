@@ -27,6 +27,17 @@ def test_the_variants_option(fb):
         fb.parse_args(["--variants", "default,n999"])
 
 
+def test_the_causal_shapes(fb):
+    """causal-16k-d128/-d256: the targets' shapes, masked, FLOPs credited halved; not run
+    unless asked for."""
+    dims, layout, _, causal, flops = fb.shape_of("causal-16k-d256")
+    assert causal and dims == fb.SHAPES["16k-d256"][0] and layout == "bhld"
+    assert flops * 2 == fb.shape_of("16k-d256")[4] == 4 * 2 * 8 * 16384 * 16384 * 256
+    assert not fb.shape_of("wan")[3]
+    assert fb.parse_args([]).names == ["16k-d128", "16k-d256", "wan"]
+    assert fb.parse_args(["--shapes", "causal-16k-d128"]).names == ["causal-16k-d128"]
+
+
 class _Prepared:
     def __init__(self, ms):
         self.ms, self.out = ms, None
@@ -66,7 +77,7 @@ def test_run_variants_record(fb, monkeypatch):
     monkeypatch.setattr(fb.fp8_forward, "prepare", prepare)
     monkeypatch.setattr(fb.attn_module, "prepare", lambda *a, **k: _Prepared(1.4))
     peer_out = types.SimpleNamespace(transpose=lambda *a: None)
-    monkeypatch.setattr(fb.bench, "_cudnn_launcher", lambda *a: (lambda: peer_out))
+    monkeypatch.setattr(fb.bench, "_cudnn_launcher", lambda *a, **k: (lambda: peer_out))
     launches = {}
 
     def time_rounds(ours, peer, *, rounds, reps, rng):

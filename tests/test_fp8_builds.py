@@ -95,9 +95,12 @@ def test_fp8_row_is_consistent(d):
     assert num(defs, "KV_SLOT_DESC") == num(defs, "KV_TILE_BYTES") >> 4
     stages_ = num(defs, "KV_STAGES")
     assert 1 << num(defs, "KV_STAGE_SHIFT") == stages_
-    # the carve-up: Q's two buffers, K ring, V^T ring, O staging, barriers, no overlap
-    assert num(defs, "Q_BUFFERS") == 2 and num(defs, "O_STAGED_IN_Q") == 0
-    q_end = 2 * consumers * num(defs, "Q_TILE_BYTES")
+    # the carve-up: Q's buffers (two; one at D = 256, whose 128-key ring takes the room), K
+    # ring, V^T ring, O staging, barriers, no overlap
+    q_buffers = num(defs, "Q_BUFFERS")
+    assert q_buffers == (1 if d == 256 else 2) == build.q_buffers
+    assert num(defs, "O_STAGED_IN_Q") == 0
+    q_end = q_buffers * consumers * num(defs, "Q_TILE_BYTES")
     assert num(defs, "SMEM_Q") == 0 and num(defs, "SMEM_K") == q_end
     assert num(defs, "SMEM_V") == num(defs, "SMEM_K") + stages_ * num(defs, "KV_TILE_BYTES")
     assert num(defs, "SMEM_O") == num(defs, "SMEM_V") + stages_ * num(defs, "KV_TILE_BYTES")
@@ -251,7 +254,7 @@ def test_the_fp8_variants():
     assert (n224.block_n, n224.vt_row_bytes, n224.vt_chunks, n224.desc_v_bits) == \
         (224, 32, 7, "DESC_KMAJOR_SW32")
     assert all(b.vt_chunks == 1 and not b.variant for b in builds.FP8_BUILDS)
-    assert [b.vt_row_bytes for b in builds.FP8_BUILDS] == [128, 128, 64]
+    assert [b.vt_row_bytes for b in builds.FP8_BUILDS] == [128, 128, 128]
     for b in (n192, n224):
         assert b.block_n_shift is None and b.smem_bytes <= builds.MAX_DYNAMIC_SMEM
         assert b.kv_tile_bytes == b.vt_chunks * b.vt_row_bytes * b.head_dim
@@ -262,13 +265,17 @@ def test_the_fp8_variants():
     # S + P + O: 184 of 240 at 192 (fits the table's estimate), 204 at 224 (ptxas decides)
     assert n192.s_regs + n192.p_regs + n192.o_regs == 184
     assert n224.s_regs + n224.p_regs + n224.o_regs == 204 and n224.registers_by_ptxas
-    s3, d256 = builds.FP8_VARIANTS["n192s3"], builds.FP8_VARIANTS["d256n128"]
+    s3, d256 = builds.FP8_VARIANTS["n192s3"], builds.FP8_VARIANTS["d256n64"]
     assert s3.kv_stage_shift is None and s3.defines == {"FP8_BLOCK_N": "192",
                                                         "FP8_KV_STAGES": "3"}
     assert s3.smem_bytes <= builds.MAX_DYNAMIC_SMEM < 3 * 2 * n224.kv_tile_bytes + 65536
-    assert d256.block_n_shift == 7 and d256.q_buffers == 1 and d256.defines == {
-        "FP8_BLOCK_N": "128"}
-    assert d256.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+    assert d256.block_n_shift == 6 and d256.q_buffers == 2 and d256.defines == {
+        "FP8_BLOCK_N": "64"}
+    # the D = 256 row (session 12: FlashAttention-3's 128 x 128 tile) fits with one Q buffer
+    row = builds.FP8_BY_HEAD_DIM[256]
+    assert row.block_n == 128 and row.q_buffers == 1 and not row.o_staged_in_q
+    assert row.registers_by_ptxas and row.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+    assert row.smem_bytes + row.q_buffer_bytes > builds.MAX_DYNAMIC_SMEM
     for b in (s3, d256):
         assert fp8_forward.build_of(b.head_dim, b.defines) is b
     with pytest.raises(ValueError, match="no FP8 variant"):

@@ -1,5 +1,5 @@
 """The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
-3-deep ring at 192, 128-key tiles at D = 256) on the GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
+3-deep ring at 192, the former 64-key tiles at D = 256) on the GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
 as each variant is, on pre-quantized e4m3 inputs with FlashAttention-3's (batch, heads_kv)
 descales (what the variants take), every output poisoned first; and on bf16 inputs quantized
 per head against float64 with the FP8 path's bar, beside today's default build. The CPU
@@ -86,16 +86,16 @@ def test_variant_accuracy_on_random_inputs(variant, d):
 
 @pytest.mark.parametrize("diagonal", ["bottom_right", "top_left"])
 def test_power_of_two_variant_causal(diagonal):
-    """d256n128 builds the masked kernel too: causal with GQA, ragged both ways."""
+    """d256n64 (the former D = 256 row) builds the masked kernel too: causal with GQA, ragged both ways."""
     from ptxattn import fp8
     q8, k8, v8, descales = prequantized_inputs(2, 4, 2, 700, 1300, 256, seed=13)
     plan = fp8.validate(q8, k8, v8, return_lse=True, causal=True, diagonal=diagonal,
                         **descales)
-    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n128"))
+    prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines("d256n64"))
     try:
         prepared.launch()
         out, lse = prepared.out.to_numpy(), prepared.lse.to_numpy()
     finally:
         prepared.close()
-    check_prequantized(out, lse, q8, k8, v8, descales, block_n=128, causal=True,
+    check_prequantized(out, lse, q8, k8, v8, descales, block_n=64, causal=True,
                        diagonal=diagonal)

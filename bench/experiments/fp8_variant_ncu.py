@@ -31,14 +31,16 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
     torch = bench._import_torch()
-    (b, h, length, d), layout, _ = fp8_bench.SHAPES[args.shape]
+    (b, h, length, d), layout, _, causal, _ = fp8_bench.shape_of(args.shape)
     q, k, v = fp8_bench.inputs(torch, (b, h, length, d), layout, 0)
     (q8, qs), (k8, ks), (v8, vs) = (fp8_bench.per_head_e4m3(torch, x, layout) for x in (q, k, v))
-    plan = fp8.validate(q8, k8, v8, layout=layout, q_descale=qs, k_descale=ks, v_descale=vs)
+    plan = fp8.validate(q8, k8, v8, layout=layout, q_descale=qs, k_descale=ks, v_descale=vs,
+                        causal=causal)
     prepared = fp8_forward.prepare(plan, fp8_forward.variant_defines(args.variant))
     prepared.launch()
     torch.cuda.synchronize()
-    m = fp8_bench.check(args.variant, q, k, v, prepared.out, layout, fp8_bench.FP8_BAR)
+    m = fp8_bench.check(args.variant, q, k, v, prepared.out, layout, fp8_bench.FP8_BAR,
+                        causal=causal)
     if not m["passes"]:
         return 1
     for _ in range(args.launches - 1):
