@@ -184,22 +184,23 @@ def _row(b: builds.Build) -> list[str]:
 def _rows(rows: tuple[builds.Build, ...], what: str,
           variants: tuple[builds.Build, ...] = ()) -> list[str]:
     """`#if HEAD_DIM == d` ... `#endif` over the rows of one precision (its measurement
-    variants first, each selected by its defines; an FP8_BLOCK_N no variant has is an error)."""
+    variants first, each selected by its defines; defines no variant has are an error)."""
     dims = sorted(b.head_dim for b in rows)
     named = ", ".join(map(str, dims[:-1])) + f" or {dims[-1]}"
     out = []
     for i, b in enumerate(variants):
         test = " && ".join(f"{k} == {v}" for k, v in b.defines.items())
-        if "FP8_KV_STAGES" not in b.defines:
-            test += " && !defined(FP8_KV_STAGES)"
+        for knob in ("FP8_KV_STAGES", "FP8_CONSUMERS"):
+            if knob not in b.defines:
+                test += f" && !defined({knob})"
         out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim} && "
                    f"defined(FP8_BLOCK_N) && {test}")
         out.append(f"// ---- measurement variant {b.variant} (builds.FP8_VARIANTS)")
         out += _row(b)
     if variants:
-        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES)",
-                '#error "production: FP8_BLOCK_N names no variant of this head dim '
-                '(builds.FP8_VARIANTS)"']
+        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES) || defined(FP8_CONSUMERS)",
+                '#error "production: FP8_BLOCK_N (FP8_KV_STAGES, FP8_CONSUMERS) names no variant '
+                'of this head dim (builds.FP8_VARIANTS)"']
     for i, b in enumerate(rows):
         out.append(f"#{'if' if i == 0 and not variants else 'elif'} HEAD_DIM == {b.head_dim}")
         out += _row(b)
