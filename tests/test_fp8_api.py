@@ -230,7 +230,8 @@ def test_the_fp8_benchmark_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             module.main(argv)
     assert "unknown" in capsys.readouterr().err
-    assert set(module.SHAPES) == {"16k-d128", "16k-d256", "wan"}
+    assert set(module.SHAPES) == {"16k-d128", "16k-d256", "wan", "causal-16k-d128",
+                                  "causal-16k-d256"}
 
 
 @pytest.mark.parametrize("scale", [True, 1e39, np.bool_(True)])
