@@ -16,7 +16,7 @@ with 95% bootstrap intervals. FP8 appears twice: the forward alone on operands q
 quantizer alone is timed too.
 
 --variants default,n192,n224: the FP8 measurement variants (builds.FP8_VARIANTS: wider key
-tiles at D = 128) against today's build in the same rounds. The variants take FlashAttention-3's
+tiles at D = 128, m3n96's three consumers) against today's build in the same rounds. The variants take FlashAttention-3's
 (batch, heads_kv) descales, so every FP8 row here runs on the same operands quantized once per
 head (torch, outside the figure): "fp8 <variant>" rows, each with x_default (its speed over
 the default build's, a median of same-round ratios with a 95% interval), beside the usual
@@ -372,7 +372,7 @@ def parse_args(argv=None):
                          "SW_EXP2_PER_8=1); repeatable")
     ap.add_argument("--variants", default=None, metavar="NAMES",
                     help="comma-separated FP8 builds to time against each other: default and "
-                         "any of builds.FP8_VARIANTS (e.g. default,n192,n224)")
+                         "any of builds.FP8_VARIANTS (e.g. default,n192,n224,m3n96)")
     sustained.add_arguments(ap)
     args = ap.parse_args(argv)
     args.sustained_cfg = sustained.config_from_args(ap, args)

@@ -141,8 +141,8 @@ class Build:
     @property
     def defines(self) -> dict[str, str]:
         """The preprocessor defines that select this row (a variant's; {} for a table row):
-        FP8_BLOCK_N, and FP8_KV_STAGES where the ring differs from its head dim's FP8 row; a
-        bf16 variant's BF16_BLOCK_N."""
+        FP8_BLOCK_N, FP8_KV_STAGES where the ring differs from its head dim's FP8 row, and
+        FP8_CONSUMERS where the consumer warpgroups do; a bf16 variant's BF16_BLOCK_N."""
         if not self.variant:
             return {}
         if not self.fp8:
@@ -150,6 +150,8 @@ class Build:
         out = {"FP8_BLOCK_N": str(self.block_n)}
         if self.kv_stages != FP8_RING_DEFAULT:
             out["FP8_KV_STAGES"] = str(self.kv_stages)
+        if self.consumers != fp8_consumers_default(self.head_dim):
+            out["FP8_CONSUMERS"] = str(self.consumers)
         return out
 
     @property
@@ -352,6 +354,13 @@ class Build:
                 need(offset % SMEM_ALIGN == 0, f"{name} must sit on a 1024-byte swizzle atom")
 
 
+def fp8_consumers_default(head_dim: int) -> int:
+    """The consumer warpgroups of the FP8 row of a head dim (a variant's FP8_CONSUMERS
+    differs); 2 where there is no such row."""
+    row = {b.head_dim: b for b in FP8_BUILDS}.get(head_dim)
+    return row.consumers if row is not None else 2
+
+
 def _log2(n: int) -> int | None:
     return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else None
 
@@ -425,12 +434,22 @@ FP8_VARIANTS: dict[str, Build] = {
                      why="the D = 256 FP8 row until session 12 (the bf16 row's 128 x 64 tile; "
                          "e4m3 Q, 32 KiB a buffer, and the ring, 64 KiB, leave room for two Q "
                          "buffers and an own O staging): kept to measure the default against"),
+    "m3n96": Build(head_dim=128, consumers=3, block_n=96, kv_stages=2, q_buffers=2,
+                   o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="m3n96",
+                   registers_by_ptxas=True,
+                   why="three consumers (192-row tiles), as the FP8 and bf16 D = 64 rows: with "
+                       "two, one consumer's softmax is longer than the other's GEMMs and the "
+                       "tensor pipe idles; with three, two softmaxes run under one consumer's "
+                       "GEMMs. A consumer's budget is 160 registers: at 128 keys (S 64 + P 16 + "
+                       "O 64) ptxas spilled 240 bytes, at 96 keys S 48 + P 12 + O 64 (ptxas "
+                       "decides); V^T in three 32-byte swizzled row blocks"),
 }
 
 # Measurement variants of bf16 rows (never chosen by attention(); api.prepare(..., defines=
-# bf16_variant_defines(name)) or bench/experiments/variants.py --bf16-variant select them, by
-# -D BF16_BLOCK_N=...): FlashAttention-3's bf16 tile at D = 256, 128 x 80. 80 is no power of
-# two: dense only (the masked walk shifts by BLOCK_N_SHIFT), the tile arithmetic divides.
+# bf16_variant_defines(name)), or a bench/experiments/variants.py variant such as
+# n80=production:BF16_BLOCK_N=80, selects one by its -D BF16_BLOCK_N=...): FlashAttention-3's
+# bf16 tile at D = 256, 128 x 80. 80 is no power of two: dense only (the masked walk shifts by
+# BLOCK_N_SHIFT), the tile arithmetic divides.
 BF16_VARIANTS: dict[str, Build] = {
     "d256n80": Build(head_dim=256, consumers=2, block_n=80, kv_stages=2, q_buffers=1,
                      o_staged_in_q=True, variant="d256n80",
@@ -461,19 +480,23 @@ def table(precision: str = "bf16") -> tuple[Build, ...]:
 
 
 def fp8_variant(head_dim: int, defines: dict | None = None) -> Build:
-    """The FP8 row a build's defines select: a variant's (FP8_BLOCK_N=...), else the table's
-    row of the head dim; ValueError for an FP8_BLOCK_N no variant of that head dim has."""
+    """The FP8 row a build's defines select: a variant's (FP8_BLOCK_N=..., and FP8_KV_STAGES,
+    FP8_CONSUMERS where they differ from the row's), else the table's row of the head dim;
+    ValueError for defines no variant of that head dim has."""
     defines = defines or {}
     n = defines.get("FP8_BLOCK_N")
-    if n is None and "FP8_KV_STAGES" not in defines:
+    if n is None and "FP8_KV_STAGES" not in defines and "FP8_CONSUMERS" not in defines:
         return get(head_dim, "fp8")
     stages = str(defines.get("FP8_KV_STAGES", FP8_RING_DEFAULT))
+    consumers = str(defines.get("FP8_CONSUMERS", fp8_consumers_default(head_dim)))
     for b in FP8_VARIANTS.values():
-        if b.head_dim == head_dim and str(b.block_n) == str(n) and str(b.kv_stages) == stages:
+        if (b.head_dim == head_dim and str(b.block_n) == str(n) and str(b.kv_stages) == stages
+                and str(b.consumers) == consumers):
             return b
-    raise ValueError(f"FP8_BLOCK_N={n}, FP8_KV_STAGES={stages}: no FP8 variant at head dim "
-                     f"{head_dim} (variants: " + ", ".join(
-                         f"{k} (D {b.head_dim}, N {b.block_n}, ring {b.kv_stages})"
+    raise ValueError(f"FP8_BLOCK_N={n}, FP8_KV_STAGES={stages}, FP8_CONSUMERS={consumers}: no "
+                     f"FP8 variant at head dim {head_dim} (variants: " + ", ".join(
+                         f"{k} (D {b.head_dim}, N {b.block_n}, ring {b.kv_stages}, "
+                         f"{b.consumers} consumers)"
                          for k, b in FP8_VARIANTS.items()) + ")")
 
 

@@ -1,13 +1,16 @@
 """The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
-3-deep ring at 192, the former 64-key tiles at D = 256) on the CPU emulator, against the FP8 model tiled
-as they are (tests/fp8_checks.py), before any device run. They are checked on pre-quantized
-e4m3 inputs with FlashAttention-3's (batch, heads_kv) descales (what the 192/224 ones take:
-their tiles straddle K's 128-key descale blocks; those two build only the dense kernel, the
-power-of-two ones the masked one too: causal is checked for d256n64).
+3-deep ring at 192, the former 64-key tiles at D = 256, three consumers at D = 128 with
+96-key tiles) on the CPU emulator, against the FP8 model tiled as they are
+(tests/fp8_checks.py), before any device run. They are checked on pre-quantized e4m3 inputs
+with FlashAttention-3's (batch, heads_kv) descales (what the 192/224 ones take: their tiles
+straddle K's 128-key descale blocks; those two build only the dense kernel, the power-of-two
+ones the masked one too: causal is checked for d256n64; m3n96's 96 keys are neither, so it is
+dense and per-head K descales too).
 
 Covered: key counts that end in a partial last tile (the tail mask at 192 and 224: one key, a
 tile and one, a few past a whole 128-key V^T padding block), exactly one and two whole tiles,
-a ragged last Q tile, GQA, a persistent grid walking several tiles (the ring's phases and the
+a ragged last Q tile (m3n96's 192 rows: only consumer 0's rows, the third consumer's in
+part, a second tile of 8 rows), GQA, a persistent grid walking several tiles (the ring's phases and the
 per-chunk V^T loads across tiles), and the refusals (masked, per-block K descales). The
 emulator's fresh memory is all NaN and O is poisoned, so an element left unwritten fails.
 """
@@ -32,6 +35,7 @@ CASES = [
     (1, 2, 2, 70, 224),          # 224: exactly one tile; 192: one and 32
     (1, 1, 1, 64, 384),          # 192: exactly two tiles; 224: one and 160
     (2, 2, 1, 130, 449),         # 224: two tiles and one key
+    (1, 2, 1, 200, 96),          # 96: exactly one tile; 192-row Q tiles: a second of 8 rows
 ]
 
 
@@ -105,6 +109,13 @@ def test_fp8_variant_refusals(emulated_gpu):
     plan = fp8.validate(q8, k8, v8, causal=True, **descales)
     with pytest.raises(ValueError, match="dense only"):
         fp8_forward.prepare(plan, fp8_forward.variant_defines("n224"))
+    with pytest.raises(ValueError, match="dense only"):
+        fp8_forward.prepare(plan, fp8_forward.variant_defines("m3n96"))
+    plan = fp8.validate(*bf)
+    with pytest.raises(ValueError, match="straddle"):
+        fp8_forward.prepare(plan, fp8_forward.variant_defines("m3n96"))
+    with pytest.raises(ValueError, match="no FP8 variant"):   # three consumers at 128 keys: none
+        fp8_forward.build_of(128, {"FP8_BLOCK_N": "128", "FP8_CONSUMERS": "3"})
     with pytest.raises(ValueError, match="no FP8 variant"):
         fp8_forward.build_of(128, {"FP8_BLOCK_N": "160"})
     with pytest.raises(ValueError, match="variant"):
@@ -124,6 +135,15 @@ def test_fp8_variant_refusals(emulated_gpu):
     ("n192s3", "shr.u32 %prev_slot, %prev_slot, 1;", "shr.u32 %prev_slot, %prev_slot, 2;"),
     # the tail mask at a power-of-two remainder (seq_k & 191)
     ("n192", "rem.u32 %key_limit, %seq_k, 192;", "and.b32 %key_limit, %seq_k, 191;"),
+    # three consumers: the third consumer's Q box loaded from the second's rows
+    ("m3n96", "add.u32 %q_row2, %q_row, 128;", "add.u32 %q_row2, %q_row, 64;"),
+    # the 96-key PV's step to V^T's next 32-byte row block read 32 bytes on instead
+    ("m3n96", "add.s64 %dv, %dv, 256;", "add.s64 %dv, %dv, 2;"),
+    # the 96-key V^T loads: the boxes past the first at the first one's keys
+    ("m3n96", "add.u32 %kv_row, %kv_row, 32;", "add.u32 %kv_row, %kv_row, 0;"),
+    # the turn ring: the last consumer hands its turn to itself instead of consumer 0's
+    ("m3n96", "selp.u32 %other_turn, 1, %other_turn, %p_last_consumer;",
+     "selp.u32 %other_turn, 3, %other_turn, %p_last_consumer;"),
 ])
 def test_control_planted_variant_bugs_fail(emulated_gpu, variant, old, new):
     """A planted bug in a variant's chunked V^T (its loads or its k-step descriptors) or its

@@ -23,6 +23,8 @@ def test_the_variants_option(fb):
     args = fb.parse_args(["--variants", "default,n192,n224", "--shapes", "16k-d128,wan"])
     assert args.variants == ["default", "n192", "n224"] and args.names == ["16k-d128", "wan"]
     assert fb.parse_args([]).variants is None
+    # the three-consumer variant is one of builds.FP8_VARIANTS like the others
+    assert fb.parse_args(["--variants", "default,m3n96"]).variants == ["default", "m3n96"]
     with pytest.raises(SystemExit):
         fb.parse_args(["--variants", "default,n999"])
 

@@ -293,3 +293,33 @@ def test_the_fp8_variants_select_their_layout_and_refuse_the_rest():
         with pytest.raises(Exception, match="FP8_BLOCK_N|dense"):
             fp8_forward.forward_source(128, "PTXATTN_MASKED" in bad, bad)
     assert "VT_CHUNKS 7" in ptxgen_layout.header()
+
+
+def test_the_three_consumer_fp8_variant():
+    """m3n96: three consumers (192-row tiles) at D = 128, selected by FP8_CONSUMERS=3 beside
+    its FP8_BLOCK_N; 96-key tiles (a consumer's 160 registers: 128 keys spilled), V^T in three
+    32-byte row blocks; the expanded PTX has the third consumer's Q box and a 512-thread CTA,
+    and FP8_CONSUMERS with a block width no variant has is refused."""
+    m3 = builds.FP8_VARIANTS["m3n96"]
+    assert (m3.consumers, m3.block_m, m3.block_n, m3.threads, m3.consumer_regs) == \
+        (3, 192, 96, 512, 160)
+    assert (m3.vt_row_bytes, m3.vt_chunks, m3.desc_v_bits) == (32, 3, "DESC_KMAJOR_SW32")
+    assert m3.defines == {"FP8_BLOCK_N": "96", "FP8_CONSUMERS": "3"}
+    assert fp8_forward.variant_defines("m3n96") == m3.defines
+    assert fp8_forward.build_of(128, m3.defines) is m3
+    # Q 2 x 24 KiB, ring 2 x (12 + 12) KiB, O 3 x 16 KiB
+    assert m3.smem["SMEM_K"] == 2 * 3 * 8192 and m3.smem_bytes <= builds.MAX_DYNAMIC_SMEM
+    assert m3.s_regs + m3.p_regs + m3.o_regs == 124 and m3.registers_by_ptxas
+    # the other variants keep their defines (no FP8_CONSUMERS: their consumers are the row's)
+    assert all("FP8_CONSUMERS" not in b.defines for k, b in builds.FP8_VARIANTS.items()
+               if k != "m3n96")
+    text = fp8_forward.forward_source(128, False, m3.defines)
+    assert ".maxntid 512, 1, 1" in text and "add.u32 %q_row2, %q_row, 128;" in text
+    assert "setmaxnreg.inc.sync.aligned.u32 160;" in text and "m64n96k32" in text
+    for bad in ({"FP8_BLOCK_N": "128", "FP8_CONSUMERS": "3"}, {"FP8_CONSUMERS": "3"}):
+        with pytest.raises(ValueError, match="no FP8 variant"):
+            fp8_forward.build_of(128, bad)
+        with pytest.raises(Exception, match="names no variant"):
+            fp8_forward.forward_source(128, False, bad)
+    with pytest.raises(Exception, match="dense"):
+        fp8_forward.forward_source(128, True, m3.defines)

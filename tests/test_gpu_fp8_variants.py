@@ -1,5 +1,6 @@
 """The FP8 measurement variants (builds.FP8_VARIANTS: 192- and 224-key tiles at D = 128, a
-3-deep ring at 192, the former 64-key tiles at D = 256) on the GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
+3-deep ring at 192, the former 64-key tiles at D = 256, three consumers at D = 128 with 96-key
+tiles) on the GPU (skipped without one), in the style of tests/test_gpu_fp8.py: against the FP8 model tiled
 as each variant is, on pre-quantized e4m3 inputs with FlashAttention-3's (batch, heads_kv)
 descales (what the variants take), every output poisoned first; and on bf16 inputs quantized
 per head against float64 with the FP8 path's bar, beside today's default build. The CPU
@@ -37,7 +38,9 @@ def poisoned(monkeypatch):
 
 SHAPES = [  # (B, H, Hkv, Lq, Lk): one key, tails of every size, whole tiles, GQA, long
     (1, 2, 2, 64, 1), (2, 4, 2, 300, 200), (1, 2, 2, 128, 192), (1, 2, 2, 128, 224),
-    (1, 3, 1, 129, 449), (2, 2, 1, 257, 1000), (1, 4, 4, 64, 4100), (1, 2, 1, 1000, 16384)]
+    (1, 3, 1, 129, 449), (2, 2, 1, 257, 1000), (1, 4, 4, 64, 4100), (1, 2, 1, 1000, 16384),
+    # m3n96: 192-row Q tiles (a second tile of 8 rows), exactly one 96-key tile, GQA
+    (1, 4, 2, 200, 96)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

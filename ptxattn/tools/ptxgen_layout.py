@@ -184,14 +184,16 @@ def _row(b: builds.Build) -> list[str]:
 def _rows(rows: tuple[builds.Build, ...], what: str,
           variants: tuple[builds.Build, ...] = ()) -> list[str]:
     """`#if HEAD_DIM == d` ... `#endif` over the rows of one precision (its measurement
-    variants first, each selected by its defines; an FP8_BLOCK_N no variant has is an error)."""
+    variants first, each selected by its defines; defines no variant has are an error)."""
     dims = sorted(b.head_dim for b in rows)
     named = ", ".join(map(str, dims[:-1])) + f" or {dims[-1]}"
     out = []
     for i, b in enumerate(variants):
         test = " && ".join(f"{k} == {v}" for k, v in b.defines.items())
-        if b.fp8 and "FP8_KV_STAGES" not in b.defines:
-            test += " && !defined(FP8_KV_STAGES)"
+        if b.fp8:
+            for knob in ("FP8_KV_STAGES", "FP8_CONSUMERS"):
+                if knob not in b.defines:
+                    test += f" && !defined({knob})"
         key = "FP8_BLOCK_N" if b.fp8 else "BF16_BLOCK_N"
         out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim} && "
                    f"defined({key}) && {test}")
@@ -199,9 +201,9 @@ def _rows(rows: tuple[builds.Build, ...], what: str,
                    f"(builds.{'FP8' if b.fp8 else 'BF16'}_VARIANTS)")
         out += _row(b)
     if variants and variants[0].fp8:
-        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES)",
-                '#error "production: FP8_BLOCK_N names no variant of this head dim '
-                '(builds.FP8_VARIANTS)"']
+        out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES) || defined(FP8_CONSUMERS)",
+                '#error "production: FP8_BLOCK_N (FP8_KV_STAGES, FP8_CONSUMERS) names no variant '
+                'of this head dim (builds.FP8_VARIANTS)"']
     elif variants:
         out += ["#elif defined(BF16_BLOCK_N)",
                 '#error "production: BF16_BLOCK_N names no variant of this head dim '
