@@ -127,7 +127,8 @@ def prepare(q, k, v, *, stage=None, scale=None, layout: str = "bhld", out=None,
     Arguments as for `attention`. Call `.launch()` to enqueue the kernel (as
     often as wanted: it always reads the same inputs and writes `.out`).
     For build variants (tools, not users): `defines` go to the preprocessor
-    (e.g. {"PTXATTN_TRACE": 1}) and `extra_params`, (value, ctypes type)
+    (e.g. {"PTXATTN_TRACE": 1}; a bf16 measurement variant's, {"BF16_BLOCK_N": "80"}
+    (builds.BF16_VARIANTS), also gives the launch that variant's tile) and `extra_params`, (value, ctypes type)
     pairs, follow the table's parameters (launch.params_of), e.g. the trace
     buffer: ((trace_ptr, launch.TRACE_BUF.ctype),); `walk_rule` (a measurement's) names
     the section rule of the production walk (tile_walk.WALKS: "l2-walk", what attention()

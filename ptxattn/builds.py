@@ -69,8 +69,9 @@ class Build:
     # exponentials of every 8 on the FMA pipe (a polynomial) instead of MUFU: where MUFU binds
     # (the FP8 rate halves the GEMMs' time, not the softmax's); -D SW_EXP2_PER_8 overrides
     sw_exp2_per_8: int = 0
-    # "": a row attention() runs; else a measurement variant of the FP8 row of its head dim
-    # (FP8_VARIANTS), selected by its defines (-D FP8_BLOCK_N=...), never by default
+    # "": a row attention() runs; else a measurement variant of the row of its precision and
+    # head dim (FP8_VARIANTS: -D FP8_BLOCK_N=...; BF16_VARIANTS: -D BF16_BLOCK_N=...), selected
+    # by its defines, never by default
     variant: str = ""
     # the table's register estimate is over the budget by a few: ptxas's report decides
     registers_by_ptxas: bool = False
@@ -141,9 +142,11 @@ class Build:
     def defines(self) -> dict[str, str]:
         """The preprocessor defines that select this row (a variant's; {} for a table row):
         FP8_BLOCK_N, FP8_KV_STAGES where the ring differs from its head dim's FP8 row, and
-        FP8_CONSUMERS where the consumer warpgroups do."""
+        FP8_CONSUMERS where the consumer warpgroups do; a bf16 variant's BF16_BLOCK_N."""
         if not self.variant:
             return {}
+        if not self.fp8:
+            return {"BF16_BLOCK_N": str(self.block_n)}
         out = {"FP8_BLOCK_N": str(self.block_n)}
         if self.kv_stages != FP8_RING_DEFAULT:
             out["FP8_KV_STAGES"] = str(self.kv_stages)
@@ -442,11 +445,25 @@ FP8_VARIANTS: dict[str, Build] = {
                        "decides); V^T in three 32-byte swizzled row blocks"),
 }
 
+# Measurement variants of bf16 rows (never chosen by attention(); api.prepare(..., defines=
+# bf16_variant_defines(name)), or a bench/experiments/variants.py variant such as
+# n80=production:BF16_BLOCK_N=80, selects one by its -D BF16_BLOCK_N=...): FlashAttention-3's
+# bf16 tile at D = 256, 128 x 80. 80 is no power of two: dense only (the masked walk shifts by
+# BLOCK_N_SHIFT), the tile arithmetic divides.
+BF16_VARIANTS: dict[str, Build] = {
+    "d256n80": Build(head_dim=256, consumers=2, block_n=80, kv_stages=2, q_buffers=1,
+                     o_staged_in_q=True, variant="d256n80",
+                     why="FlashAttention-3's bf16 tile at D = 256 (128 x 80): 1.25x the keys of "
+                         "the row's 128 x 64 over the same per-tile costs; S 40 + P 20 + O 128 "
+                         "registers leave 52 of 240; Q (64 KiB) and the ring (2 x (40 + 40) KiB) "
+                         "fill 224 KiB, O staged in Q as the row's"),
+}
+
 BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in BUILDS}
 HEAD_DIMS: tuple[int, ...] = tuple(sorted(BY_HEAD_DIM))
 FP8_BY_HEAD_DIM: dict[int, Build] = {b.head_dim: b for b in FP8_BUILDS}
 FP8_HEAD_DIMS: tuple[int, ...] = tuple(sorted(FP8_BY_HEAD_DIM))
-for _b in BUILDS + FP8_BUILDS + tuple(FP8_VARIANTS.values()):
+for _b in BUILDS + FP8_BUILDS + tuple(FP8_VARIANTS.values()) + tuple(BF16_VARIANTS.values()):
     _b.check()
 if DEFAULT_HEAD_DIM not in BY_HEAD_DIM or len(BY_HEAD_DIM) != len(BUILDS):
     raise ValueError("build table: one row per head dim, the default among them")
@@ -481,6 +498,32 @@ def fp8_variant(head_dim: int, defines: dict | None = None) -> Build:
                          f"{k} (D {b.head_dim}, N {b.block_n}, ring {b.kv_stages}, "
                          f"{b.consumers} consumers)"
                          for k, b in FP8_VARIANTS.items()) + ")")
+
+
+def bf16_variant(head_dim: int, defines: dict | None = None) -> Build:
+    """The bf16 row a build's defines select: a variant's (BF16_BLOCK_N=...), else the table's
+    row of the head dim; ValueError for a BF16_BLOCK_N no variant of that head dim has."""
+    n = (defines or {}).get("BF16_BLOCK_N")
+    if n is None:
+        return get(head_dim)
+    for b in BF16_VARIANTS.values():
+        if b.head_dim == head_dim and str(b.block_n) == str(n):
+            return b
+    raise ValueError(f"BF16_BLOCK_N={n}: no bf16 variant at head dim {head_dim} (variants: "
+                     + ", ".join(f"{k} (D {b.head_dim}, N {b.block_n})"
+                                 for k, b in BF16_VARIANTS.items()) + ")")
+
+
+def bf16_variant_defines(name: str) -> dict[str, str]:
+    """The defines of a bf16 measurement variant by name (BF16_VARIANTS), with its HEAD_DIM
+    left to the call's; "default": none."""
+    if name == "default":
+        return {}
+    try:
+        return dict(BF16_VARIANTS[name].defines)
+    except KeyError:
+        raise ValueError(f"bf16 variant {name!r}: expected default or one of "
+                         f"{', '.join(BF16_VARIANTS)}") from None
 
 
 def get(head_dim: int, precision: str = "bf16") -> Build:

@@ -277,7 +277,8 @@ def build(plan: Plan, where: Target, defines=None, extra_params=(),
 
     defines and extra_params are a build variant's, walk_rule the production walk's section
     rule (tile_walk.WALKS; a measurement's, tools: see api.prepare)."""
-    ctx, stage = where.ctx, where.stage
+    ctx = where.ctx
+    stage = where.stage.with_defines(defines)     # a bf16 measurement variant's own tile
     # the K/V multicast build (a measurement's): refused before anything is compiled or touched
     multicast = kv_multicast.requested(defines)
     if multicast:

@@ -123,6 +123,25 @@ class Stage:
                                    block_n=v.block_n, threads=v.threads,
                                    smem_bytes=v.smem_bytes, defines=defines)
 
+    def with_defines(self, defines: dict | None) -> "Stage":
+        """The production build that a call's defines select: a bf16 measurement variant
+        (BF16_BLOCK_N=..., builds.BF16_VARIANTS) runs with its own tile, threads and shared
+        memory instead of its head dim's row (the grid, the TMA boxes, the walk's tile counts
+        read them from here); any other stage or defines: this stage. ValueError for a
+        variant that names no row, or a masked call of a variant whose BLOCK_N is no power of
+        two (the masked walk shifts by log2 BLOCK_N)."""
+        if not self.production or not defines or "BF16_BLOCK_N" not in defines:
+            return self
+        own = dict(self.defines)
+        head_dim = int(own.get("HEAD_DIM", self.head_dims[0]))
+        b = builds.bf16_variant(head_dim, defines)
+        if ("PTXATTN_MASKED" in own or "PTXATTN_VARLEN" in own
+                or "PTXATTN_MASKED" in defines) and b.block_n_shift is None:
+            raise ValueError(f"bf16 variant {b.variant}: dense only (its {b.block_n}-key tiles: "
+                             "the masked walk shifts by log2 BLOCK_N); no causal or window call")
+        return dataclasses.replace(self, block_m=b.block_m, block_n=b.block_n,
+                                   threads=b.threads, smem_bytes=b.smem_bytes)
+
     def unsupported(self, head_dim: int, seq_q: int, seq_k: int) -> str | None:
         """Why this stage cannot run the shape, or None when it can."""
         if head_dim not in self.head_dims:

@@ -399,3 +399,36 @@ def test_ncu_paged_profile_runs_each_clock_and_the_source_pages(ncu_paged, tmp_p
         ncu_paged.profile(args, run=short, which=lambda n: None)
     with pytest.raises(SystemExit, match="--variant"):
         ncu_paged.main(["--variant", "fastest"])
+
+
+# ---- session 12's bf16 d256n80 plan and device script ------------------------------------------
+
+N80_PLAN = SCRIPT.parent / "2026-12-04-session12-n80.txt"
+
+
+def test_the_n80_plan_times_the_variant_beside_the_default_and_cudnn(variants):
+    """Each line of the plan parses as variants.py's arguments: base (today's D = 256 row), n80
+    (-D BF16_BLOCK_N=80: builds.BF16_VARIANTS' d256n80) and cuDNN at D = 256, dense; the first
+    line also sustained."""
+    from ptxattn import builds
+    lines = [x.split() for x in N80_PLAN.read_text().splitlines() if x and not x.startswith("#")]
+    assert lines and "--sustained" in lines[0]
+    for argv in lines:
+        args = variants.arg_parser().parse_args(argv)
+        parsed = {label: (kernel, defines) for label, kernel, defines, _ in
+                  map(variants.parse_variant, args.variants)}
+        assert parsed == {"base": ("production", {}),
+                          "n80": ("production", builds.bf16_variant_defines("d256n80")),
+                          "cudnn": ("cudnn", {})}
+        assert args.shape.endswith("x256") and not args.causal and args.window is None
+    assert lines[0][lines[0].index("--shape") + 1] == "2x8x16384x256"
+
+
+def test_the_n80_device_script_runs_the_gpu_tests_and_the_plan(tmp_path):
+    from bench_modules import run_with_stub_python
+    proc, calls = run_with_stub_python("bench/device/session12_n80.sh", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert any("pytest" in c and "tests/test_gpu_bf16_variants.py" in c for c in calls)
+    runs = [c for c in calls if "bench/experiments/variants.py" in c]
+    plan = [x for x in N80_PLAN.read_text().splitlines() if x and not x.startswith("#")]
+    assert len(runs) == len(plan) and all("n80=production:BF16_BLOCK_N=80" in c for c in runs)

@@ -56,7 +56,8 @@ def test_a_kernel_composed_of_includes_has_the_variants_its_includes_read():
                      "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=192 FP8_KV_STAGES=3",
                      "PTXATTN_FP8=1 HEAD_DIM=256 FP8_BLOCK_N=64",
                      "PTXATTN_FP8=1 HEAD_DIM=256 FP8_BLOCK_N=64 PTXATTN_MASKED=1",
-                     "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=96 FP8_CONSUMERS=3"]
+                     "PTXATTN_FP8=1 HEAD_DIM=128 FP8_BLOCK_N=96 FP8_CONSUMERS=3",
+                     "HEAD_DIM=256 BF16_BLOCK_N=80"]
     assert sorted(names) == sorted(GOLDEN["production"])
 
 

@@ -211,3 +211,89 @@ def test_the_launch_grid_never_exceeds_the_kernels_tile_count(d, masked):
                 assert grid[1:] == (1, 1) and 1 <= grid[0] <= min(sms, tiles), (
                     d, masked, seq_q, batch, heads, sms, grid, tiles)
                 assert grid[0] == min(sms, tiles)
+
+
+# ---- the bf16 measurement variants (builds.BF16_VARIANTS: d256n80, -D BF16_BLOCK_N=80)
+
+from ptxattn import builds  # noqa: E402
+
+BF16_VARIANTS = sorted(builds.BF16_VARIANTS)
+
+
+def variant_defines(name: str) -> dict[str, str]:
+    """The #defines of a variant's row (`#if HEAD_DIM == d && defined(BF16_BLOCK_N) ...`)."""
+    b = builds.BF16_VARIANTS[name]
+    m = re.search(rf"^#(?:el)?if HEAD_DIM == {b.head_dim} && defined\(BF16_BLOCK_N\) && "
+                  rf"BF16_BLOCK_N == {b.block_n}\n(.*?)^#(?:elif|else)\b", LAYOUT, re.M | re.S)
+    assert m, f"layout.ptxh has no row for the bf16 variant {name}"
+    out = {}
+    for line in m.group(1).splitlines():
+        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
+        if d:
+            out[d.group(1).split("(")[0]] = d.group(2)
+    return out
+
+
+@pytest.mark.parametrize("name", BF16_VARIANTS)
+def test_bf16_variant_row_and_v_descriptor(name):
+    """The variant's row: its tile, the macros of its (N, D), and V's MN-major descriptor with
+    LBO = BLOCK_N rows * 128 B to the next 64 columns of D (80 rows: 10240, a multiple of the
+    1024-byte swizzle atom, SBO 1024 for the next 8 key rows); K's k-steps jump the same
+    BLOCK_N rows * 128 B (in 16-byte units, less the 3 steps of 32 bytes taken)."""
+    b = builds.BF16_VARIANTS[name]
+    f = variant_defines(name)
+    n, d = b.block_n, b.head_dim
+    assert num(f, "BLOCK_N") == n and "BLOCK_N_SHIFT" not in f and num(f, "KV_STAGES") == 2
+    assert (num(f, "S_REGS"), num(f, "P_REGS"), num(f, "O_REGS")) == (n // 2, n // 4, d // 2)
+    assert f["QK_TILE"] == f"QK_N{n}_D{d}(DQ, DK)" and f["PV_TILE"] == f"PV_N{n}_D{d}(DV)"
+    fields = desc_fields(f["DESC_V_BITS"])
+    assert fields == {"lbo": n * 128, "sbo": 1024, "swizzle": 1}
+    assert num(f, "KV_TILE_BYTES") == n * d * 2 and num(f, "SMEM_V") % 1024 == 0
+    assert b.smem_bytes == 230528 <= MAX_DYNAMIC_SMEM and num(f, "O_STAGED_IN_Q") == 1
+    gen = (stages.ptx_root() / "sm90" / "include" / f"gen_n{n}.ptxh").read_text()
+    assert f"add.s64 DK, DK, {n * 128 // 16 - 3 * 2};" in gen.split(f"QK_N{n}_D{d}(")[1]
+    assert f"S_ACC_N{n} \\" in gen                       # (fragments.ptxh names 64 and 128 only)
+
+
+@pytest.mark.parametrize("name", BF16_VARIANTS)
+def test_bf16_variant_stage_takes_its_tile(name):
+    """api.prepare's defines select the variant's tile for the launcher (grid, boxes, walk);
+    a masked build is refused (the masked walk shifts), other stages and defines are kept."""
+    b = builds.BF16_VARIANTS[name]
+    st = stages.PRODUCTION.specialize(b.head_dim).with_defines(builds.bf16_variant_defines(name))
+    assert (st.block_m, st.block_n, st.threads, st.smem_bytes) == (
+        b.block_m, b.block_n, b.threads, b.smem_bytes)
+    assert dict(st.defines) == {"HEAD_DIM": str(b.head_dim)}       # the variant's go with the call
+    plain = stages.PRODUCTION.specialize(b.head_dim)
+    assert plain.with_defines({"SW_EXP2_PER_8": "1"}) is plain and plain.with_defines(None) is plain
+    with pytest.raises(ValueError, match="dense only"):
+        stages.PRODUCTION.specialize(b.head_dim, True).with_defines(b.defines)
+    with pytest.raises(ValueError, match="no bf16 variant"):
+        stages.PRODUCTION.specialize(128).with_defines(b.defines)
+
+
+def test_bf16_variant_masked_or_unknown_builds_do_not_assemble():
+    """The PTX refuses what the host refuses: a masked build of a non-power-of-two BLOCK_N, and
+    a BF16_BLOCK_N no variant has."""
+    st = stages.PRODUCTION.specialize(256)
+    for defines, why in (({"BF16_BLOCK_N": "80", "PTXATTN_MASKED": "1"}, "dense kernel"),
+                         ({"BF16_BLOCK_N": "96"}, "names no variant")):
+        with pytest.raises(Exception, match=why):
+            ptx.source(st, {**dict(st.defines), **defines})
+
+
+@requires_ptxas
+@pytest.mark.parametrize("name", BF16_VARIANTS)
+def test_bf16_variant_assembles_without_spills(name):
+    """As test_build_assembles_without_spills_and_with_its_instruction_counts for the variant's
+    tile: no spills, HGMMA 3 x (D/16 + BLOCK_N/16), MUFU.EX2 3 x (BLOCK_N/2 + 2), its smem."""
+    b = builds.BF16_VARIANTS[name]
+    defines = {"HEAD_DIM": str(b.head_dim), **b.defines}
+    result = sass.inspect_stage(stages.PRODUCTION, defines=defines)
+    s = result.summary
+    assert s.spill_bytes == 0 and s.stack_frame == 0, (s.spill_bytes, s.stack_frame)
+    assert not sass.grep(result.sass, "LDL") and not sass.grep(result.sass, "STL")
+    assert not [w for w in s.warnings if "setmaxnreg" in w or "wgmma" in w], s.warnings
+    assert s.classes["HGMMA"] == 3 * (b.head_dim // 16 + b.block_n // 16)
+    assert s.classes["MUFU.EX2"] == 3 * (b.block_n // 2 + 2)
+    assert s.dynamic_smem == b.smem_bytes

@@ -451,6 +451,8 @@ def _build_title(stage, defines: dict | None) -> str:
         return f"{stage.label} {stage.name}"
     d = defines or {}
     masked = ", masked" if "PTXATTN_MASKED" in d else ""
+    if "BF16_BLOCK_N" in d:                      # a bf16 measurement variant (builds.BF16_VARIANTS)
+        masked += f", BF16_BLOCK_N={d['BF16_BLOCK_N']}"
     return f"{stage.label if stage.label == 'bwd_production' else 'production'} " \
            f"(HEAD_DIM={d.get('HEAD_DIM') or 128}{masked})"
 

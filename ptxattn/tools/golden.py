@@ -55,6 +55,13 @@ KNOBS: tuple[tuple[str, tuple[str, ...], str], ...] = (
         for b in _builds.FP8_VARIANTS.values()
         for mask in (("", " PTXATTN_MASKED=1") if b.block_n_shift is not None else ("",))),
      r"^#if HEAD_DIM == \d+ && defined\(FP8_BLOCK_N\)"),
+    # the bf16 measurement variants (builds.BF16_VARIANTS, selected by BF16_BLOCK_N): dense
+    # each, and masked where BLOCK_N is a power of two
+    ("HEAD_DIM", tuple(
+        f"{b.head_dim} " + " ".join(f"{k}={v}" for k, v in b.defines.items()) + mask
+        for b in _builds.BF16_VARIANTS.values()
+        for mask in (("", " PTXATTN_MASKED=1") if b.block_n_shift is not None else ("",))),
+     r"^#if HEAD_DIM == \d+ && defined\(BF16_BLOCK_N\)"),
 )
 
 

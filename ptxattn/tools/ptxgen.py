@@ -28,10 +28,13 @@ from ..stages import ptx_root
 
 # The shapes generated: the lineage's (N 64 and 128, D 128) and every row of the production
 # kernel's build table (ptxattn/builds.py), so that a new head dim there is one row.
-BLOCK_NS = tuple(sorted({64, 128} | {b.block_n for b in builds.BUILDS}))   # the N of S = Q K^T
+BLOCK_NS = tuple(sorted({64, 128} | {b.block_n for b in builds.BUILDS
+                                      + tuple(builds.BF16_VARIANTS.values())}))  # S = Q K^T's N
 # widths only FP8 rows take (the variants' 192, 224): their score macros, no bf16 k-steps
 FP8_ONLY_NS = tuple(sorted({b.block_n for b in builds.FP8_BUILDS
                             + tuple(builds.FP8_VARIANTS.values())} - set(BLOCK_NS)))
+# the S accumulator lists fragments.ptxh names (the lineage's); other widths' are generated
+FRAGMENT_NS = (64, 128)
 HEAD_DIMS = tuple(sorted({128} | set(builds.HEAD_DIMS)))   # D: the K of Q K^T, the N of O = P V
 
 ROWS = 64                     # query rows per consumer warpgroup (the wgmma M)
@@ -86,7 +89,7 @@ def score_header(n: int, gemms: bool = True) -> str:
     lo = [i for i in range(regs) if half(i) == "lo"]
     hi = [i for i in range(regs) if half(i) == "hi"]
     out: list[str] = []
-    if not gemms:        # (fragments.ptxh names the lineage's S accumulators, N 64 and 128)
+    if not gemms or n not in FRAGMENT_NS:   # (fragments.ptxh names the lineage's, N 64 and 128)
         out += _macro(f"S_ACC_N{n}", None, _reg_list("s", regs),
                       f"S = Q K^T for 64 rows x N {n}: {regs} accumulators per thread")
     for name, rows in (("LO", lo), ("HI", hi)):

@@ -190,17 +190,24 @@ def _rows(rows: tuple[builds.Build, ...], what: str,
     out = []
     for i, b in enumerate(variants):
         test = " && ".join(f"{k} == {v}" for k, v in b.defines.items())
-        for knob in ("FP8_KV_STAGES", "FP8_CONSUMERS"):
-            if knob not in b.defines:
-                test += f" && !defined({knob})"
+        if b.fp8:
+            for knob in ("FP8_KV_STAGES", "FP8_CONSUMERS"):
+                if knob not in b.defines:
+                    test += f" && !defined({knob})"
+        key = "FP8_BLOCK_N" if b.fp8 else "BF16_BLOCK_N"
         out.append(f"#{'if' if i == 0 else 'elif'} HEAD_DIM == {b.head_dim} && "
-                   f"defined(FP8_BLOCK_N) && {test}")
-        out.append(f"// ---- measurement variant {b.variant} (builds.FP8_VARIANTS)")
+                   f"defined({key}) && {test}")
+        out.append(f"// ---- measurement variant {b.variant} "
+                   f"(builds.{'FP8' if b.fp8 else 'BF16'}_VARIANTS)")
         out += _row(b)
-    if variants:
+    if variants and variants[0].fp8:
         out += ["#elif defined(FP8_BLOCK_N) || defined(FP8_KV_STAGES) || defined(FP8_CONSUMERS)",
                 '#error "production: FP8_BLOCK_N (FP8_KV_STAGES, FP8_CONSUMERS) names no variant '
                 'of this head dim (builds.FP8_VARIANTS)"']
+    elif variants:
+        out += ["#elif defined(BF16_BLOCK_N)",
+                '#error "production: BF16_BLOCK_N names no variant of this head dim '
+                '(builds.BF16_VARIANTS)"']
     for i, b in enumerate(rows):
         out.append(f"#{'if' if i == 0 and not variants else 'elif'} HEAD_DIM == {b.head_dim}")
         out += _row(b)
@@ -211,7 +218,8 @@ def _rows(rows: tuple[builds.Build, ...], what: str,
 def header() -> str:
     table = ["//   precision D    consumers BLOCK_M BLOCK_N ring  Q buffers  O staged  smem      "
              "registers/thread (S, P, O of the consumer budget)"]
-    for b in builds.BUILDS + builds.FP8_BUILDS + tuple(builds.FP8_VARIANTS.values()):
+    for b in (builds.BUILDS + tuple(builds.BF16_VARIANTS.values()) + builds.FP8_BUILDS
+              + tuple(builds.FP8_VARIANTS.values())):
         table.append(f"//   {b.precision + ('/' + b.variant if b.variant else ''):<9} {b.head_dim:<4} {b.consumers:<9} {b.block_m:<7} "
                      f"{b.block_n:<7} {b.kv_stages:<5} {b.q_buffers:<10} "
                      f"{'in Q' if b.o_staged_in_q else 'own':<9} "
@@ -251,13 +259,13 @@ def header() -> str:
         "",
         "#ifndef PTXATTN_FP8",
         "// ==== the bf16 builds (stages.PRODUCTION)",
-        *_rows(builds.BUILDS, ""),
+        *_rows(builds.BUILDS, "", tuple(builds.BF16_VARIANTS.values())),
         "#else",
         "// ==== the FP8 builds (-D PTXATTN_FP8: attention(precision=\"fp8\"))",
         *_rows(builds.FP8_BUILDS, "FP8: ", tuple(builds.FP8_VARIANTS.values())),
         "#endif", "",
-        "// ---- K/V tile arithmetic: shifts where BLOCK_N is a power of two; the FP8 variants'",
-        "// 192 and 224 multiply and divide (dense builds only: the masked walk shifts)",
+        "// ---- K/V tile arithmetic: shifts where BLOCK_N is a power of two; the variants' 80",
+        "// (bf16), 192 and 224 (FP8) multiply and divide (dense builds only: the masked walk shifts)",
         "#ifdef BLOCK_N_SHIFT",
         "#define KV_TILES_OF_KEYS(DST, KEYS) shr.u32 DST, KEYS, BLOCK_N_SHIFT;",
         "#define KEYS_OF_KV_TILES(DST, TILES) shl.b32 DST, TILES, BLOCK_N_SHIFT;",

@@ -550,6 +550,13 @@ def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -
                                        defines).smem_bytes
         except ValueError:
             pass                                  # no such build: ptxas said so already
+    elif stage.production and defines and "BF16_BLOCK_N" in defines:
+        # -d BF16_BLOCK_N=...: a bf16 measurement variant's (builds.BF16_VARIANTS)
+        try:
+            smem = _builds.bf16_variant(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
+                                        defines).smem_bytes
+        except ValueError:
+            pass                                  # no such build: ptxas said so already
     elif stage.production and defines and "HEAD_DIM" in defines:
         # -d HEAD_DIM=256: the shared memory of that build (PRODUCTION_VARIANTS)
         try:
