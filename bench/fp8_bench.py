@@ -256,6 +256,21 @@ def variant_sustained(record: dict, ours: dict, peer, cfg, *, rng, sampler, **kw
     return list(figs)
 
 
+def variant_defines(name: str) -> dict:
+    """--variants' name: a variant (fp8_forward.variant_defines), optionally with knobs of its
+    own after colons ("m3n96:SW_EXP2_PER_8=1": that build with the knob)."""
+    base, *knobs = name.split(":")
+    out = dict(fp8_forward.variant_defines(base))
+    out.update(knob.split("=", 1) for knob in knobs)
+    return out
+
+
+def _bad_variant(name: str, known) -> bool:
+    base, *knobs = name.split(":")
+    return base not in ("default", *known) or any(
+        "=" not in k or not k.partition("=")[0].isidentifier() for k in knobs)
+
+
 def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=None,
                  sampler=None):
     """One shape, the FP8 variants (names: "default" and builds.FP8_VARIANTS keys) against each
@@ -276,7 +291,7 @@ def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=No
             plan = fp8.validate(q8, k8, v8, layout=layout, q_descale=qs, k_descale=ks,
                                 v_descale=vs, causal=causal)
             prep = fp8_forward.prepare(plan, {**(defines or {}),
-                                              **fp8_forward.variant_defines(var)})
+                                              **variant_defines(var)})
             prep.launch()                        # V's transpose, then the forward
             torch.cuda.synchronize()
         except Exception as exc:                 # a build that fails is reported, not timed
@@ -372,7 +387,9 @@ def parse_args(argv=None):
                          "SW_EXP2_PER_8=1); repeatable")
     ap.add_argument("--variants", default=None, metavar="NAMES",
                     help="comma-separated FP8 builds to time against each other: default and "
-                         "any of builds.FP8_VARIANTS (e.g. default,n192,n224,m3n96)")
+                         "any of builds.FP8_VARIANTS (e.g. default,n192,n224,m3n96), each "
+                         "optionally with knobs of its own after colons "
+                         "(m3n96:SW_EXP2_PER_8=1)")
     sustained.add_arguments(ap)
     args = ap.parse_args(argv)
     args.sustained_cfg = sustained.config_from_args(ap, args)
@@ -392,7 +409,7 @@ def parse_args(argv=None):
     if text:
         from ptxattn import builds
         wanted = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in wanted if x != "default" and x not in builds.FP8_VARIANTS]
+        bad = [x for x in wanted if _bad_variant(x, builds.FP8_VARIANTS)]
         if bad:
             ap.error(f"--variants: unknown {bad}; expected default or some of "
                      f"{list(builds.FP8_VARIANTS)}")

@@ -435,15 +435,25 @@ FP8_VARIANTS: dict[str, Build] = {
                          "e4m3 Q, 32 KiB a buffer, and the ring, 64 KiB, leave room for two Q "
                          "buffers and an own O staging): kept to measure the default against"),
     "m3n96": Build(head_dim=128, consumers=3, block_n=96, kv_stages=2, q_buffers=2,
-                   o_staged_in_q=False, precision="fp8", sw_exp2_per_8=1, variant="m3n96",
+                   o_staged_in_q=False, precision="fp8", sw_exp2_per_8=0, variant="m3n96",
                    registers_by_ptxas=True,
                    why="three consumers (192-row tiles), as the FP8 and bf16 D = 64 rows: with "
                        "two, one consumer's softmax is longer than the other's GEMMs and the "
                        "tensor pipe idles; with three, two softmaxes run under one consumer's "
                        "GEMMs. A consumer's budget is 160 registers: at 128 keys (S 64 + P 16 + "
                        "O 64) ptxas spilled 240 bytes, at 96 keys S 48 + P 12 + O 64 (ptxas "
-                       "decides); V^T in three 32-byte swizzled row blocks"),
+                       "decides); V^T in three 32-byte swizzled row blocks. Every exponential "
+                       "on MUFU, as the other three-consumer rows (fewer issue slots: measured "
+                       "+3% over 1 of 8 on the FMA pipe)"),
 }
+
+# The FP8 build attention(precision="fp8") runs, per head dim, for pre-quantized e4m3 inputs
+# (FlashAttention-3's (batch, heads_kv) descales) without a mask: the fastest the H200
+# measured in the same rounds against the table's row (bench/notes.md, "Session 12, FP8 with
+# three consumers": m3n96 1.05x burst, 1.03x sustained at (2, 16, 16384, 128)). Not for bf16
+# inputs, whose quantizer writes K descales per 128-key block (m3n96's 96-key tiles straddle
+# them), nor masked calls (96 is no power of two: the masked walk shifts).
+FP8_PREQUANTIZED_DENSE = {128: "m3n96"}
 
 # Measurement variants of bf16 rows (never chosen by attention(); api.prepare(..., defines=
 # bf16_variant_defines(name)), or a bench/experiments/variants.py variant such as

@@ -67,6 +67,16 @@ def grid(build: builds.Build, batch: int, heads: int, seq_q: int,
     return (min(sm_count, tiles), 1, 1)
 
 
+def chosen_defines(plan) -> dict | None:
+    """The defines of the build attention() runs for a validated FP8 plan: the variant of
+    builds.FP8_PREQUANTIZED_DENSE for pre-quantized inputs without a mask, else None (the
+    table's row of its head dim, which prepare() takes by default)."""
+    name = builds.FP8_PREQUANTIZED_DENSE.get(plan.head_dim)
+    if name is None or not plan.quantized or plan.masked:
+        return None
+    return variant_defines(name)
+
+
 def qk_swizzle(head_dim: int) -> tuple[str, int]:
     """(swizzle, bytes a box row) of Q's and K's e4m3 tiles (the row's qk_row_bytes: 128-byte
     rows, or 128-byte blocks of 256-byte rows; 64-byte rows at D = 64)."""
@@ -292,7 +302,8 @@ def prepare(plan, defines: dict | None = None) -> PreparedFp8:
 
 
 def run(plan):
-    """Launch the call of a validated plan; NumPy in -> NumPy out (synchronized)."""
+    """Launch the call of a validated plan (the build chosen_defines picks); NumPy in -> NumPy
+    out (synchronized)."""
     if plan.empty:
         device = None if plan.host else getattr(plan.q, "device", None)
         out = plan.out if plan.out is not None else (
@@ -304,7 +315,7 @@ def run(plan):
                 0, shape, device=device, dtype=_F32)
             return out, lse
         return out
-    prepared = prepare(plan)
+    prepared = prepare(plan, chosen_defines(plan))
     try:
         prepared.launch()
         if plan.host:

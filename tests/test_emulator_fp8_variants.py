@@ -163,3 +163,39 @@ def test_control_planted_variant_bugs_fail(emulated_gpu, variant, old, new):
         check_prequantized(out, lse, q8, k8, v8, descales,
                            block_n=builds.FP8_VARIANTS[variant].block_n)
     assert done
+
+
+@pytest.mark.parametrize("case", [(1, 2, 1, 200, 300), (1, 2, 2, 64, 1)], ids=_id)
+def test_attention_runs_the_measured_build_for_prequantized_dense_calls(emulated_gpu, case):
+    """attention(precision="fp8") on pre-quantized e4m3 inputs without a mask runs
+    builds.FP8_PREQUANTIZED_DENSE's variant at D = 128 (m3n96: 512 threads, 96-key tiles),
+    against the model tiled as it is; a causal call of the same inputs the table's row (384
+    threads); poisoned outputs."""
+    import ptxattn
+    b, h, hk, lq, lk = case
+    q8, k8, v8, descales = prequantized_inputs(b, h, hk, lq, lk, 128, seed=lq + 3 * lk)
+    out = np.full((b, h, lq, 128), np.nan, dtype=BF16)
+    got, lse = ptxattn.attention(q8, k8, v8, precision="fp8", return_lse=True, out=out,
+                                 **descales)
+    assert got is out
+    name, _, block, _, report = emulated_gpu.launches[-1]
+    assert name == "ptxattn_fwd_fp8" and block[0] == 512 and not report.hazards
+    check_prequantized(np.asarray(got, np.float32), lse, q8, k8, v8, descales,
+                       block_n=builds.FP8_VARIANTS["m3n96"].block_n)
+    ptxattn.attention(q8, k8, v8, precision="fp8", causal=True, **descales)
+    assert emulated_gpu.launches[-1][2][0] == builds.FP8_BY_HEAD_DIM[128].threads == 384
+
+
+def test_the_measured_fp8_choice():
+    """fp8_forward.chosen_defines: the variant for pre-quantized dense calls at D = 128, the
+    table's row (None) for bf16 inputs (the quantizer's per-block K descales), masked calls
+    and the other head dims."""
+    from types import SimpleNamespace as P
+    assert fp8_forward.chosen_defines(P(head_dim=128, quantized=True, masked=False)) == \
+        fp8_forward.variant_defines("m3n96") == {"FP8_BLOCK_N": "96", "FP8_CONSUMERS": "3"}
+    for plan in (P(head_dim=128, quantized=False, masked=False),
+                 P(head_dim=128, quantized=True, masked=True),
+                 P(head_dim=64, quantized=True, masked=False),
+                 P(head_dim=256, quantized=True, masked=False)):
+        assert fp8_forward.chosen_defines(plan) is None, plan
+    assert builds.FP8_VARIANTS["m3n96"].sw_exp2_per_8 == 0

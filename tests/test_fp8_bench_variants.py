@@ -29,6 +29,20 @@ def test_the_variants_option(fb):
         fb.parse_args(["--variants", "default,n999"])
 
 
+def test_a_variant_with_a_knob_of_its_own(fb):
+    """m3n96:SW_EXP2_PER_8=1: the variant's defines and the knob, beside the plain one in the
+    same rounds; a knob that is no NAME=VALUE, or an unknown variant, is refused."""
+    args = fb.parse_args(["--variants", "default,m3n96,m3n96:SW_EXP2_PER_8=1"])
+    assert args.variants == ["default", "m3n96", "m3n96:SW_EXP2_PER_8=1"]
+    assert fb.variant_defines("m3n96:SW_EXP2_PER_8=1") == {
+        "FP8_BLOCK_N": "96", "FP8_CONSUMERS": "3", "SW_EXP2_PER_8": "1"}
+    assert fb.variant_defines("default:SW_EXP2_PER_8=2") == {"SW_EXP2_PER_8": "2"}
+    assert fb.variant_defines("default") == {}
+    for bad in ("m3n96:SW_EXP2_PER_8", "m3n96:=1", "n999:SW_EXP2_PER_8=1"):
+        with pytest.raises(SystemExit):
+            fb.parse_args(["--variants", f"default,{bad}"])
+
+
 def test_the_causal_shapes(fb):
     """causal-16k-d128/-d256: the targets' shapes, masked, FLOPs credited halved; not run
     unless asked for."""
