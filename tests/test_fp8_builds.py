@@ -17,6 +17,7 @@ import pytest
 from ptxattn import builds, fp8_forward, ptx, stages
 from ptxattn import fp8_reference as model
 from ptxattn.tools import ptxgen_fp8, ptxgen_layout, sass
+from test_production_builds import row_defines
 
 PRODUCTION_DIR = stages.ptx_root() / "sm90" / "production"
 SHARED_INCLUDE = stages.ptx_root() / "sm90" / "include"
@@ -33,12 +34,7 @@ def build_defines(head_dim: int) -> dict[str, str]:
     m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", FP8_SECTION,
                   re.M | re.S)
     assert m, f"layout.ptxh has no FP8 row for HEAD_DIM {head_dim}"
-    out = {}
-    for line in m.group(1).splitlines():
-        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
-        if d:
-            out[d.group(1).split("(")[0]] = d.group(2)
-    return out
+    return row_defines(m.group(1))
 
 
 def num(defs, name):

@@ -28,17 +28,23 @@ HEAD_DIMS = sorted({d for d, _ in stages.PRODUCTION_VARIANTS})
 UNMASKED = [d for d in HEAD_DIMS if (d, False) in stages.PRODUCTION_VARIANTS]
 
 
+def row_defines(body: str) -> dict[str, str]:
+    """{name: value text} of the #defines in one row of the generated build table, any
+    trailing comment removed (a function-like macro under its bare name)."""
+    out = {}
+    for line in body.splitlines():
+        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
+        if d:
+            out[d.group(1).split("(")[0]] = d.group(2)
+    return out
+
+
 def build_defines(head_dim: int) -> dict[str, str]:
     """The #defines of one row of the generated build table (`#if HEAD_DIM == d` up to the
     next #elif/#else), value text with any trailing comment removed."""
     m = re.search(rf"^#(?:el)?if HEAD_DIM == {head_dim}\n(.*?)^#(?:elif|else)\b", LAYOUT, re.M | re.S)
     assert m, f"layout.ptxh has no build table row for HEAD_DIM {head_dim}"
-    out = {}
-    for line in m.group(1).splitlines():
-        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
-        if d:
-            out[d.group(1).split("(")[0]] = d.group(2)
-    return out
+    return row_defines(m.group(1))
 
 
 def num(defs: dict, name: str) -> int:
@@ -226,12 +232,7 @@ def variant_defines(name: str) -> dict[str, str]:
     m = re.search(rf"^#(?:el)?if HEAD_DIM == {b.head_dim} && defined\(BF16_BLOCK_N\) && "
                   rf"BF16_BLOCK_N == {b.block_n}\n(.*?)^#(?:elif|else)\b", LAYOUT, re.M | re.S)
     assert m, f"layout.ptxh has no row for the bf16 variant {name}"
-    out = {}
-    for line in m.group(1).splitlines():
-        d = re.match(r"#define (\w+(?:\([^)]*\))?)\s+(.*?)\s*(?://.*)?$", line)
-        if d:
-            out[d.group(1).split("(")[0]] = d.group(2)
-    return out
+    return row_defines(m.group(1))
 
 
 @pytest.mark.parametrize("name", BF16_VARIANTS)
