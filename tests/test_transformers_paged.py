@@ -188,8 +188,10 @@ def test_the_wrapped_manager_keeps_ptxattn_and_leaves_other_names_alone():
     if not hasattr(switch, "_ptxattn_keeps"):
         pytest.skip("this transformers' manager takes any registered name (5.17)")
     seen = []
+    # dtype and device: what 5.25's check reads before the name (float32: no flash offered)
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="ptxattn"),
-                            _supports_flash_attn=False, set_attn_implementation=seen.append)
+                            _supports_flash_attn=False, set_attn_implementation=seen.append,
+                            dtype=torch.float32, device=torch.device("cpu"))
     assert switch(SimpleNamespace(_original_attn_impl=None), model) is None and seen == []
     model.config._attn_implementation = "nonsense"
     with pytest.raises(ValueError, match="not supported for continuous batching"):

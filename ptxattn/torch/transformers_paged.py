@@ -499,7 +499,7 @@ def register() -> str:
 
 
 def _let_continuous_batching_keep_ptxattn() -> None:
-    """transformers 5.24's ContinuousBatchingManager.switch_to_cb_friendly_attn raises for a
+    """transformers 5.24's (and 5.25's) ContinuousBatchingManager.switch_to_cb_friendly_attn raises for a
     name outside "paged|eager", "sdpa" and flash implementations. Where it does (found by
     asking it about a stand-in model named "ptxattn", which changes nothing), wrap it so that
     a model running "ptxattn" is kept as it is: that name's function takes packed calls."""
@@ -527,10 +527,12 @@ def _let_continuous_batching_keep_ptxattn() -> None:
 
 def _refuses_ptxattn(switch) -> bool:
     """Whether `switch` raises ValueError for a model set to "ptxattn" (5.17 sets it to
-    "paged|ptxattn" instead, on the stand-in)."""
+    "paged|ptxattn" instead, on the stand-in; 5.24 and 5.25 raise)."""
     from types import SimpleNamespace
+    # dtype: 5.25 reads it first (only a half-precision model is offered flash attention)
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="ptxattn"),
-                            _supports_flash_attn=False,
+                            _supports_flash_attn=False, dtype=torch.float32,
+                            device=torch.device("cpu"),
                             set_attn_implementation=lambda name: None)
     manager = SimpleNamespace(_original_attn_impl=None)
     try:
