@@ -443,8 +443,8 @@ FP8_VARIANTS: dict[str, Build] = {
                        "GEMMs. A consumer's budget is 160 registers: at 128 keys (S 64 + P 16 + "
                        "O 64) ptxas spilled 240 bytes, at 96 keys S 48 + P 12 + O 64 (ptxas "
                        "decides); V^T in three 32-byte swizzled row blocks. Every exponential "
-                       "on MUFU, as the other three-consumer rows (fewer issue slots: measured "
-                       "+3% over 1 of 8 on the FMA pipe)"),
+                       "on MUFU, as the other three-consumer rows (fewer issue slots; same rounds "
+                       "against 1 of 8 on the FMA pipe: level at 16k, +2% at the Wan shape)"),
 }
 
 # The FP8 build attention(precision="fp8") runs, per head dim, for pre-quantized e4m3 inputs
