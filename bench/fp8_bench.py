@@ -265,10 +265,13 @@ def variant_defines(name: str) -> dict:
     return out
 
 
-def _bad_variant(name: str, known) -> bool:
-    base, *knobs = name.split(":")
-    return base not in ("default", *known) or any(
-        "=" not in k or not k.partition("=")[0].isidentifier() for k in knobs)
+def _bad_variant(name: str) -> bool:
+    """Whether a --variants name is no variant, or a knob of it no NAME=VALUE."""
+    try:
+        defines = variant_defines(name)
+    except ValueError:                           # an unknown variant, or a knob without "="
+        return True
+    return not all(key.isidentifier() for key in defines)
 
 
 def run_variants(torch, name, variants, rounds, reps, seed, defines=None, cfg=None,
@@ -409,7 +412,7 @@ def parse_args(argv=None):
     if text:
         from ptxattn import builds
         wanted = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in wanted if _bad_variant(x, builds.FP8_VARIANTS)]
+        bad = [x for x in wanted if _bad_variant(x)]
         if bad:
             ap.error(f"--variants: unknown {bad}; expected default or some of "
                      f"{list(builds.FP8_VARIANTS)}")

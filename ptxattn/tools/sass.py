@@ -536,32 +536,32 @@ class StageSass:
     summary: SassSummary
 
 
+def _production_smem(stage, defines: dict) -> int:
+    """The dynamic shared memory of the production build `defines` select: -d PTXATTN_FP8,
+    the e4m3 row (builds.FP8_BUILDS) or the variant -d FP8_BLOCK_N=... names
+    (builds.FP8_VARIANTS); -d BF16_BLOCK_N=..., a bf16 variant's (builds.BF16_VARIANTS);
+    -d HEAD_DIM=..., that row's (PRODUCTION_VARIANTS); else the stage's. ValueError for a
+    build there is none of."""
+    head_dim = int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM))
+    if str(defines.get("PTXATTN_FP8", "0")) != "0":
+        return _builds.fp8_variant(head_dim, defines).smem_bytes
+    if "BF16_BLOCK_N" in defines:
+        return _builds.bf16_variant(head_dim, defines).smem_bytes
+    if "HEAD_DIM" in defines:
+        return stage.specialize(head_dim,
+                                str(defines.get("PTXATTN_MASKED", "0")) != "0").smem_bytes
+    return stage.smem_bytes
+
+
 def inspect_stage(stage, arch: str | None = None, defines: dict | None = None) -> StageSass:
     """Assemble, disassemble and summarize one stage."""
     stage = _stages.get_stage(stage)
     asm = assemble(stage, arch=arch, defines=defines)
     text = disassemble(asm.cubin)
     smem = stage.smem_bytes
-    if stage.production and defines and str(defines.get("PTXATTN_FP8", "0")) != "0":
-        # -d PTXATTN_FP8: the e4m3 build's shared memory (builds.FP8_BUILDS, or the variant
-        # -d FP8_BLOCK_N=... selects: builds.FP8_VARIANTS), not bf16's
+    if stage.production and defines:
         try:
-            smem = _builds.fp8_variant(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
-                                       defines).smem_bytes
-        except ValueError:
-            pass                                  # no such build: ptxas said so already
-    elif stage.production and defines and "BF16_BLOCK_N" in defines:
-        # -d BF16_BLOCK_N=...: a bf16 measurement variant's (builds.BF16_VARIANTS)
-        try:
-            smem = _builds.bf16_variant(int(defines.get("HEAD_DIM", _builds.DEFAULT_HEAD_DIM)),
-                                        defines).smem_bytes
-        except ValueError:
-            pass                                  # no such build: ptxas said so already
-    elif stage.production and defines and "HEAD_DIM" in defines:
-        # -d HEAD_DIM=256: the shared memory of that build (PRODUCTION_VARIANTS)
-        try:
-            smem = stage.specialize(int(defines["HEAD_DIM"]),
-                                    str(defines.get("PTXATTN_MASKED", "0")) != "0").smem_bytes
+            smem = _production_smem(stage, defines)
         except ValueError:
             pass                                  # no such build: ptxas said so already
     return StageSass(stage, asm, text, summarize(text, asm.log, dynamic_smem=smem))
