@@ -426,10 +426,18 @@ def host_paths(fake: bool, torch):
     step = ptxattn.plan_decode(batch=b, heads=h, heads_kv=hkv, head_dim=D, cache_seqlens=lens,
                                block_table=table, page_size=page, num_pages=b * per, seq_new=1,
                                causal=True, host_lengths=lens_host)
+    # the same step without the append (an engine that writes its pages itself, as
+    # FlashInfer's decode run() takes them): one launch at this shape's one split
+    read_only = ptxattn.plan_decode(batch=b, heads=h, heads_kv=hkv, head_dim=D,
+                                    cache_seqlens=lens, block_table=table, page_size=page,
+                                    num_pages=b * per, causal=True, host_lengths=lens_host)
+    dout = _like(q, torch, fake)
     prefill = ptxattn.plan_varlen(cu_host, cu_host, heads=h, heads_kv=hkv, head_dim=D,
                                   causal=True)
     return {
         "decode_plan_run": lambda: step.run(q, kp, vp, k=kn, v=vn),
+        "decode_plan_run_out": lambda: step.run(q, kp, vp, out=dout, k=kn, v=vn),
+        "decode_plan_run_out_no_append": lambda: read_only.run(q, kp, vp, out=dout),
         "flash_attn_with_kvcache_paged": lambda: ptxattn.flash_attn_with_kvcache(
             q, kp, vp, k=kn, v=vn, cache_seqlens=lens, block_table=table, causal=True),
         "prefill_plan_run": lambda: prefill.run(pq, pk, pv),
@@ -437,6 +445,13 @@ def host_paths(fake: bool, torch):
         "flash_attn_varlen_func": lambda: ptxattn.flash_attn_varlen_func(
             pq, pk, pv, cu_dev, cu_dev, 128, 128, causal=True),
     }
+
+
+def _like(q, torch, fake: bool):
+    """An output of q's shape: torch's empty_like, or ptxattn's own array (--fake)."""
+    if torch is not None and not fake:
+        return torch.empty_like(q)
+    return tensors.empty(tuple(q.shape))
 
 
 class _DeviceInt32:

@@ -45,7 +45,7 @@ import sys
 
 import numpy as np
 
-from . import decode, driver, tensors, varlen
+from . import decode, driver, tensors, torch_runs, varlen
 from .decode_builds import build_for, paged_variant
 from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
                           check_out_view, choose_splits, m_tiles_of, overlaps,
@@ -112,7 +112,8 @@ class PrefillPlan:
         self._table = None                      # plan-owned table (host offsets)
         self._call = None                       # the first run's validated call
         self._launcher = None
-        self._torch_geometry = None             # what _run_torch checks (torch plans)
+        self._torch_geometry = None             # the torch runs' figures (_run_at's)
+        self._steady = None                     # torch_runs.prefill_run's, once validated
         self._frozen: dict = {}                 # addresses -> the Launcher's frozen launches
 
     def _own(self, values):
@@ -162,29 +163,36 @@ class PrefillPlan:
             self._extents = tuple(tensors._span(0, *self._geometry[name], 2)
                                   for name in ("q", "k", "v")) + (
                 tensors._span(0, tuple(call.out_shape), tuple(out_strides), 2),)
-            # (shape, strides) of q, k, v and a caller's out, as torch_ptrs checks them
-            self._checked = tuple((self._geometry[n][0], self._geometry[n][1])
-                                  for n in ("q", "k", "v"))
-            self._checked_out = self._checked + ((tuple(call.out_shape), tuple(out_strides)),)
             self._torch_geometry = (
                 shapes, call.q.device, call.stream,
                 # what _run_at reads, worked out once
                 (out_strides[0], out_strides[1]), tuple(out_strides), call.out_shape,
                 call.lse_shape if call.want_lse else None, -(-call.workspace_bytes // 4))
+            types = tensors._torch_types()
+            if types is not None:
+                g = self._torch_geometry
+                # (shape, strides) of q, k, v and of an output (contiguous, q's shape)
+                checked = tuple(self._geometry[n] for n in ("q", "k", "v")) + (
+                    (tuple(call.out_shape), tuple(out_strides)),)
+                self._steady = torch_runs.prefill_run(
+                    types, g[1], g[2], checked, g[6], g[7],
+                    self._table.ptr if self._table is not None else None, self._frozen,
+                    self._freeze_checked)
         self._call = dataclasses.replace(varlen.detached(call),
                                          stream_object=call.stream_object)
 
     def run(self, q, k, v, out=None):
         """One layer: out (q's shape; fresh from the caller's allocator unless given), or
         (out, lse) when the plan returns the LSE. One launch with host offsets, two without."""
+        steady = self._steady
+        if steady is not None:
+            result = steady(q, k, v, out)
+            if result is not None:
+                return result
         call = self._call
         if call is None:
             self._first_run(q, k, v, out)
             call = self._call
-        elif self._torch_geometry is not None:
-            result = self._run_torch(q, k, v, out)
-            if result is not None:
-                return result
         qv, kv, vv, ov_given = _varlen_views(call, self._geometry, q, k, v, out)
         if ov_given is None:
             out = _empty(call, q, call.out_shape, "bfloat16")
@@ -202,36 +210,24 @@ class PrefillPlan:
             del ws                           # stream-ordered (or torch's caching allocator)
         return (out, lse) if call.want_lse else out
 
-    def _run_torch(self, q, k, v, out=None):
-        """run() for plain torch tensors of the plan's geometry on its stream, without views:
-        their addresses, a check of what _varlen_views checks (shapes, strides, device,
-        16-byte bases; a given out: contiguous, of q's shape, not overlapping q, k or v),
-        the launches. None when anything differs: then the full run() decides (and raises
-        its errors)."""
-        geometry = self._torch_geometry
-        device = geometry[1]
-        if out is None:
-            ptrs = tensors.torch_ptrs((q, k, v), self._checked, device)
-        else:
-            ptrs = tensors.torch_ptrs((q, k, v, out), self._checked_out, device)
-        if (ptrs is None or (ptrs[0] | ptrs[1] | ptrs[2]) % 16
-                or tensors.torch_current_stream(device) != geometry[2]):
+    def _freeze_checked(self, key: tuple):
+        """The steady run's freeze (torch_runs.prefill_run): the launches of a key's addresses
+        when its q, k, v and output bases are 16-byte aligned and the output overlaps no input
+        (what _varlen_views checks; None otherwise: the full path raises)."""
+        q_ptr, k_ptr, v_ptr, out_ptr = key[:4]
+        if (q_ptr | k_ptr | v_ptr | out_ptr) % 16 or _aliases(out_ptr, key[:3], self._extents):
             return None
-        if out is not None:
-            op = ptrs[3]
-            if op % 16 or _aliases(op, ptrs[:3], self._extents):
-                return None
-            return self._run_at(q, ptrs[0], ptrs[1], ptrs[2], out, op)
-        return self._run_at(q, ptrs[0], ptrs[1], ptrs[2])
+        return self._freeze(key)
 
     def _run_at(self, like, q_ptr: int, k_ptr: int, v_ptr: int, out=None, out_ptr: int = 0):
         """One layer from the addresses of torch tensors that have the plan's shapes and
         strides, on its device and torch's current stream there, 16-byte aligned: what
-        _run_torch checks, which a caller of this must have checked (the transformers
+        the steady run checks, which a caller of this must have checked (the transformers
         integration, which keys its layouts on exactly these: nothing here validates the
         addresses, so this is no public entry). `like`: a plain bf16 torch.Tensor on the
         plan's device (q: fresh tensors are its new_empty, torch.empty without the device
-        and dtype arguments to parse). The output is `out` (checked by _run_torch) or fresh;
+        and dtype arguments to parse). The output is `out` (checked as the steady run checks
+        it) or fresh;
         LSE and workspace fresh from torch's allocator (stream-ordered); then the launches.
         out_ptr: a given out's address (its data_ptr() when 0)."""
         geometry = self._torch_geometry
@@ -417,9 +413,10 @@ class DecodePlan:
                     build.block_n, -(-max(longest, 1) // build.block_n))
         self._layers: dict = {}
         # torch runs: the layers' geometry once a first torch layer fixed it (_TorchDecode),
-        # and per layer of caches its Launcher's frozen launches (_run_torch)
+        # and per layer of caches its Launcher's frozen launches (the steady run's)
         self._torch: _TorchDecode | None = None
         self._torch_layers: dict = {}
+        self._steady = None                  # torch_runs.decode_run's, once learned
 
     def _own(self, values):
         view = _Int32View(values)
@@ -454,58 +451,27 @@ class DecodePlan:
         """One layer's decode step: the append (with k, v), the attention, the combine; out
         (q's shape, contiguous; fresh from the caller's allocator unless given), or
         (out, lse)."""
-        if self._torch is not None:
-            result = self._run_torch(q, k_cache, v_cache, out, k, v)
+        steady = self._steady
+        if steady is not None:
+            result = steady(q, k_cache, v_cache, out, k, v)
             if result is not None:
                 return result
         return self._run_full(q, k_cache, v_cache, out, k, v)
 
-    def _run_torch(self, q, k_cache, v_cache, out, k, v):
-        """run() for plain torch tensors of the plan's torch geometry (_TorchDecode) on its
-        device and stream, caches seen before: their addresses checked as _run_full checks
-        them (shapes, strides, 16-byte bases, a given out not overlapping any input), then
-        the layer's launches for these addresses, frozen at their first call. None when
-        anything differs: then _run_full decides (and raises its errors)."""
-        g = self._torch
-        ptr, dev = tensors.torch_ptr, g.device
-        kc = ptr(k_cache, *g.k_cache, dev)
-        vc = ptr(v_cache, *g.v_cache, dev)
-        layer = self._torch_layers.get((kc, vc))
-        if layer is None:
+    def _freeze_checked(self, layer: dict, key: tuple):
+        """The steady run's freeze (torch_runs.decode_run): a layer's launches for a key's
+        addresses when q, the new keys and values and the output are 16-byte aligned and the
+        output overlaps no input (what _run_full checks; None otherwise: it raises)."""
+        qp, op, lse_ptr, ws_ptr, kp, vp = key
+        kc, vc = layer[None][4:]
+        if (qp | op | kp | vp) % 16 or _aliases(op, (qp, kc, vc, kp, vp),
+                                                self._torch.extents):
             return None
-        qp = ptr(q, *g.q, dev)
-        if qp is None or qp % 16 or tensors.torch_current_stream(dev) != g.stream:
-            return None
-        kp = vp = 0
-        if g.new is not None:
-            kp, vp = ptr(k, *g.new, dev), ptr(v, *g.new, dev)
-            if kp is None or vp is None or (kp | vp) % 16:
-                return None
-        elif k is not None or v is not None:
-            return None
-        inputs = (qp, kc, vc, kp, vp)
-        if out is not None:
-            op = ptr(out, *g.out, dev)
-            if op is None or op % 16 or _aliases(op, inputs, g.extents):
-                return None
-        else:
-            out = q.new_empty(g.out[0])
-            op = out.data_ptr()
-        torch = sys.modules["torch"]
-        lse = q.new_empty(g.lse_shape, dtype=torch.float32) if g.lse_shape else None
-        lse_ptr = lse.data_ptr() if lse is not None else 0
-        ws = q.new_empty((g.ws_floats,), dtype=torch.float32) if g.ws_floats else None
-        ws_ptr = ws.data_ptr() if ws is not None else 0
-        key = (qp, op, lse_ptr, ws_ptr, kp, vp)
-        launches = layer.get(key)
-        if launches is None:
-            launcher, seqlens_ptr, seqlen_const, table_ptr = layer[None]
-            launches = launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const,
-                                       kp, vp, 0, table_ptr)
-            _remember(layer, key, launches)
-        driver.launch_frozen(launches)
-        del ws                               # torch's caching allocator: stream-ordered
-        return (out, lse) if lse is not None else out
+        launcher, seqlens_ptr, seqlen_const, table_ptr = layer[None][:4]
+        launches = launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const,
+                                   kp, vp, 0, table_ptr)
+        _remember(layer, key, launches)
+        return launches
 
     def _run_full(self, q, k_cache, v_cache, out, k, v):
         call, launcher, seqlens_ptr, seqlen_const, table_ptr, _, strides, shape = self._layer(
@@ -591,7 +557,7 @@ class DecodePlan:
 
     def _learn_torch(self, call, q, k_cache, v_cache, k, v, layer) -> None:
         """After a full run of torch tensors: the plan's torch geometry (from its first such
-        layer) and this layer's entry for _run_torch, when its tensors have that geometry."""
+        layer) and this layer's entry for the steady run, when its tensors have that geometry."""
         metas = [tensors.torch_meta(x) for x in (q, k_cache, v_cache)]
         new = None
         if call.seq_new:
@@ -615,14 +581,20 @@ class DecodePlan:
                 new or ((0,), (1,)), new or ((0,), (1,)))) + (
                 tensors._span(0, out_shape, out_strides, 2),))
         if self._torch is None:
+            types = tensors._torch_types()
+            if types is None:
+                return
             self._torch = geometry
+            self._steady = torch_runs.decode_run(types, geometry, self._torch_layers,
+                                                 self._freeze_checked)
         if geometry != self._torch:
             return
         key = (k_cache.data_ptr(), v_cache.data_ptr())
         if key not in self._torch_layers:
             if len(self._torch_layers) >= 4096:
                 self._torch_layers.pop(next(iter(self._torch_layers)), None)
-            self._torch_layers[key] = {None: layer}
+            # (the launcher and its fixed arguments, then the caches' addresses)
+            self._torch_layers[key] = {None: layer + key}
 
 
 @dataclasses.dataclass(frozen=True)

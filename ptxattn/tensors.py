@@ -345,28 +345,6 @@ def torch_ptr(obj, shape: tuple, strides: tuple, device: int) -> int | None:
     return obj.data_ptr()
 
 
-def torch_ptrs(objs: tuple, geometries: tuple, device: int) -> list | None:
-    """torch_ptr of each of objs against its (shape, strides) in geometries, in one call (the
-    types looked up once): their data_ptr()s, or None when any is refused or is None."""
-    types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \
-        else _torch_types()
-    if types is None:
-        return None
-    tensor, bf16 = types[1], types[2]
-    ptrs = []
-    try:
-        for obj, (shape, strides) in zip(objs, geometries):
-            # torch_ptr's checks, in its order
-            if (type(obj) is not tensor or obj.dtype is not bf16 or not obj.is_cuda
-                    or obj.get_device() != device or obj.requires_grad or obj.is_neg()
-                    or obj.stride() != strides or obj.shape != shape):
-                return None
-            ptrs.append(obj.data_ptr())
-    except RuntimeError:
-        return None
-    return ptrs
-
-
 def torch_current_stream(device: int) -> int:
     """torch's current stream on `device`, as a raw handle."""
     types = _TORCH if _TORCH is not None and _TORCH[0] is sys.modules.get("torch") \

@@ -17,7 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ptxattn  # noqa: E402
-from ptxattn import decode, fastlaunch, launch as launch_mod, serving, varlen  # noqa: E402
+from ptxattn import (decode, fastlaunch, launch as launch_mod, serving, tensors,  # noqa: E402
+                     varlen)
 from ptxattn.decode_launch import (COMBINE_PARAMS, append_params,  # noqa: E402
                                    decode_params)
 
@@ -310,3 +311,83 @@ def test_a_remembered_kvcache_call_launches_what_the_full_path_did(pretend, appe
     (entry,) = decode._STEADY.values()
     assert len(entry.frozen) == 1, "the remembered calls did not run frozen launches"
     decode.clear_steady_cache()
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (its methods may mean something else: never the steady run's)."""
+
+
+def _refused_prefill_inputs(q, k, v, out):
+    """{what: (q, k, v, out)} that a plan's steady run must hand to the full path."""
+    misaligned = torch.empty(q.numel() + 8, dtype=BF)[1:1 + q.numel()].view(q.shape)
+    return {
+        "q float32": (q.float(), k, v, out),
+        "k requires_grad": (q, k.clone().requires_grad_(), v, out),
+        "v negative view": (q, k, torch._neg_view(v), out),
+        "q transposed": (q, k, v.transpose(0, 1).contiguous().transpose(0, 1), out),
+        "k shape": (q, k[:-1], v, out),
+        "q subclass": (q.as_subclass(_Sub), k, v, out),
+        "q misaligned": (misaligned, k, v, out),
+        "out overlaps k": (q, k, v, k),
+        "out shape": (q, k, v, out[:-1]),
+        "out strides": (q, k, v, out.transpose(0, 1).contiguous().transpose(0, 1)),
+        "out requires_grad": (q, k, v, out.clone().requires_grad_()),
+    }
+
+
+def test_a_prefill_plans_steady_run_refuses_what_the_full_path_must_decide(pretend,
+                                                                           monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    cu, q, k, v = _varlen_case(gen, H=2, Hkv=2)
+    stream = [0]                                       # torch's current stream, as we set it
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream[0])
+    monkeypatch.setattr(tensors, "_TORCH", None)       # (its getter is read afresh)
+    plan = ptxattn.plan_varlen(cu, cu, heads=2, heads_kv=2, head_dim=128)
+    out = torch.empty_like(q)
+    plan.run(q, k, v, out=out)
+    assert plan._steady is not None
+    n = len(pretend)
+    assert plan._steady(q, k, v, out) is out                 # the steady path: one launch
+    assert len(pretend) == n + 1
+    for what, args in _refused_prefill_inputs(q, k, v, out).items():
+        n = len(pretend)
+        assert plan._steady(*args) is None, what
+        assert len(pretend) == n, f"{what}: launched"
+    stream[0] = 0x1234          # another stream than the validated one: the full path's
+    assert plan._steady(q, k, v, out) is None
+    stream[0] = 0
+    # a refused key is not remembered: the overlap is refused again, by the full path's error
+    for _ in range(2):
+        with pytest.raises(ValueError, match="overlap|alias"):
+            plan.run(q, k, v, out=k)
+
+
+def test_a_decode_plans_steady_run_refuses_what_the_full_path_must_decide(pretend):
+    gen = torch.Generator().manual_seed(9)
+    q, kc, vc, kn, vn = _decode_case(gen)
+    plan = _decode_plan(4)
+    out = torch.empty_like(q)
+    plan.run(q, kc, vc, k=kn, v=vn, out=out)
+    assert plan._steady is not None
+    n = len(pretend)
+    assert plan._steady(q, kc, vc, out, kn, vn) is out       # append, decode, combine
+    assert len(pretend) == n + 3
+    misaligned = torch.empty(q.numel() + 8, dtype=BF)[1:1 + q.numel()].view(q.shape)
+    cases = {
+        "q float32": (q.float(), kc, vc, out, kn, vn),
+        "k_cache requires_grad": (q, kc.clone().requires_grad_(), vc, out, kn, vn),
+        "v_cache negative view": (q, kc, torch._neg_view(vc), out, kn, vn),
+        "k_cache unseen": (q, kc.clone(), vc, out, kn, vn),
+        "q shape": (q[:-1], kc, vc, out, kn, vn),
+        "q misaligned": (misaligned, kc, vc, out, kn, vn),
+        "k missing": (q, kc, vc, out, None, vn),
+        "v float32": (q, kc, vc, out, kn, vn.float()),
+        "k subclass": (q, kc, vc, out, kn.as_subclass(_Sub), vn),
+        "out overlaps q": (q, kc, vc, q, kn, vn),
+        "out overlaps v_cache": (q, kc, vc, vc.view(-1)[:out.numel()].view(out.shape), kn, vn),
+        "out strides": (q, kc, vc, torch.empty(3, 8, 1, 128).to(BF).transpose(1, 2), kn, vn),
+    }
+    for what, args in cases.items():
+        n = len(pretend)
+        assert plan._steady(*args) is None, what
+        assert len(pretend) == n, f"{what}: launched"
