@@ -1,0 +1,58 @@
+"""Host µs per call of the plans' run() (issue 25's <= 10 µs a layer), with this process's own
+speed beside it: serving_bench's host paths (queue full; PrefillPlan.run(out=), run(),
+DecodePlan.run with and without the append) and two calibration loops that ptxattn does not
+touch (pure Python; torch's data_ptr() x 10), so that a slow process (the H200 host's figures
+moved by up to 1.6x between processes in session 13's first call) shows as such.
+
+    python bench/experiments/host_rounds.py --out FILE.json [--fake]
+
+Run it alternately from two trees (PYTHONPATH at each) pinned to one core (taskset): the
+figures of one tree against the other's, round by round, and each against its calibration."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import callpath as cb                                       # noqa: E402
+import serving_bench as sb                                  # noqa: E402
+
+LABELS = ("prefill_plan_run_out", "prefill_plan_run", "decode_plan_run_out_no_append",
+          "decode_plan_run_out", "decode_plan_run")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--fake", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+    with contextlib.ExitStack() as stack:
+        if args.fake:
+            stack.enter_context(cb.fake_driver(binding_packing=True))
+        paths = sb.host_paths(args.fake, torch)
+        t = torch.empty(4, device="cpu")
+        fns = {label: paths[label] for label in LABELS}
+        fns["calib_python"] = lambda: sum(range(100))
+        fns["calib_data_ptr_x10"] = lambda: (
+            t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(),
+            t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr())
+        block = cb._blocker(args.fake, torch)
+        results = {}
+        for label, fn in fns.items():
+            results[label] = cb.host_us(fn, args.calls, args.repeats, block, args.fake)
+            print(f"host_rounds {label:30s} {results[label]['median_us']:7.2f} µs/call "
+                  f"(min {results[label]['min_us']:.2f})", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
