@@ -53,7 +53,7 @@ def frozen_of(function, sizes: list[int], smem: int, stream: int, keep: list):
 
 def launches(torch) -> dict:
     ctx = driver.context()
-    module = driver.load_module(ptx_of(ctx.arch()), "launch_params")
+    module = driver.load_module(ptx_of(ctx.arch), "launch_params")
     stream = torch.cuda.current_stream().cuda_stream
     keep: list = []
     fns = {}
