@@ -3,7 +3,8 @@ kernels with 8 B, 96 B and 608 B of parameters (the last: four 128-byte by-value
 and twelve words, the forward kernel's form), each with the forward's block and 1 KiB or
 ~200 KiB of dynamic shared memory, launched frozen through cuLaunchKernelEx (fastlaunch.Frozen:
 what a plan's run() calls), queue full (bench/callpath.py's host_us); beside them the forward
-kernel's own frozen launch from a PrefillPlan and a ctypes call that enqueues nothing.
+kernel's own frozen launch from a PrefillPlan, the same launch as a CUDA graph of one and of two
+kernel nodes (cuGraphLaunch), and a ctypes call that enqueues nothing.
 
     python bench/experiments/launch_params.py [--out FILE.json]
 
@@ -51,6 +52,33 @@ def frozen_of(function, sizes: list[int], smem: int, stream: int, keep: list):
                              ctypes.addressof(array), None, function.name)
 
 
+def graph_launch(lib, frozen, nodes: int, stream: int, keep: list):
+    """cuGraphLaunch of a graph of `nodes` copies of a frozen launch (captured on a stream of
+    our own: the frozen config's own stream may be the legacy one, which cannot capture), as
+    a zero-argument ctypes call on `stream`."""
+    from cuda.bindings import driver as cud
+    config_address, handle, params, _ = frozen._args
+    c = fastlaunch.LaunchConfig.from_address(config_address.value)
+    err, side = cud.cuStreamCreate(1)
+    copy = fastlaunch.LaunchConfig()
+    ctypes.memmove(ctypes.addressof(copy), ctypes.addressof(c), ctypes.sizeof(c))
+    copy.hStream = int(side)
+    raw = fastlaunch.raw_function()
+    (err,) = cud.cuStreamBeginCapture(side, cud.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    for _ in range(nodes):
+        if raw(ctypes.c_void_p(ctypes.addressof(copy)), handle, params, None):
+            raise RuntimeError("capture launch failed")
+    err, graph = cud.cuStreamEndCapture(side)
+    err, executable = cud.cuGraphInstantiate(graph, 0)
+    if int(err):
+        raise RuntimeError(f"cuGraphInstantiate: {err}")
+    launch = lib.cuGraphLaunch
+    launch.restype = ctypes.c_int
+    args = (ctypes.c_void_p(int(executable)), ctypes.c_void_p(stream))
+    keep += [side, copy, graph, executable]
+    return lambda: launch(*args)
+
+
 def launches(torch) -> dict:
     ctx = driver.context()
     module = driver.load_module(ptx_of(ctx.arch), "launch_params")
@@ -71,7 +99,10 @@ def launches(torch) -> dict:
     plan.run(q, k, v, out=out)
     plan.run(q, k, v, out=out)
     (fns["forward"],) = next(iter(plan._frozen.values()))
+    keep += [plan, q, k, v, out]         # the frozen launch reads the plan's table and these
     lib = ctypes.CDLL(fastlaunch.LIBRARY)
+    for nodes in (1, 2):
+        fns[f"graph_{nodes}_forward"] = graph_launch(lib, fns["forward"], nodes, stream, keep)
     get_device = lib.cuCtxGetDevice
     get_device.restype = ctypes.c_int
     device = ctypes.c_int()
