@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from . import driver, tensors, tma
+from .driver import is_capturing as _is_capturing
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
 from .decode_builds import FALLBACK_PAGED_VARIANT, PAGED_VARIANT_ENV, build_for, paged_variant
@@ -373,14 +374,6 @@ def _block_table_arg(call: DecodeCall, keep: list) -> int:
 
 
 BOUNDS_WORDS = 8     # the PTXATTN_CHECK_BOUNDS report: a bad length (words 0-1), a bad page (2-4)
-
-
-def _is_capturing(stream: int) -> bool:
-    d = driver.cu()
-    err, status = d.cuStreamIsCapturing(d.CUstream(stream))
-    if int(err):
-        return False
-    return int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
 
 def _bounds_buffer(call: DecodeCall) -> driver.DeviceBuffer:

@@ -664,6 +664,19 @@ class EventPair:
         return elapsed_ms(self.begin, self.end)
 
 
+def is_capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (False where the driver cannot
+    say: a pretend driver without the call)."""
+    d = cu()
+    try:
+        err, status = d.cuStreamIsCapturing(d.CUstream(stream))
+    except Exception:                      # noqa: BLE001 - a driver without the call
+        return False
+    if int(err):
+        return False
+    return int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
 def stream_wait(consumer, producer) -> None:
     """Make `consumer` wait for the work enqueued so far on `producer`."""
     c, p = stream_handle(consumer), stream_handle(producer)

@@ -45,7 +45,7 @@ import sys
 
 import numpy as np
 
-from . import decode, driver, tensors, torch_runs, varlen
+from . import decode, driver, replay, tensors, torch_runs, varlen
 from .decode_builds import build_for, paged_variant
 from .decode_plan import (MAX_SPLITS, Paging, check_host_block_table, check_host_lengths,
                           check_out_view, choose_splits, m_tiles_of, overlaps,
@@ -262,8 +262,9 @@ class PrefillPlan:
         shapes, (o_row, o_head), out_strides = geometry[0], geometry[3], geometry[4]
         maps = ln.maps_at((q_ptr, shapes[1]), (k_ptr, shapes[3]), (v_ptr, shapes[5]),
                           (out_ptr, out_strides))
-        launches = ln.frozen(maps, out_ptr, o_row, o_head, lse_ptr or 0, ws_ptr,
-                             None if self._table is not None else self._offset_ptrs)
+        launches = replay.frozen(ln.frozen(
+            maps, out_ptr, o_row, o_head, lse_ptr or 0, ws_ptr,
+            None if self._table is not None else self._offset_ptrs))
         _remember(self._frozen, key, launches)
         return launches
 
@@ -468,8 +469,8 @@ class DecodePlan:
                                                 self._torch.extents):
             return None
         launcher, seqlens_ptr, seqlen_const, table_ptr = layer[None][:4]
-        launches = launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr, seqlen_const,
-                                   kp, vp, 0, table_ptr)
+        launches = replay.frozen(launcher.frozen(qp, op, lse_ptr, ws_ptr, seqlens_ptr,
+                                                 seqlen_const, kp, vp, 0, table_ptr))
         _remember(layer, key, launches)
         return launches
 

@@ -10,7 +10,7 @@ tensor's shape and strides, the output's and LSE's shapes. A later run is then:
   torch's current stream: what can differ from one call to the next;
 - a dict lookup on the tensors' addresses (and the fresh LSE's, workspace's): the launches
   frozen for them (fastlaunch.Frozen: every argument fixed, nothing rewritten);
-- the launches.
+- the launches, as one CUDA graph of them unless the stream is being captured (replay.py).
 What depends on addresses alone (16-byte bases, a caller's output overlapping no input) is
 checked once, when the plan freezes the launches of those addresses (its `freeze`, which
 returns None for addresses it refuses): a lookup that hits found addresses that passed.
@@ -20,7 +20,7 @@ its errors, in its words). Nothing here is kept between calls but what the plan 
 
 from __future__ import annotations
 
-from .errors import CudaError
+from . import driver, replay
 
 
 def prefill_run(types, device: int, stream: int, checked: tuple, lse_shape, ws_words: int,
@@ -35,6 +35,7 @@ def prefill_run(types, device: int, stream: int, checked: tuple, lse_shape, ws_w
     tensor, bf16, raw = types[1], types[2], types[4]
     float32, int32 = types[5], types[0].int32
     current = raw if raw is not None else _public_stream(types[0])
+    capturing = _capture_check(types[0], stream)
     (qs, qst), (ks, kst), (vs, vst), (os_, ost) = checked
 
     def run(q, k, v, out):
@@ -70,10 +71,7 @@ def prefill_run(types, device: int, stream: int, checked: tuple, lse_shape, ws_w
             launches = freeze(key)
             if launches is None:
                 return None
-        for launch in launches:
-            err = launch()
-            if err:
-                raise CudaError(err, launch.what)
+        replay.run(launches, stream, capturing)
         del ws                           # torch's caching allocator: stream-ordered
         return out if lse is None else (out, lse)
 
@@ -90,6 +88,7 @@ def decode_run(types, geometry, layers: dict, freeze):
     float32 = types[5]
     current = raw if raw is not None else _public_stream(types[0])
     device, stream = geometry.device, geometry.stream
+    capturing = _capture_check(types[0], stream)
     (qs, qst), (cs, cst), (vcs, vcst) = geometry.q, geometry.k_cache, geometry.v_cache
     (os_, ost) = geometry.out
     new = geometry.new
@@ -143,14 +142,25 @@ def decode_run(types, geometry, layers: dict, freeze):
             launches = freeze(layer, key)
             if launches is None:
                 return None
-        for launch in launches:
-            err = launch()
-            if err:
-                raise CudaError(err, launch.what)
+        replay.run(launches, stream, capturing)
         del ws                           # torch's caching allocator: stream-ordered
         return out if lse is None else (out, lse)
 
     return run
+
+
+def _capture_check(torch, stream: int):
+    """A zero-argument check of whether `stream` (torch's current stream whenever a closure
+    asks: it checked that first) is being captured: torch's own (a runtime call, no ctypes)
+    where its CUDA build has it, else the driver's."""
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    try:
+        if check is not None and torch.cuda.is_available():
+            check()
+            return check
+    except Exception:                    # noqa: BLE001 - a CPU build's stand-in
+        pass
+    return lambda: driver.is_capturing(stream)
 
 
 def _public_stream(torch):

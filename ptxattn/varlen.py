@@ -32,6 +32,7 @@ import numpy as np
 
 from . import builds, driver, fastlaunch, launch, tensors, tma
 from .choice import specialized
+from .driver import is_capturing as _is_capturing
 from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
@@ -517,17 +518,6 @@ def _raise_if_out_of_bounds(buf, call: VarlenCall) -> None:
         raise ValueError(f"{name}: on the device, index {index} holds {value}, which breaks "
                          f"its contract ({rule}; {CHECK_BOUNDS_ENV}=1; without it the "
                          "kernels clamp every offset into the tensors)")
-
-
-def _is_capturing(stream: int) -> bool:
-    d = driver.cu()
-    try:
-        err, status = d.cuStreamIsCapturing(d.CUstream(stream))
-    except Exception:                      # noqa: BLE001 - a driver without the call
-        return False
-    if int(err):
-        return False
-    return int(status) != int(d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
 
 def _handshake(call: VarlenCall) -> None:

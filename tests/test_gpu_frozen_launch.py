@@ -61,6 +61,7 @@ def test_prefill_plan_runs_equal_the_unplanned_call(device_offsets):
                 if given:
                     assert got is out
     assert plan._frozen, "no frozen launch was used"
+    _assert_graphed(plan._frozen.values())
 
 
 def test_decode_plan_runs_equal_the_unplanned_call():
@@ -103,3 +104,52 @@ def test_decode_plan_runs_equal_the_unplanned_call():
                 assert torch.equal(lse, want_lse), what
                 assert torch.equal(kc, kc2) and torch.equal(vc, vc2), what + ": the append"
     assert plan._torch_layers and all(len(layer) > 1 for layer in plan._torch_layers.values())
+    _assert_graphed(r for layer in plan._torch_layers.values()
+                    for key, r in layer.items() if key is not None)
+
+
+def _assert_graphed(replays):
+    """Every frozen launch the runs used was replayed as a CUDA graph (replay.py)."""
+    from ptxattn import replay
+    replays = list(replays)
+    assert replays and all(isinstance(r.graph, replay.Graph) for r in replays), \
+        [r.graph for r in replays]
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_a_plan_run_under_torch_graph_capture_is_captured_as_its_kernels(graphs, monkeypatch):
+    """A steady run on a stream being captured launches its kernels (captured as nodes of
+    the caller's graph), not its own graph; replays of the caller's graph give the unplanned
+    call's answer for new contents; PTXATTN_GRAPH_RUNS=0 gives the same bits."""
+    torch = import_or_skip("torch")
+    import ptxattn
+    from ptxattn import replay
+    monkeypatch.setenv(replay.ENV, graphs)
+    cu = np.array([0, 100, 100, 613], np.int32)
+    total = int(cu[-1])
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = _poisoned(torch, q)
+    cu_dev = torch.from_numpy(cu).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan = ptxattn.plan_varlen(cu, cu, heads=H, heads_kv=HKV, head_dim=D, causal=True)
+        plan.run(q, k, v, out=out)                    # validated
+        plan.run(q, k, v, out=out)                    # steady: frozen (and graphed)
+        (r,) = plan._frozen.values()
+        assert isinstance(r.graph, replay.Graph) if graphs == "1" else r.graph is False
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            plan.run(q, k, v, out=out)
+        for _ in range(2):
+            for x in (q, k, v):
+                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+            out.fill_(float("nan"))
+            graph.replay()
+            want = ptxattn.flash_attn_varlen_func(q, k, v, cu_dev, cu_dev, 513, 513,
+                                                  causal=True)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)

@@ -1,6 +1,7 @@
 """Host µs per call of the plans' run() (issue 25's <= 10 µs a layer), with this process's own
 speed beside it: serving_bench's host paths (queue full; PrefillPlan.run(out=), run(),
-DecodePlan.run with and without the append) and two calibration loops that ptxattn does not
+DecodePlan.run with and without the append; each with the plans' CUDA-graph replays and, as
+"<label>:launches", with PTXATTN_GRAPH_RUNS=0 in the same process) and two calibration loops that ptxattn does not
 touch (pure Python; torch's data_ptr() x 10), so that a slow process (the H200 host's figures
 moved by up to 1.6x between processes in session 13's first call) shows as such.
 
@@ -21,6 +22,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import callpath as cb                                       # noqa: E402
 import serving_bench as sb                                  # noqa: E402
 
+REPLAY_ENV = "PTXATTN_GRAPH_RUNS"     # ptxattn.replay.ENV (a tree before it ignores it)
+
+
+def modes(spec: str) -> list[str]:
+    """--graphs: "both" times each path with the plans' graphs (replay.py) and without, in
+    this process; "graph" or "launches" one of them."""
+    return {"both": ["graph", "launches"], "graph": ["graph"], "launches": ["launches"]}[spec]
+
+
 LABELS = ("prefill_plan_run_out", "prefill_plan_run", "decode_plan_run_out_no_append",
           "decode_plan_run_out", "decode_plan_run")
 
@@ -31,14 +41,23 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--fake", action="store_true")
+    ap.add_argument("--graphs", default="both", choices=("both", "graph", "launches"))
     args = ap.parse_args(argv)
     import torch
     with contextlib.ExitStack() as stack:
         if args.fake:
             stack.enter_context(cb.fake_driver(binding_packing=True))
-        paths = sb.host_paths(args.fake, torch)
+        fns = {}
+        for mode in modes(args.graphs):
+            # the knob is read when a plan freezes its launches: at a path's second call
+            os.environ[REPLAY_ENV] = "0" if mode == "launches" else "1"
+            paths = sb.host_paths(args.fake, torch)
+            for label in LABELS:
+                paths[label]()
+                paths[label]()
+                fns[label if mode == "graph" else f"{label}:launches"] = paths[label]
+        os.environ.pop(REPLAY_ENV, None)
         t = torch.empty(4, device="cpu")
-        fns = {label: paths[label] for label in LABELS}
         fns["calib_python"] = lambda: sum(range(100))
         fns["calib_data_ptr_x10"] = lambda: (
             t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(),
