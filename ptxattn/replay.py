@@ -29,12 +29,12 @@ import os
 from . import driver, fastlaunch
 from .errors import CudaError
 
-ENV = "PTXATTN_GRAPH_RUNS"           # "0": plans replay their launches one by one
+GRAPH_RUNS_ENV = "PTXATTN_GRAPH_RUNS"   # "0": plans replay their launches one by one
 
 
 def wanted() -> bool:
     """Whether plans built now replay their frozen launches as graphs."""
-    return os.environ.get(ENV, "1").strip() != "0"
+    return os.environ.get(GRAPH_RUNS_ENV, "1").strip() != "0"
 
 
 class Replay(tuple):

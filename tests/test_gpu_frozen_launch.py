@@ -124,7 +124,7 @@ def test_a_plan_run_under_torch_graph_capture_is_captured_as_its_kernels(graphs,
     torch = import_or_skip("torch")
     import ptxattn
     from ptxattn import replay
-    monkeypatch.setenv(replay.ENV, graphs)
+    monkeypatch.setenv(replay.GRAPH_RUNS_ENV, graphs)
     cu = np.array([0, 100, 100, 613], np.int32)
     total = int(cu[-1])
     g = torch.Generator(device="cuda").manual_seed(13)

@@ -36,7 +36,7 @@ def graphs(monkeypatch):
         g = _Launch(log, "graph")
         return g
     monkeypatch.setattr(replay, "graph_of", graph_of)
-    monkeypatch.delenv(replay.ENV, raising=False)
+    monkeypatch.delenv(replay.GRAPH_RUNS_ENV, raising=False)
     return built
 
 
@@ -75,7 +75,7 @@ def test_a_replay_that_cannot_be_graphed_keeps_its_launches_without_asking_again
 
 
 def test_the_knob_keeps_the_launches(graphs, monkeypatch):
-    monkeypatch.setenv(replay.ENV, "0")
+    monkeypatch.setenv(replay.GRAPH_RUNS_ENV, "0")
     log = []
     r = replay.frozen(_replay(log))
     replay.run(r, 0, lambda: pytest.fail("no capture check without a graph"))

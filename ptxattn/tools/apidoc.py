@@ -42,6 +42,10 @@ ENVIRONMENT = {
                        "binding: every launch through cuda.bindings' cuLaunchKernelEx instead "
                        "of ptxattn.fastlaunch's ctypes call (a measurement knob); read when a "
                        "Launcher or LaunchSpec is built."),
+    "PTXATTN_GRAPH_RUNS": ("1", "0: a serving plan's steady run() enqueues its frozen launches "
+                           "one by one instead of as one CUDA graph of them (ptxattn.replay; "
+                           "a measurement knob); read when a plan freezes the launches of "
+                           "new addresses."),
     "CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": (
         "0", "cuda.bindings' own switch to the per-thread default stream; ptxattn reads it "
              "too: set, every launch goes through the binding (which then resolves the "
