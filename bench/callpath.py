@@ -353,6 +353,18 @@ def host_us(fn, calls: int, repeats: int, block, fake: bool) -> dict:
             "cpu_min_us": min(cpu), "calls": calls, "repeats": repeats}
 
 
+def host_table(fns: dict, calls: int, repeats: int, block, fake: bool, tag: str) -> dict:
+    """host_us of each {label: fn} in order, each printed as it is measured ("<tag> <label>
+    <median> µs/call (min, cpu)": the lines the device scripts grep); {label: figures}."""
+    results = {}
+    width = max((len(label) for label in fns), default=0)
+    for label, fn in fns.items():
+        h = results[label] = host_us(fn, calls, repeats, block, fake)
+        print(f"{tag} {label:{width}s} {h['median_us']:7.2f} µs/call (min {h['min_us']:.2f}, "
+              f"cpu {h['cpu_median_us']:.2f})", flush=True)
+    return results
+
+
 def end_to_end_us(fn, calls: int, repeats: int, fake: bool) -> dict:
     """Wall µs per call including the GPU: `calls` calls then a synchronize."""
     fn()

@@ -14,8 +14,11 @@ tensor's shape and strides, the output's and LSE's shapes. A later run is then:
 What depends on addresses alone (16-byte bases, a caller's output overlapping no input) is
 checked once, when the plan freezes the launches of those addresses (its `freeze`, which
 returns None for addresses it refuses): a lookup that hits found addresses that passed.
-A closure returns None for anything else, and the plan's full path then decides (and raises
-its errors, in its words). Nothing here is kept between calls but what the plan holds.
+The checks are written out in each closure rather than called through a helper per tensor
+(which would read better): a Python call costs ~0.1 µs on the H200's host, and four or six
+of them would be a tenth of the target. A closure returns None for anything else, and the
+plan's full path then decides (and raises its errors, in its words). Nothing here is kept
+between calls but what the plan holds.
 """
 
 from __future__ import annotations

@@ -116,11 +116,7 @@ def main(argv=None) -> int:
         fns = parts(torch, device)
         mode = driver.launch_mode()
         block = cb._blocker(args.fake, torch)
-        results = {}
-        for label, fn in fns.items():
-            results[label] = cb.host_us(fn, args.calls, args.repeats, block, args.fake)
-            print(f"host_parts {label:16s} {results[label]['median_us']:7.2f} µs/call "
-                  f"(cpu {results[label]['cpu_median_us']:.2f})", flush=True)
+        results = cb.host_table(fns, args.calls, args.repeats, block, args.fake, "host_parts")
     summed = sum(results[p]["median_us"] for p in ("new_empty", "torch_ptr_x3",
                                                    "current_stream", "frozen_launch"))
     print(f"host_parts parts' sum {summed:.2f} µs against run {results['run']['median_us']:.2f}"

@@ -63,11 +63,7 @@ def main(argv=None) -> int:
             t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(),
             t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr())
         block = cb._blocker(args.fake, torch)
-        results = {}
-        for label, fn in fns.items():
-            results[label] = cb.host_us(fn, args.calls, args.repeats, block, args.fake)
-            print(f"host_rounds {label:30s} {results[label]['median_us']:7.2f} µs/call "
-                  f"(min {results[label]['min_us']:.2f})", flush=True)
+        results = cb.host_table(fns, args.calls, args.repeats, block, args.fake, "host_rounds")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -78,11 +78,7 @@ def main(argv=None) -> int:
     import torch
     fns = launches(torch)
     block = cb._blocker(False, torch)
-    results = {}
-    for label, fn in fns.items():
-        results[label] = cb.host_us(fn, args.calls, args.repeats, block, False)
-        print(f"launch_api {label:14s} {results[label]['median_us']:7.2f} µs/call "
-              f"(min {results[label]['min_us']:.2f})", flush=True)
+    results = cb.host_table(fns, args.calls, args.repeats, block, False, "launch_api")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
