@@ -301,10 +301,13 @@ def cpu_inputs(gen, lens_q, lens_k, H=32, Hkv=8, D=128):
 # the pretend driver, torch pretending (its is_cuda / get_device patches are Python calls).
 # The full path took 230 before layouts were remembered, 135 after, 85 with maps remembered;
 # frozen launches (one per layer of addresses): 75 when a call's addresses were seen before,
-# ~150 when its output's address is new (torch's CPU allocator moves it now and then; CUDA's
-# caching allocator hands a layer the same block back).
+# when its output's address is new (torch's CPU allocator moves it now and then; CUDA's
+# caching allocator hands a layer the same block back) ~150 with the output's map already
+# encoded and 179 with it encoded afresh (session 13 measured both, with every output kept
+# alive: the budget of 170 failed whenever the allocator moved an output, a flaky test),
+# 158 and 187 since a freeze also makes its replay.Replay (replay.frozen reads its knob).
 PYTHON_CALLS_BUDGET = 80
-PYTHON_CALLS_NEW_ADDRESS = 170
+PYTHON_CALLS_NEW_ADDRESS = 200
 
 
 def test_a_remembered_layer_is_two_launches_and_no_encode(pretend, monkeypatch):
