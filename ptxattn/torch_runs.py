@@ -38,7 +38,7 @@ def prefill_run(types, device: int, stream: int, checked: tuple, lse_shape, ws_w
     tensor, bf16, raw = types[1], types[2], types[4]
     float32, int32 = types[5], types[0].int32
     current = raw if raw is not None else _public_stream(types[0])
-    capturing = _capture_check(types[0], stream)
+    capturing = _capture_check(types[0], stream, device)
     (qs, qst), (ks, kst), (vs, vst), (os_, ost) = checked
 
     def run(q, k, v, out):
@@ -91,7 +91,7 @@ def decode_run(types, geometry, layers: dict, freeze):
     float32 = types[5]
     current = raw if raw is not None else _public_stream(types[0])
     device, stream = geometry.device, geometry.stream
-    capturing = _capture_check(types[0], stream)
+    capturing = _capture_check(types[0], stream, device)
     (qs, qst), (cs, cst), (vcs, vcst) = geometry.q, geometry.k_cache, geometry.v_cache
     (os_, ost) = geometry.out
     new = geometry.new
@@ -152,18 +152,26 @@ def decode_run(types, geometry, layers: dict, freeze):
     return run
 
 
-def _capture_check(torch, stream: int):
-    """A zero-argument check of whether `stream` (torch's current stream whenever a closure
-    asks: it checked that first) is being captured: torch's own (a runtime call, no ctypes)
-    where its CUDA build has it, else the driver's."""
+def _capture_check(torch, stream: int, device: int):
+    """A zero-argument check of whether `stream` is being captured. A closure asks it after
+    checking that `stream` is torch's current stream on `device`; torch's own check (a
+    runtime call, no ctypes) reads the current stream of torch's current device, so it is
+    used while that device is `device`, and the driver's otherwise (and where torch's CUDA
+    build lacks either call)."""
     check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    current = getattr(torch._C, "_cuda_getDevice", None)
     try:
-        if check is not None and torch.cuda.is_available():
-            check()
-            return check
-    except Exception:                    # noqa: BLE001 - a CPU build's stand-in
-        pass
-    return lambda: driver.is_capturing(stream)
+        if check is None or current is None or not torch.cuda.is_available():
+            raise LookupError
+        check()
+    except Exception:                    # noqa: BLE001 - a CPU build's stand-ins
+        return lambda: driver.is_capturing(stream)
+
+    def capturing() -> bool:
+        if current() == device:
+            return check()
+        return driver.is_capturing(stream)
+    return capturing
 
 
 def _public_stream(torch):

@@ -96,3 +96,25 @@ def test_errors_name_the_failing_launch_or_graph(graphs, monkeypatch):
 def test_graph_of_refuses_launches_that_are_not_frozen():
     assert replay.graph_of(replay.Replay([_Launch([], "k0")]), 0) is None
     assert replay.graph_of(replay.Replay(), 0) is None
+
+
+def test_the_steady_runs_capture_check_asks_torch_only_on_its_current_device(monkeypatch):
+    """torch's capture check reads its current device's stream: a plan on another device
+    asks the driver about its own stream instead."""
+    import types
+
+    from ptxattn import driver, torch_runs
+    asked = []
+    monkeypatch.setattr(driver, "is_capturing", lambda stream: asked.append(stream) or True)
+    state = {"device": 0}
+    fake = types.SimpleNamespace(
+        _C=types.SimpleNamespace(_cuda_isCurrentStreamCapturing=lambda: False,
+                                 _cuda_getDevice=lambda: state["device"]),
+        cuda=types.SimpleNamespace(is_available=lambda: True))
+    check = torch_runs._capture_check(fake, 0x77, 0)
+    assert check() is False and asked == []
+    state["device"] = 1
+    assert check() is True and asked == [0x77]
+    cpu = types.SimpleNamespace(_C=types.SimpleNamespace(),
+                                cuda=types.SimpleNamespace(is_available=lambda: False))
+    assert torch_runs._capture_check(cpu, 0x78, 0)() is True and asked == [0x77, 0x78]
