@@ -30,7 +30,7 @@ pt = pytest.importorskip("ptxattn.torch")
 import packed_checks as pc  # noqa: E402
 
 from emulated_torch import EmulatedTorch  # noqa: E402
-from ptxattn import varlen  # noqa: E402
+from ptxattn import serving, varlen  # noqa: E402
 from ptxattn.torch import sdpa  # noqa: E402
 from ptxattn.torch import transformers_paged as tp  # noqa: E402
 
@@ -324,6 +324,21 @@ def test_a_remembered_layer_is_two_launches_and_no_encode(pretend, monkeypatch):
     freeze = varlen.Launcher.frozen
     monkeypatch.setattr(varlen.Launcher, "frozen",
                         lambda self, *a: (frozen.append(1), freeze(self, *a))[1])
+    # one output block per layer, as CUDA's caching allocator hands a layer the same block
+    # back: torch's CPU allocator reuses a freed output's address or not depending on the
+    # heap (alone this test found hits; in the whole suite none), so the measured calls
+    # must not lean on it. Each layer's first measured call sees a new output address (a
+    # freeze: a miss), its later calls the same one (hits).
+    outs = {}
+    run_at = serving.PrefillPlan._run_at
+
+    def run_at_pinned(self, like, q_ptr, k_ptr, v_ptr, out=None, out_ptr=0):
+        if out is None:
+            if (id(self), q_ptr) not in outs:
+                outs[id(self), q_ptr] = like.new_empty(self._torch_geometry[5])
+            out = outs[id(self), q_ptr]
+        return run_at(self, like, q_ptr, k_ptr, v_ptr, out, out_ptr)
+    monkeypatch.setattr(serving.PrefillPlan, "_run_at", run_at_pinned)
     before = dict(pretend)
     import cProfile
     import pstats
@@ -340,7 +355,9 @@ def test_a_remembered_layer_is_two_launches_and_no_encode(pretend, monkeypatch):
     # q, k, v: maps by address, seen before; the output's only when its address is new
     assert pretend["cuTensorMapEncodeTiled"] - before["cuTensorMapEncodeTiled"] <= 20, \
         "q, k or v's map encoded again for an address seen before"
-    assert hits, "no call found its launches frozen (every call re-packed its parameters)"
+    # (the workspace's address still comes from torch's CPU allocator, and moves now and then:
+    # 17 to 19 hits of 20 seen; a call that froze nothing would give none)
+    assert len(hits) >= 10, f"{20 - len(hits)} of 20 calls re-packed their parameters"
     assert max(hits) <= PYTHON_CALLS_BUDGET, f"{max(hits)} Python calls for a remembered layer"
     assert max(misses, default=0) <= PYTHON_CALLS_NEW_ADDRESS, \
         f"{max(misses)} Python calls for a remembered layer with a new output address"
