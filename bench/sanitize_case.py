@@ -178,7 +178,7 @@ DECODE_ROWS = tuple(Case(f"{DECODE_KEY}:{d}", batch=3, heads=8, seq_q=600) for d
 # paged decode (run_paged): B H L as decode's, the page size below a K/V tile (a box per page)
 # and above it (a box per tile), with shuffled pages, a -1-padded table and one planted bad
 # entry in a reached page (its keys read as zeros, nothing outside the caches)
-PAGED_KEY, VARLEN_KEY, FP8_KEY = "paged", "varlen", "fp8"
+PAGED_KEY, VARLEN_KEY, FP8_KEY, PAGED_VARLEN_KEY = "paged", "varlen", "fp8", "paged_varlen"
 PAGED_ROWS = tuple(Case(f"{PAGED_KEY}:{d}", batch=3, heads=8, seq_q=600, page=page)
                    for d, page in ((64, 16), (128, 16), (128, 256), (256, 64)))
 # varlen prefill (run_varlen): H:Hkv, and sequences of 0, 1, 129, 300 and 77 tokens (an empty
@@ -191,7 +191,14 @@ VARLEN_ROWS = (Case(f"{VARLEN_KEY}:128", heads=4, heads_kv=2, causal=True, lse=T
 FP8_ROWS = (Case(f"{FP8_KEY}:128", seq_q=300, seq_k=333, causal=True, lse=True),
             Case(f"{FP8_KEY}:64", heads=4, heads_kv=2, layout="bshd"),
             Case(f"{FP8_KEY}:256", seq_q=200, window=(64, 0)))
-NEW_KERNEL_ROWS = {PAGED_KEY: PAGED_ROWS, VARLEN_KEY: VARLEN_ROWS, FP8_KEY: FP8_ROWS}
+# varlen prefill over a paged cache (run_paged_varlen: flash_attn_varlen_func(...,
+# block_table=)): chunks of VARLEN_LENGTHS queries at the end of longer cached sequences, pages
+# shuffled, the table padded with -1 and a bad entry planted in a reached page
+PAGED_VARLEN_ROWS = tuple(Case(f"{PAGED_VARLEN_KEY}:{d}", heads=4, heads_kv=hkv, causal=True,
+                               lse=True, page=page)
+                          for d, page, hkv in ((64, 16, 1), (128, 64, 2), (256, 256, 2)))
+NEW_KERNEL_ROWS = {PAGED_KEY: PAGED_ROWS, VARLEN_KEY: VARLEN_ROWS, FP8_KEY: FP8_ROWS,
+                   PAGED_VARLEN_KEY: PAGED_VARLEN_ROWS}
 
 
 def cases(stage_filter=None) -> list[Case]:
@@ -564,10 +571,75 @@ def run_fp8_case(case: Case, seed: int, defines=None) -> bool:
     return ok
 
 
+def run_paged_varlen_case(case: Case, seed: int, defines=None) -> bool:
+    """One flash_attn_varlen_func(..., block_table=) call (see PAGED_VARLEN_ROWS): sequence i
+    a chunk of VARLEN_LENGTHS[i] queries at the end of VARLEN_LENGTHS[i] + 40 * i cached keys,
+    every sequence (and its LSE) against the float64 reference on the keys the pages hold
+    (the planted entry's page read as zeros)."""
+    import numpy as np
+
+    import ptxattn
+    from ptxattn import decode_reference, driver, reference, tensors
+
+    d, page = stage_and_head_dim(case.kernel)[1], case.page
+    rng = np.random.default_rng(seed)
+    lens_q = np.array(VARLEN_LENGTHS, np.int64)
+    lens_k = lens_q + 40 * np.arange(len(lens_q))
+    b = len(lens_q)
+    need = -(-lens_k // page)
+    num_pages = int(need.sum()) + 3
+    table = np.full((b, int(need.max()) + 1), -1, np.int32)
+    pool, at = rng.permutation(num_pages), 0
+    for i in range(b):
+        table[i, :need[i]] = pool[at:at + need[i]]
+        at += need[i]
+    longest = int(np.argmax(lens_k))
+    table[longest, need[longest] // 2] = num_pages + 7   # read as zeros, never out of bounds
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = _bf16(rng, int(cu_q[-1]), case.heads, d)
+    k_pages, v_pages = _bf16(rng, num_pages, page, case.hkv, d), _bf16(rng, num_pages, page,
+                                                                       case.hkv, d)
+    devs = [tensors.from_numpy(x) for x in (q, k_pages, v_pages)]
+    dq, dk, dt = DeviceInt32(cu_q), DeviceInt32(cu_k), DeviceInt32(table)
+    out = _poisoned(q.shape)
+    res = ptxattn.flash_attn_varlen_func(*devs, dq, dk, int(lens_q.max()), int(lens_k.max()),
+                                         causal=True, return_lse=True, out=out,
+                                         block_table=dt)
+    driver.synchronize()
+    got, got_lse = out.to_numpy(), res[1].to_numpy()
+    kc, vc = decode_reference.contiguous_from_pages(k_pages, v_pages, table, lens_k)
+    ok, worst, lse_err = True, 0.0, 0.0
+    bhld = (lambda x: x.transpose(1, 0, 2)[None])
+    for i in range(b):
+        if lens_q[i] == 0:
+            continue
+        s = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        n = int(lens_k[i])
+        ref, ref_lse = reference.attention_reference(bhld(q[s]), bhld(kc[i, :n]),
+                                                     bhld(vc[i, :n]), causal=True,
+                                                     return_lse=True)
+        m = reference.error_metrics(got[s], ref[0].transpose(1, 0, 2))
+        ok = ok and reference.passes(m)
+        worst = max(worst, m["rel_l2"] if m["nan_count"] == 0 else float("inf"))
+        good, err = _lse_check(got_lse[:, s], ref_lse[0], 2e-3)
+        ok, lse_err = ok and good, max(lse_err, err)
+    print(f"case {case.name()} lengths_q={lens_q.tolist()} lengths_k={lens_k.tolist()} "
+          f"pages={num_pages} planted=table[{longest},{need[longest] // 2}]: worst "
+          f"rel_l2={worst:.2e} lse_max_abs={lse_err:.2e} {'PASS' if ok else 'FAIL'}",
+          flush=True)
+    for x in (*devs, out, dq, dk, dt):
+        (x.close if isinstance(x, DeviceInt32) else x.free)()
+    res[1].free()
+    release_context()
+    return ok
+
+
 # KIND (the part of --stage before ":"; lineage stages have none) -> how a case of it runs.
 # The backward has its own runner (bench/sanitize_bwd_case.py).
 RUNNERS = {PRODUCTION_KEY: run_attention, DECODE_KEY: run_decode_case, PAGED_KEY: run_paged_case,
-           VARLEN_KEY: run_varlen_case, FP8_KEY: run_fp8_case}
+           VARLEN_KEY: run_varlen_case, FP8_KEY: run_fp8_case,
+           PAGED_VARLEN_KEY: run_paged_varlen_case}
 
 
 def run(case: Case, seed: int = 0, defines=None) -> bool:

@@ -25,6 +25,11 @@ with a 95% bootstrap interval; plain calls and CUDA-graph replays):
           padded call a user would otherwise make: SDPA (default backend) on the batch padded
           to 16k with a padding-and-causal boolean mask. Target: >= 0.95 of the equal-length
           TFLOP/s; the padded speedup is reported.
+  paged_varlen  chunked prefill against a paged cache: flash_attn_varlen_func(...,
+          block_table=) against the same call on the packed keys (same run, same data: the
+          pages a shuffled copy; outputs must be equal), 8 sequences of 512 to 16k cached keys,
+          each a chunk of up to 2048 new queries at its end (causal, 32:8 heads, D 128), pages
+          16, 64, 256 (or --pages). TFLOP/s, paged / packed. Targets as the paged decode's.
   host    host µs per call with the queue full: a DecodePlan's run() (paged, 64 sequences),
           a PrefillPlan's run() (host offsets: one launch), flash_attn_with_kvcache and
           flash_attn_varlen_func on the same arguments. Target: run() <= 10 µs per layer.
@@ -340,6 +345,95 @@ def run_varlen(torch, db, rounds, reps, seed):
     return rec
 
 
+# ---- chunked prefill against pages (flash_attn_varlen_func(..., block_table=)) --------------
+
+CHUNK = 2048
+
+
+def run_paged_varlen(torch, db, page, rounds, reps, seed):
+    h, hkv = VARLEN_HEADS
+    lens_k = np.array(VARLEN_LENGTHS)
+    lens_q = np.minimum(lens_k, CHUNK)
+    b = len(lens_k)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32,
+                        device="cuda")
+    q = torch.randn(int(lens_q.sum()), h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(int(lens_k.sum()), hkv, D, generator=gen, device="cuda",
+                    dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    # the packed keys as pages: sequence i's keys padded to whole pages, pages shuffled
+    need = -(-lens_k // page)
+    order = torch.randperm(int(need.sum()) + 7, generator=torch.Generator().manual_seed(seed))
+    kp = torch.zeros((int(need.sum()) + 7, page, hkv, D), dtype=k.dtype, device="cuda")
+    vp = torch.zeros_like(kp)
+    table = torch.full((b, int(need.max())), -1, dtype=torch.int32)
+    at, row = 0, 0
+    for i, n in enumerate(lens_k.tolist()):
+        pages = order[at:at + need[i]]
+        table[i, :need[i]] = pages.to(torch.int32)
+        padded = torch.zeros((need[i] * page, hkv, D), dtype=k.dtype, device="cuda")
+        padded[:n] = k[row:row + n]
+        kp[pages.cuda()] = padded.reshape(-1, page, hkv, D)
+        padded[:n] = v[row:row + n]
+        vp[pages.cuda()] = padded.reshape(-1, page, hkv, D)
+        at, row = at + need[i], row + n
+    table = table.cuda()
+    flops = 4 * h * D * sum(causal_pairs(int(a), int(c)) for a, c in zip(lens_q, lens_k))
+    rec = {"name": f"paged_varlen_chunk{CHUNK}_page{page}", "lengths_q": lens_q.tolist(),
+           "lengths_k": lens_k.tolist(), "heads": [h, hkv], "D": D, "page": page,
+           "flops": flops, "target": f">= {PAGED_TARGET[page]} x the packed-key call"}
+    mq, mk = int(lens_q.max()), int(lens_k.max())
+
+    def contiguous():
+        return ptxattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+
+    def paged():
+        return ptxattn.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, mk, causal=True,
+                                              block_table=table)
+
+    a, p = contiguous(), paged()
+    torch.cuda.synchronize()
+    diff = float((a.float() - p.float()).abs().max())
+    rec["check"] = _check_varlen_chunks(torch, q, k, v, lens_q, lens_k, p)
+    rec["check"]["paged_vs_contiguous_max_abs"] = diff
+    if not rec["check"]["pass"] or diff > 0:
+        rec["status"] = f"FAILED (not timed): paged differs from packed by {diff:.3g}"
+        return rec
+    rng = np.random.default_rng(seed)
+    plain = db.timed_rounds({"contiguous": contiguous, "paged": paged}, rounds, reps, rng)
+    rec["plain"] = {label: {"ms": db.median(ms), "tflops": flops / (db.median(ms) * 1e-3)
+                            / 1e12, "ms_rounds": ms} for label, ms in plain.items()}
+    ratios = [c / p for c, p in zip(plain["contiguous"], plain["paged"])]
+    lo, hi = db.bootstrap_ci(ratios, seed=seed)
+    rec["plain"]["paged_over_contiguous"] = {"median": db.median(ratios), "ci": [lo, hi]}
+    rec["status"] = "ok"
+    return rec
+
+
+def _check_varlen_chunks(torch, q, k, v, lens_q, lens_k, out):
+    """The reference on the last 64 query rows of the shortest and the longest sequence (every
+    head): a chunk's rows sit at the end of its keys (bottom-right causal)."""
+    from ptxattn.reference import attention_reference, error_metrics, passes
+    h, hkv = q.shape[1], k.shape[1]
+    cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    worst = None
+    for i in (int(np.argmin(lens_k)), int(np.argmax(lens_k))):
+        rows = min(64, int(lens_q[i]))
+        q1 = int(cq[i + 1])
+        qs = q[q1 - rows:q1].float().cpu().numpy().transpose(1, 0, 2)[None]
+        ks = k[int(ck[i]):int(ck[i + 1])].float().cpu().numpy()
+        vs = v[int(ck[i]):int(ck[i + 1])].float().cpu().numpy()
+        ks, vs = (np.repeat(x, h // hkv, axis=1).transpose(1, 0, 2)[None] for x in (ks, vs))
+        ref = attention_reference(qs, ks, vs, causal=True)[0].transpose(1, 0, 2)
+        m = error_metrics(out[q1 - rows:q1].float().cpu().numpy(), ref)
+        if worst is None or m["rel_l2"] > worst["rel_l2"]:
+            worst = m
+    return {"pass": bool(passes(worst)), **worst}
+
+
 def _check_varlen(torch, q, k, v, lens, out, seed):
     """The reference on sampled rows of the shortest and the longest sequence (every head)."""
     from ptxattn.reference import attention_reference, error_metrics, passes
@@ -506,7 +600,7 @@ def run_integration(fake: bool, repeats: int, names=None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="paged,varlen,host,integration")
+    ap.add_argument("--parts", default="paged,varlen,paged_varlen,host,integration")
     ap.add_argument("--pages", default=None,
                     help=f"page sizes (default {','.join(map(str, PAGE_SIZES))}; with "
                          f"--variants {','.join(map(str, VARIANT_PAGES))})")
@@ -592,6 +686,21 @@ def main(argv=None) -> int:
               f"{rec.get('varlen_over_equal_tflops')}, speedup over padded SDPA "
               f"{rec.get('speedup_over_padded_sdpa')}", flush=True)
         torch.cuda.empty_cache()
+    if "paged_varlen" in parts:
+        for page in [int(p) for p in (args.pages or ",".join(map(str, PAGE_SIZES))).split(",")
+                     if p]:
+            try:
+                rec = run_paged_varlen(torch, db, page, args.rounds, args.reps, args.seed)
+            except Exception as exc:                       # noqa: BLE001
+                rec = {"name": f"paged_varlen_page{page}", "status": f"error: {exc!r}"}
+            result["cases"].append(rec)
+            ok &= rec.get("status") == "ok"
+            r = rec.get("plain", {})
+            print(f"{rec['name']:<30} {rec.get('status')}: paged/packed "
+                  f"{r.get('paged_over_contiguous')}, TFLOP/s paged "
+                  f"{r.get('paged', {}).get('tflops')}, packed "
+                  f"{r.get('contiguous', {}).get('tflops')}", flush=True)
+            torch.cuda.empty_cache()
     if "host" in parts:
         result["host"] = run_host(False, torch, args.calls, args.repeats)
     if "integration" in parts:

@@ -66,10 +66,11 @@ def registry() -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def specialized(stage: Stage, head_dim: int, masked: bool, varlen: bool = False) -> Stage:
-    """stage.specialize(head_dim, masked, varlen), built once per arguments (a
+def specialized(stage: Stage, head_dim: int, masked: bool, varlen: bool = False,
+                paged: bool = False) -> Stage:
+    """stage.specialize(head_dim, masked, varlen, paged), built once per arguments (a
     dataclasses.replace per call is a measurable part of a small call's host time)."""
-    return stage.specialize(head_dim, masked, varlen)
+    return stage.specialize(head_dim, masked, varlen, paged)
 
 
 def _pick_uncached(stage, head_dim: int, seq_q: int, seq_k: int, cc=None, *, gqa: bool = False,

@@ -76,6 +76,17 @@ VARLEN_PARAMS: tuple[Param, ...] = (
     Param("tiles_ptr", driver.PTR, ".u64"),
     Param("total_q", driver.U32, ".u32"),
 )
+# What its paged build (PTXATTN_PAGED: block_table=) takes after those: the int32 block table
+# (its row stride in entries, the entries a row holds), the pool's pages, log2 of a page's rows,
+# and the check-bounds report (0: none; kv_paged.ptxh).
+PAGED_PARAMS: tuple[Param, ...] = (
+    Param("block_table_ptr", driver.PTR, ".u64"),
+    Param("bt_row_stride", driver.U32, ".u32"),
+    Param("max_pages", driver.U32, ".u32"),
+    Param("num_pages", driver.U32, ".u32"),
+    Param("page_shift", driver.U32, ".u32"),
+    Param("bounds_ptr", driver.PTR, ".u64"),
+)
 # A dynamic tile scheduler's two u32 counters (Stage.dynamic_tiles), after the rest.
 TILE_COUNTER = Param("tile_counter", driver.PTR, ".u64")
 COUNTER_BYTES = 8
@@ -90,6 +101,7 @@ def params_of(stage: Stage) -> tuple[Param, ...]:
     return (LINEAGE_PARAMS + (PRODUCTION_PARAMS if stage.production else ())
             + ((WALK_SECTION,) if stage.production and not stage.varlen else ())
             + (VARLEN_PARAMS if stage.varlen else ())
+            + (PAGED_PARAMS if stage.paged else ())
             + ((TILE_COUNTER,) if stage.dynamic_tiles else ()))
 
 

@@ -94,6 +94,12 @@ class Stage:
         return ("PTXATTN_VARLEN", "1") in self.defines
 
     @property
+    def paged(self) -> bool:
+        """The varlen build over a paged K/V cache (flash_attn_varlen_func's block_table=): its
+        ABI adds launch.PAGED_PARAMS after the varlen ones."""
+        return ("PTXATTN_PAGED", "1") in self.defines
+
+    @property
     def tma_chunk(self) -> int:
         """Elements of D per innermost TMA box dimension.
 
@@ -104,12 +110,15 @@ class Stage:
         """
         return 8 if self.swizzle == SWIZZLE_NONE else 64
 
-    def specialize(self, head_dim: int, masked: bool = False, varlen: bool = False) -> "Stage":
+    def specialize(self, head_dim: int, masked: bool = False, varlen: bool = False,
+                   paged: bool = False) -> "Stage":
         """The build that runs one call. A lineage stage has one build: itself. The production
         kernel has one per (head dim, masked) in PRODUCTION_VARIANTS, selected by preprocessor
         defines, with the tile shape and shared memory of that row of the table; varlen
         (flash_attn_varlen_func: packed sequences, PTXATTN_VARLEN) is the masked build of the
-        head dim on a tile table (scheduler.ptxh), with the same figures."""
+        head dim on a tile table (scheduler.ptxh), with the same figures; paged (its
+        block_table=, PTXATTN_PAGED) the varlen build reading K/V through a block table
+        (kv_paged.ptxh), with the same figures again."""
         if not self.production:
             return self
         masked = masked or varlen
@@ -118,7 +127,10 @@ class Stage:
             raise ValueError(f"{self.label}: no build for head dim {head_dim}"
                              f"{' with a mask' if masked else ''}")
         defines = (("HEAD_DIM", str(head_dim)),) + ((("PTXATTN_MASKED", "1"),) if masked else ()) \
-            + ((("PTXATTN_VARLEN", "1"),) if varlen else ())
+            + ((("PTXATTN_VARLEN", "1"),) if varlen else ()) \
+            + ((("PTXATTN_PAGED", "1"),) if paged else ())
+        if paged and not varlen:
+            raise ValueError(f"{self.label}: the paged build is the varlen build's")
         return dataclasses.replace(self, head_dims=(head_dim,), block_m=v.block_m,
                                    block_n=v.block_n, threads=v.threads,
                                    smem_bytes=v.smem_bytes, defines=defines)

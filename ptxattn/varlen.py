@@ -8,7 +8,9 @@ arrays; sequence b is q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 against 
 cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (or seqused_k[b] of them); causal and windows per
 sequence, bottom-right when the lengths differ (a chunk of queries against a longer cache);
 GQA/MQA; D 64, 128, 256; empty sequences allowed (no query: nothing; no key: output 0, LSE
--inf). return_lse=True also returns the float32 (H, total_q) log-sum-exp.
+-inf). return_lse=True also returns the float32 (H, total_q) log-sum-exp. block_table= reads
+the keys from a paged cache instead (k, v (num_pages, page_size, Hkv, D), row b of the int32
+table naming sequence b's pages): chunked prefill against a serving engine's pages.
 
 The call is two launches on the caller's stream, both reading the offsets on the device (no
 host sync: a CUDA graph can capture it and replay it with new offsets): varlen_tiles.ptx cuts
@@ -33,13 +35,16 @@ import numpy as np
 from . import builds, driver, fastlaunch, launch, tensors, tma
 from .choice import specialized
 from .driver import is_capturing as _is_capturing
-from .decode_plan import CHECK_BOUNDS_ENV, check_bounds_requested, check_out_view, check_scale
+from .decode import _paged_map_geometry
+from .decode import _paging as decode_paging
+from .decode_plan import (CHECK_BOUNDS_ENV, check_bounds_requested, check_host_block_table,
+                          check_out_view, check_scale)
 from .device_args import bf16_view, call_stream, foreign, host_int32, is_torch
 from .plan import _window
 from .stages import PRODUCTION, SWIZZLE_128B, ptx_root
 from .tensors import DeviceArray
-from .varlen_plan import (BOUNDS_NAMES, BOUNDS_WORDS, MAX_ROWS, TILES_SMEM, TILES_THREADS,
-                          Offsets, VarlenCall, check_host_offsets, check_host_used,
+from .varlen_plan import (BOUNDS_NAMES, BOUNDS_WORDS, MAX_ROWS, PAGED_TOTAL_K, TILES_SMEM,
+                          TILES_THREADS, Offsets, VarlenCall, check_host_offsets, check_host_used,
                           check_max_seqlen, grid_of, window_params)
 
 F32 = np.dtype(np.float32)
@@ -52,7 +57,7 @@ TILES_PARAMS = (
     ("cu_q_ptr", PTR), ("cu_k_ptr", PTR), ("seqused_k_ptr", PTR), ("table_ptr", PTR),
     ("scratch_ptr", PTR), ("bounds_ptr", PTR), ("batch", U32), ("total_q", U32),
     ("total_k", U32), ("max_entries", U32), ("block_m", U32), ("block_n_shift", U32),
-    ("window_left", S32), ("window_right", S32),
+    ("window_left", S32), ("window_right", S32), ("paged_keys", U32),
 )
 
 
@@ -103,14 +108,18 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     """Every check of a call before any launch: a VarlenCall, or a ValueError / TypeError
     naming the argument (nothing is written on error). padded_ok: host offsets may end before
     the tensors' rows (plan() for static, padded buffers)."""
-    if block_table is not None:
-        raise ValueError("block_table: a paged K/V cache in flash_attn_varlen_func is not built "
-                         "yet (flash_attn_with_kvcache takes one); pass k and v as packed "
-                         "(total_k, Hkv, D) arrays")
+    paged = block_table is not None
+    if paged and padded_ok:
+        raise ValueError("block_table: a plan (plan_varlen) takes packed keys; pass the paged "
+                         "cache to flash_attn_varlen_func itself")
     handle, stream_object = call_stream(q, (q, k, v, out), stream)
     views = {n: bf16_view(n, o, handle) for n, o in (("q", q), ("k", k), ("v", v))}
     total_q, heads, d = _rank3("q", views["q"])
-    total_k, heads_kv, dk = _rank3("k", views["k"])
+    if paged:
+        num_pages, page_size, heads_kv, dk = _paged_dims("k", views["k"])
+        total_k = num_pages * page_size          # the pool's rows (a sequence's are its pages)
+    else:
+        total_k, heads_kv, dk = _rank3("k", views["k"])
     if tuple(views["v"].shape) != tuple(views["k"].shape):
         raise ValueError(f"v: expected the same shape as k, {tuple(views['k'].shape)}, got "
                          f"{tuple(views['v'].shape)}")
@@ -123,7 +132,7 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     if heads_kv == 0 or heads % heads_kv:
         raise ValueError(f"k: {heads_kv} K/V heads do not divide q's {heads} heads (GQA/MQA "
                          "needs Hkv dividing H)")
-    for name, n in (("q", total_q), ("k", total_k)):
+    for name, n in (("q", total_q),) + ((("k", total_k),) if not paged else ()):
         if n > MAX_ROWS:
             raise ValueError(f"{name}: {n} rows exceed {MAX_ROWS}")
     devices = {n: a.device for n, a in views.items() if a.device is not None}
@@ -141,7 +150,11 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     if cu_q.kind == "host":
         check_host_offsets("cu_seqlens_q", cu_q.host, total_q, "q", padded_ok)
     if cu_k.kind == "host":
-        check_host_offsets("cu_seqlens_k", cu_k.host, total_k, "k", padded_ok)
+        if paged:       # offsets of the sequences' own counts: no packed rows to end at
+            check_host_offsets("cu_seqlens_k", cu_k.host, int(cu_k.host[-1]) if cu_k.length
+                               else 0, "k", True)
+        else:
+            check_host_offsets("cu_seqlens_k", cu_k.host, total_k, "k", padded_ok)
     used = None
     if seqused_k is not None:
         used = _offsets("seqused_k", seqused_k, handle)
@@ -149,7 +162,8 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
             raise ValueError(f"seqused_k: expected shape ({batch},), one count per sequence, "
                              f"got ({used.length},)")
         if used.kind == "host":
-            check_host_used(used.host, batch, cu_k.host if cu_k.kind == "host" else None)
+            check_host_used(used.host, batch, cu_k.host if cu_k.kind == "host" and not paged
+                            else None)
     lengths_q = np.diff(cu_q.host.astype(np.int64)) if cu_q.kind == "host" else None
     if used is not None:
         lengths_k = used.host.astype(np.int64) if used.kind == "host" else None
@@ -157,6 +171,10 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         lengths_k = np.diff(cu_k.host.astype(np.int64)) if cu_k.kind == "host" else None
     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
+    paging = None
+    if paged:
+        paging = _paged_table(block_table, batch, (num_pages, heads_kv, page_size, d), handle,
+                              lengths_k, "seqused_k" if used is not None else "cu_seqlens_k")
     left, right = _window(causal, window_size, "bottom_right", "window_size")
     scale = check_scale(softmax_scale, d)
     if not isinstance(return_lse, bool):
@@ -164,7 +182,11 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
 
     if total_q:
         _geometry("q", views["q"], heads, total_q, d, builds.Q_BOX_ROWS)
-    if total_k:
+    if paged:
+        for name in ("k", "v"):
+            tma.check_base(views[name].ptr, name)
+            _paged_map_geometry(views[name], paging, heads_kv, d, build.block_n, name)
+    elif total_k:
         for name in ("k", "v"):
             _geometry(name, views[name], heads_kv, total_k, d, build.block_n)
     out_view = None
@@ -179,7 +201,33 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
                       max_seqlen_q=max_q, max_seqlen_k=max_k, window=(left, right),
                       scale=scale, want_lse=return_lse, stream=handle,
                       stream_object=stream_object, torch=is_torch(q), build=build,
-                      objects={"q": q, "k": k, "v": v})
+                      objects={"q": q, "k": k, "v": v}, paging=paging)
+
+
+def _paged_dims(name: str, arr) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, Hkv, D) of a paged cache."""
+    if len(arr.shape) != 4:
+        raise ValueError(f"{name}: with block_table, expected a paged cache of rank 4 "
+                         f"(num_pages, page_size, Hkv, D), got shape {tuple(arr.shape)}")
+    return tuple(int(n) for n in arr.shape)
+
+
+def _paged_table(block_table, batch: int, k_dims, handle: int, lengths_k, lengths_name: str):
+    """block_table as decode_plan.Paging (decode's checks, the argument named k for this call);
+    host lengths within the pages a row reaches, and a host table's reached entries within
+    the pool."""
+    try:
+        paging = decode_paging(block_table, batch, k_dims, handle)
+    except ValueError as e:
+        raise ValueError(str(e).replace("k_cache:", "k:", 1)) from None
+    if lengths_k is not None and lengths_k.size and int(lengths_k.max()) > paging.capacity:
+        b = int(np.argmax(lengths_k))
+        raise ValueError(f"{lengths_name}: sequence {b} has {int(lengths_k[b])} keys, more "
+                         f"than its block_table row reaches ({paging.max_pages} pages of "
+                         f"{paging.page_size} keys: {paging.capacity})")
+    if paging.kind == "host":
+        check_host_block_table(paging.host, lengths_k, paging)
+    return paging
 
 
 # --------------------------------------------------------------------------- the kernels
@@ -210,9 +258,10 @@ def tiles_function() -> driver.Function:
     return fn
 
 
-def forward_build(head_dim: int):
-    """The production kernel's varlen build for a head dim (the masked build's figures)."""
-    return specialized(PRODUCTION, head_dim, True, True)
+def forward_build(head_dim: int, paged: bool = False):
+    """The production kernel's varlen build for a head dim (the masked build's figures);
+    paged: its build over a paged K/V cache (kv_paged.ptxh)."""
+    return specialized(PRODUCTION, head_dim, True, True, paged)
 
 
 class Launcher:
@@ -224,7 +273,8 @@ class Launcher:
         # the call's figures only: a Launcher is cached (_LAUNCHERS, a plan's) and must pin
         # none of the caller's memory
         self.call = detached(call)
-        self.stage = forward_build(call.head_dim)
+        self.paging = paging = self.call.paging
+        self.stage = forward_build(call.head_dim, paging is not None)
         self.forward_fn = launch.kernel(self.stage)
         self.tiles_fn = tiles_function()
         self.params = launch.params_of(self.stage)
@@ -237,11 +287,15 @@ class Launcher:
             seq_q=call.total_q, seq_k=call.total_k, heads=call.heads, batch=1,
             softmax_scale=call.scale, heads_per_kv=call.heads // call.heads_kv,
             diag_offset=0, window_left=left, window_right=right, total_q=call.total_q)
+        if paging is not None:
+            self.values.update(bt_row_stride=paging.row_stride, max_pages=paging.max_pages,
+                               num_pages=paging.num_pages, page_shift=paging.page_shift)
         self.tiles_values = dict(
-            batch=call.batch, total_q=call.total_q, total_k=call.total_k,
+            batch=call.batch, total_q=call.total_q,
+            total_k=PAGED_TOTAL_K if paging is not None else call.total_k,
             max_entries=call.max_entries, block_m=self.stage.block_m,
             block_n_shift=self.stage.block_n.bit_length() - 1, window_left=left,
-            window_right=right)
+            window_right=right, paged_keys=call.paged_keys)
         self.tiles_config = driver._launch_config((1, 1, 1), (TILES_THREADS, 1, 1), TILES_SMEM,
                                                   (1, 1, 1), call.stream)[0]
         self.forward_config = driver._launch_config(
@@ -259,9 +313,10 @@ class Launcher:
         # packs nothing per call (its tuple form costs ~6-9 us a launch on the host)
         names = [p.name for p in self.params]
         maps = ("tmap_q", "tmap_k", "tmap_v", "tmap_o")
+        self.words = FORWARD_WORDS + (PAGED_WORDS if paging is not None else ())
         self._forward = _Packed([self.values.get(n, 0) for n in names],
                                 [p.ctype for p in self.params], maps, names,
-                                words=FORWARD_WORDS)
+                                words=self.words)
         # a call's writes: the four map entries (adjacent in the ABI) as one slice, the
         # per-call words as one slice of their array (FORWARD_WORDS' order)
         first = names.index(maps[0])
@@ -269,7 +324,7 @@ class Launcher:
             raise ValueError(f"{self.stage.name}: tmap_q..tmap_o are not adjacent parameters")
         self._forward_maps = slice(first, first + 4)
         self._forward_words = self._forward.words
-        self._forward_word_index = tuple(names.index(n) for n in FORWARD_WORDS)
+        self._forward_word_index = tuple(names.index(n) for n in FORWARD_WORDS)   # frozen()'s
         self._o_rows = max(call.total_q, 1)
         tiles_names = [n for n, _ in TILES_PARAMS]
         self._tiles = _Packed([self.tiles_values.get(n, 0) for n in tiles_names],
@@ -335,16 +390,40 @@ class Launcher:
             # and v may have no memory at all, so their maps get one row of q's (read as
             # zeros: the one K/V tile of such a sequence lies before row 0)
             k = v = q
-        return (self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"),
-                self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
-                self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"),
+        if self.paging is not None:
+            kv = (self._paged_map(k, "k"), self._paged_map(v, "v"))
+        else:
+            kv = (self._map(k, call.heads_kv, call.total_k, self.stage.block_n, "k"),
+                  self._map(v, call.heads_kv, call.total_k, self.stage.block_n, "v"))
+        return (self._map(q, call.heads, call.total_q, builds.Q_BOX_ROWS, "q"), *kv,
                 self._map(out, call.heads, call.total_q, builds.Q_BOX_ROWS, "out"))
+
+    def _paged_map(self, arr, name: str):
+        """The tensor map of a paged cache (num_pages, page_size, Hkv, D): (64 of D, row in
+        the page, D / 64, K/V head, page), its box a tile (a page holds one) or a page of 64
+        columns of D (kv_paged.ptxh), remembered per address and strides as _map_at's."""
+        paging, d = self.paging, self.call.head_dim
+        key = ("paged " + name, arr.ptr, tuple(arr.strides))
+        entry = self._maps.get(key)
+        if entry is None:
+            rows, d_blocks = paging.map_box(d, self.stage.block_n)
+            tmap = tma.encode_qkvo_map(arr.ptr, "bshd", paging.num_pages, self.call.heads_kv,
+                                       paging.page_size, d, rows, SWIZZLE_128B, TMA_CHUNK,
+                                       tuple(arr.strides), name=name, d_blocks=d_blocks)
+            entry = (tmap, int(tmap.getPtr()))
+            if len(self._maps) >= 256:
+                self._maps.pop(next(iter(self._maps)), None)
+            self._maps[key] = entry
+        return entry
 
     def maps_at(self, q, k, v, out) -> tuple:
         """The four (map, address) pairs for (ptr, strides) pairs of arrays of this geometry
         (the plans' torch path: no views built). A map seen before is one dict lookup
         (_map_at's key)."""
         call = self.call
+        if self.paging is not None:
+            raise ValueError("a paged call's Launcher runs through run() (plans take packed "
+                             "keys)")
         if not call.total_k:
             k = v = q                                           # as _maps_of
             k_rows = call.total_q
@@ -362,22 +441,29 @@ class Launcher:
         return maps
 
     def _forward_locked(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
-                        table_ptr: int) -> None:
+                        table_ptr: int, paged_words: tuple = ()) -> None:
         q, k, v, o = maps
         self._forward.array[self._forward_maps] = (q[1], k[1], v[1], o[1])
+        # self.words' order: FORWARD_WORDS, then (paged) PAGED_WORDS
         self._forward_words[:] = (out_ptr, o_row, o_head, o_row * self._o_rows, lse_ptr,
-                                  table_ptr)                    # FORWARD_WORDS' order
+                                  table_ptr, *paged_words)
         # the maps stay referenced (maps) until the driver has copied their bytes
         self._forward_launch(self._forward.address)
 
     def run(self, q, k, v, out, lse_ptr: int, workspace_ptr: int, cu_q_ptr: int,
-            cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int) -> None:
-        """The call's two launches, in stream order: the table, then the attention."""
+            cu_k_ptr: int, seqused_ptr: int, bounds_ptr: int,
+            block_table_ptr: int = 0) -> None:
+        """The call's two launches, in stream order: the table, then the attention (a paged
+        call's reads the block table at block_table_ptr and reports into bounds_ptr too)."""
+        if (self.paging is not None) != bool(block_table_ptr):
+            raise ValueError("block_table_ptr: a paged Launcher's calls need one, and only "
+                             "theirs")
         maps = self._maps_of(q, k, v, out)
+        paged_words = (block_table_ptr, bounds_ptr) if self.paging is not None else ()
         with self.lock:
             self._tiles_locked(workspace_ptr, cu_q_ptr, cu_k_ptr, seqused_ptr, bounds_ptr)
             self._forward_locked(maps, out.ptr, out.strides[0], out.strides[1], lse_ptr,
-                                 workspace_ptr)
+                                 workspace_ptr, paged_words)
 
     def run_at(self, maps, out_ptr: int, o_row: int, o_head: int, lse_ptr: int,
                workspace_ptr: int, offsets: tuple | None) -> None:
@@ -413,6 +499,7 @@ class Launcher:
 # the forward kernel's parameters a call rewrites besides its maps, in _forward_locked's order
 FORWARD_WORDS = ("o_ptr", "o_row_stride", "o_head_stride", "o_batch_stride", "lse_ptr",
                  "tiles_ptr")
+PAGED_WORDS = ("block_table_ptr", "bounds_ptr")    # the paged build's (kv_paged.ptxh), after
 
 
 class _Packed:
@@ -459,9 +546,12 @@ class _Packed:
 
 def detached(call: VarlenCall) -> VarlenCall:
     """The call's shape fields without the caller's arrays and offsets (for what is kept)."""
+    paging = call.paging
+    if paging is not None:          # its geometry; the table itself is the call's
+        paging = dataclasses.replace(paging, kind="device", ptr=0, host=None, owner=None)
     return dataclasses.replace(call, q=None, k=None, v=None, out=None, out_given=None,
                                cu_q=None, cu_k=None, seqused_k=None, stream_object=None,
-                               objects={})
+                               objects={}, paging=paging)
 
 
 # --------------------------------------------------------------------------- one call
@@ -499,6 +589,21 @@ def _device_offsets(off: Offsets | None, call: VarlenCall, keep: list) -> int:
     return buf.ptr
 
 
+def _block_table_ptr(call: VarlenCall, keep: list) -> int:
+    """The block table's device address (0 without one); a host table is copied in
+    (stream-ordered memory, freed after the launches)."""
+    paging = call.paging
+    if paging is None:
+        return 0
+    if paging.kind == "device":
+        return paging.ptr
+    buf = driver.DeviceBuffer(paging.host.nbytes, stream=call.stream,
+                              stream_owner=call.stream_object)
+    driver.memcpy_htod(buf.ptr, paging.host, stream=call.stream)
+    keep.append(buf)
+    return buf.ptr
+
+
 def _out_view(arr) -> DeviceArray:
     if isinstance(arr, DeviceArray):
         return arr
@@ -512,12 +617,23 @@ def _raise_if_out_of_bounds(buf, call: VarlenCall) -> None:
     kind = int(report[0])
     if kind:
         name, index, value = BOUNDS_NAMES[kind], int(report[1]), int(report[2])
+        reach = call.paged_keys
         rule = {1: f"offsets from 0, non-decreasing, ending at q's {call.total_q} rows",
                 2: f"offsets from 0, non-decreasing, ending at k's {call.total_k} rows",
-                3: "counts within each sequence's keys"}[kind]
-        raise ValueError(f"{name}: on the device, index {index} holds {value}, which breaks "
-                         f"its contract ({rule}; {CHECK_BOUNDS_ENV}=1; without it the "
-                         "kernels clamp every offset into the tensors)")
+                3: "counts within each sequence's keys",
+                4: f"a sequence's keys within its block_table row's {reach}",
+                5: f"counts within a block_table row's {reach} keys"}[kind]
+        what = "sequence" if kind in (4, 5) else "index"
+        raise ValueError(f"{name}: on the device, {what} {index} holds {value}"
+                         f"{' keys' if kind in (4, 5) else ''}, which breaks its contract "
+                         f"({rule}; {CHECK_BOUNDS_ENV}=1; without it the kernels clamp every "
+                         "offset into the tensors)")
+    if report[4]:
+        seq, page, entry = int(report[4]) - 1, int(report[5]), int(report[6])
+        raise ValueError(f"block_table: on the device, sequence {seq}'s page {page} is entry "
+                         f"{entry}, outside the cache's [0, {call.paging.num_pages}) pages "
+                         f"({CHECK_BOUNDS_ENV}=1; without it the kernels read such a page as "
+                         "zeros)")
 
 
 def _handshake(call: VarlenCall) -> None:
@@ -539,9 +655,12 @@ _LAUNCHERS_LOCK = threading.Lock()
 
 def _launcher(call: VarlenCall) -> Launcher:
     ctx = driver.context()
+    paging = call.paging
     key = (ctx.ordinal, call.stream, call.total_q, call.total_k, call.heads, call.heads_kv,
            call.head_dim, call.batch, call.window, call.scale,
-           os.environ.get(launch.PERSISTENT_CTAS_ENV))
+           os.environ.get(launch.PERSISTENT_CTAS_ENV),
+           None if paging is None else (paging.page_size, paging.num_pages, paging.max_pages,
+                                        paging.row_stride))
     hit = _LAUNCHERS.get(key)
     if hit is None:
         hit = Launcher(call, ctx.sm_count)
@@ -570,10 +689,11 @@ def run_call(call: VarlenCall, launcher: Launcher):
         bounds = driver.DeviceBuffer(4 * BOUNDS_WORDS, stream=call.stream,
                                      stream_owner=call.stream_object)
         driver.memset_u8(bounds.ptr, 0, 4 * BOUNDS_WORDS, stream=call.stream)
-    launcher.run(call.q, call.k, call.v, out_view, _ptr(lse) if lse is not None else 0, _ptr(workspace),
-                 _device_offsets(call.cu_q, call, keep), _device_offsets(call.cu_k, call, keep),
+    launcher.run(call.q, call.k, call.v, out_view, _ptr(lse) if lse is not None else 0,
+                 _ptr(workspace), _device_offsets(call.cu_q, call, keep),
+                 _device_offsets(call.cu_k, call, keep),
                  _device_offsets(call.seqused_k, call, keep),
-                 bounds.ptr if bounds is not None else 0)
+                 bounds.ptr if bounds is not None else 0, _block_table_ptr(call, keep))
     if not call.torch:
         for arr in (out, lse):
             if isinstance(arr, DeviceArray):
@@ -601,7 +721,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     window_size=(left, right), -1 unbounded. softmax_scale defaults to 1 / sqrt(D).
     return_lse: also return the float32 (H, total_q) log-sum-exp (-inf for a query that sees
     no key, whose output is 0). Sequences may be empty. Rows of q past cu_seqlens_q[-1] are
-    not written. block_table (a paged K/V cache) is not built yet for this call.
+    not written.
+    block_table: int32 (B, max_pages) (device, or NumPy checked and copied in) with k, v a
+    paged cache (num_pages, page_size, Hkv, D), page_size a power of two from 16 to 256:
+    sequence b's key j is row j % page_size of page block_table[b, j // page_size], its count
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) at most max_pages * page_size;
+    entries past a sequence's last page are not read (-1 is fine). On the device, an entry
+    outside [0, num_pages) reads as zeros (PTXATTN_CHECK_BOUNDS=1 reports it).
     Beyond FlashAttention's: out= (a bf16 array of q's shape), stream= (non-torch arrays).
     Device offsets are never read on the host: out-of-range or decreasing ones are clamped
     into the tensors by the kernels (no access leaves q, k, v or the output), and

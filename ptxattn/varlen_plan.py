@@ -30,8 +30,13 @@ RECORD_WORDS = 4                     # {q_row, k_start, q_end, seq_k}
 TABLE_HEADER_BYTES = 16              # word 0: the entries; records from byte 16
 TILES_THREADS = 1024                 # varlen_tiles.ptx's one CTA
 TILES_SMEM = 8 * SORT_MAX + 32 * 4   # its sort keys and the warp totals
-BOUNDS_WORDS = 4                     # the check-bounds report: kind, index, value
-BOUNDS_NAMES = {1: "cu_seqlens_q", 2: "cu_seqlens_k", 3: "seqused_k"}
+# the check-bounds report: words 0-2 a broken offset (kind, index, value: varlen_tiles.ptx),
+# words 4-6 a bad block-table entry in a reached page (sequence + 1, page, entry: the paged
+# forward build's, kv_paged.ptxh)
+BOUNDS_WORDS = 8
+BOUNDS_NAMES = {1: "cu_seqlens_q", 2: "cu_seqlens_k", 3: "seqused_k",
+                4: "cu_seqlens_k", 5: "seqused_k"}   # 4, 5: a paged length past its pages
+PAGED_TOTAL_K = (1 << 31) - 1        # the tile kernel's total_k with paged keys (binds nothing)
 
 
 @dataclass
@@ -72,6 +77,12 @@ class VarlenCall:
     torch: bool = False
     build: builds.Build = field(default=None)
     objects: dict = field(default_factory=dict)
+    paging: object = None            # a paged K/V cache (block_table=: decode_plan.Paging)
+
+    @property
+    def paged_keys(self) -> int:
+        """The keys a sequence's block-table row reaches (0: packed keys)."""
+        return self.paging.capacity if self.paging is not None else 0
 
     @property
     def block_m(self) -> int:
@@ -168,8 +179,10 @@ def check_max_seqlen(name: str, value, lengths: np.ndarray | None) -> int:
 
 # --------------------------------------------------------------------------- the tile table
 
-def sequence_spans(cu_q, cu_k, seqused_k, total_q: int, total_k: int):
-    """Per sequence (q0, q1, k0, seq_k), clamped as varlen_tiles.ptx clamps them."""
+def sequence_spans(cu_q, cu_k, seqused_k, total_q: int, total_k: int, paged_keys: int = 0):
+    """Per sequence (q0, q1, k0, seq_k), clamped as varlen_tiles.ptx clamps them; with
+    paged_keys (a block-table row's reach) k0 is the sequence (its table row) and seq_k its own
+    count clamped into [0, paged_keys]."""
     cu_q = np.asarray(cu_q, np.int64)
     cu_k = np.asarray(cu_k, np.int64)
     spans = []
@@ -181,6 +194,9 @@ def sequence_spans(cu_q, cu_k, seqused_k, total_q: int, total_k: int):
             seq_k = min(max(int(cu_k[b + 1]), k0), total_k) - k0
         else:
             seq_k = min(max(int(seqused_k[b]), 0), total_k - k0)
+        if paged_keys:
+            n = int(seqused_k[b]) if seqused_k is not None else int(cu_k[b + 1] - cu_k[b])
+            k0, seq_k = b, min(max(n, 0), paged_keys)
         spans.append((q0, q1, k0, seq_k))
     return spans
 
@@ -197,12 +213,13 @@ def block_work(r0: int, r1: int, len_q: int, seq_k: int, window: tuple[int, int]
 
 
 def tile_table(cu_q, cu_k, seqused_k, total_q: int, total_k: int, block_m: int, block_n: int,
-               window_params: tuple[int, int], entries_room: int | None = None) -> np.ndarray:
+               window_params: tuple[int, int], entries_room: int | None = None,
+               paged_keys: int = 0) -> np.ndarray:
     """The records varlen_tiles.ptx writes, in its order: (E, 4) int64 rows {q_row, k_start,
     q_end, seq_k}, the BLOCK_M-row blocks of every sequence, sorted by work (K/V tiles seen),
     most first, ties by the later entry first (the sort key is work << 32 | entry); in entry
     order when there are more than SORT_MAX. At most entries_room entries."""
-    spans = sequence_spans(cu_q, cu_k, seqused_k, total_q, total_k)
+    spans = sequence_spans(cu_q, cu_k, seqused_k, total_q, total_k, paged_keys)
     room = entries_room if entries_room is not None else max_entries(
         len(spans), total_q, block_m)
     records, works = [], []

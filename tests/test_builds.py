@@ -163,17 +163,23 @@ def test_a_new_head_dim_is_one_row(tmp_path, monkeypatch):
 # Numbers a production source may #define itself: policies and flags, not layout figures
 OWN_DEFINES = {"SW_EXP2_PER_8", "KV_STEP_MASKED",
                "P_SHIFT_LOG2", "REBASE_LOG2_FP8",      # (FP8 measurement knobs: softmax.ptxh)
-               "PTXATTN_MASKED"}       # a switch, not a figure: the varlen build implies it
+               "PTXATTN_MASKED",       # a switch, not a figure: the varlen build implies it
+               # the paged K/V reads' switches (decode_kv_paged.ptxh, as the paged varlen
+               # build includes it: kv_paged.ptxh picks its batched reads)
+               "PTXATTN_PAGED_ROW_GROUP", "PTXATTN_PAGED_TABLE_AHEAD",
+               "PTXATTN_PAGED_BATCHED_READS", "PTXATTN_PAGED_WARP", "KV_BATCHED", "KV_VARIANT"}
 # shared-memory address registers: a literal added to one is an offset
 _SMEM_REGS = re.compile(r"%(smem_base|sQ1?|sK|sV|sO|q_base|bar_\w+|slot_bar|st_row_\d|o_bar)\b")
 _NUMBER = re.compile(r"(?<![\w%.])-?(?:0x[0-9a-fA-F]+|\d+)(?![\w.])")
 # thread-index arithmetic shifts by literals (warpgroup, warp, quad row, chunk parity); and two
 # more a shift: local_tile / 2 (the two Q buffers' use count) and float32 elements to bytes;
 # the varlen epilogue's row-by-row O store: bf16 elements to bytes, and 8 rows of O's row
-# stride (elements) in bytes; the K/V multicast build's query blocks to pairs of blocks
+# stride (elements) in bytes; the K/V multicast build's query blocks to pairs of blocks; the
+# paged varlen build's block-table row (int32 entries to bytes) and key rows to the 8-row
+# groups of the row-group layout
 _SHIFT_SOURCES = re.compile(r"^%(thread|lane|wg_thread)$")
 _SHIFT_OK = {("%local_tile", "1"), ("%lse_addr", "2"), ("%state", "1"), ("%lse_addr", "4"),
-             ("%m_blocks", "1")}
+             ("%m_blocks", "1"), ("%wide", "2"), ("%kv_page_row", "3")}
 
 
 def production_sources() -> dict[str, str]:

@@ -220,6 +220,103 @@ def test_check_bounds_reports_the_broken_offset(emulated_gpu, monkeypatch):
         run_varlen(case, cu_k=bad_k, check=False)
 
 
+# --------------------------------------------------------------------------- paged varlen
+
+from varlen_checks import paged_varlen_case, run_paged_varlen  # noqa: E402
+
+# (lens_q, lens_k, page, H, Hkv, D, causal, window): chunked prefill (Lq < Lk) and prefill
+# over pages smaller than, equal to and larger than a K/V tile
+PAGED_VARLEN = [
+    ((0, 1, 127, 129), (5, 1, 127, 300), 16, 4, 2, 64, True, (-1, -1)),
+    ((64, 1, 70), (200, 129, 70), 64, 2, 1, 128, True, (-1, -1)),
+    ((3, 130), (3, 400), 256, 2, 2, 256, False, (-1, -1)),
+    ((40, 90), (333, 90), 32, 4, 1, 64, False, (60, 5)),             # windows, MQA
+]
+
+
+@pytest.mark.parametrize("lens_q,lens_k,page,H,Hkv,D,causal,window", PAGED_VARLEN)
+def test_paged_varlen_meets_the_bar(emulated_gpu, lens_q, lens_k, page, H, Hkv, D, causal,
+                                    window):
+    rng = np.random.default_rng(sum(lens_k) + page + D)
+    case = paged_varlen_case(rng, lens_q, lens_k, page_size=page, H=H, Hkv=Hkv, D=D)
+    run_paged_varlen(case, causal=causal, window=window, what=f"emulator paged {page}")
+
+
+def test_paged_varlen_host_table_seqused_and_empty_sequences(emulated_gpu):
+    rng = np.random.default_rng(31)
+    case = paged_varlen_case(rng, (0, 50, 9, 20), (0, 70, 0, 300), page_size=16, H=2, Hkv=1,
+                             D=64)
+    run_paged_varlen(case, causal=True, device_table=False, device_offsets=False,
+                     what="emulator paged, host table and offsets")
+    used = np.array([0, 60, 0, 123], np.int32)      # fewer keys than the pages hold
+    run_paged_varlen(case, causal=True, seqused=used, what="emulator paged seqused_k")
+
+
+def _planted_table(case, rng):
+    """The case's table with entries past every sequence's last page and in reached pages
+    planted outside the pool (the kernels must read neither: TMA zero-fills, no access)."""
+    table = case["table"].copy()
+    table[table < 0] = 10**6
+    return table
+
+
+def test_paged_varlen_bad_entries_read_nothing(emulated_gpu):
+    """Past a sequence's pages: never read (the output is still right); in reached pages:
+    read as zeros, never out of the pool (the emulator faults on any access outside)."""
+    rng = np.random.default_rng(32)
+    case = paged_varlen_case(rng, (30, 100), (100, 250), page_size=16, H=2, Hkv=1, D=64,
+                             extra_columns=3)
+    run_paged_varlen(case, causal=True, table=_planted_table(case, rng),
+                     what="emulator paged, junk past the pages")
+    bad = case["table"].copy()
+    bad[1, 2], bad[0, 0] = -7, case["k_pages"].shape[0]     # reached pages, outside the pool
+    run_paged_varlen(case, causal=True, table=bad, check=False)
+
+
+def test_paged_varlen_check_bounds_reports(emulated_gpu, monkeypatch):
+    monkeypatch.setenv("PTXATTN_CHECK_BOUNDS", "1")
+    rng = np.random.default_rng(33)
+    case = paged_varlen_case(rng, (30, 100), (100, 250), page_size=16, H=2, Hkv=1, D=64)
+    bad = case["table"].copy()
+    bad[1, 3] = 99
+    with pytest.raises(ValueError, match=r"block_table: on the device, sequence 1's page 3 is "
+                                         r"entry 99, outside the cache's \[0, \d+\) pages"):
+        run_paged_varlen(case, causal=True, table=bad, check=False)
+    reach = case["table"].shape[1] * 16
+    used = np.array([10, reach + 1], np.int32)
+    with pytest.raises(ValueError, match=rf"seqused_k: on the device, sequence 1 holds "
+                                         rf"{reach + 1} keys"):
+        run_paged_varlen(case, causal=True, seqused=used, check=False)
+
+
+def test_the_paged_tile_table_is_the_model(emulated_gpu):
+    """With paged keys a record's k_start is its sequence and seq_k its own count, clamped
+    into the row's reach (varlen_plan.tile_table's model, word for word)."""
+    from decode_checks import DeviceInt32
+    from ptxattn import driver, tensors
+    rng = np.random.default_rng(34)
+    case = paged_varlen_case(rng, (300, 0, 1, 129), (300, 10, 0, 700), page_size=64, H=2,
+                             Hkv=1, D=64)
+    bad_k = case["cu_k"].copy()
+    bad_k[2] = bad_k[1] - 3                          # a negative count: 0 keys
+    call = varlen.validate(tensors.from_numpy(case["q"]), tensors.from_numpy(case["k_pages"]),
+                           tensors.from_numpy(case["v_pages"]), DeviceInt32(case["cu_q"]),
+                           DeviceInt32(bad_k), 1, 1, True,
+                           block_table=DeviceInt32(case["table"]))
+    ln = varlen.Launcher(call, driver.context().sm_count)
+    ws = driver.DeviceBuffer(call.workspace_bytes)
+    dq, dk = DeviceInt32(case["cu_q"]), DeviceInt32(bad_k)
+    ln.run_tiles(ws.ptr, dq.buffer.ptr, dk.buffer.ptr, 0, 0)
+    words = np.zeros(call.workspace_bytes // 4, np.int32)
+    driver.memcpy_dtoh(words, ws.ptr)
+    got = words[4:4 + 4 * int(words[0])].reshape(-1, 4).astype(np.int64)
+    want = varlen_plan.tile_table(case["cu_q"], bad_k, None, call.total_q, varlen_plan.PAGED_TOTAL_K,
+                                  ln.stage.block_m, ln.stage.block_n, call.window_params,
+                                  paged_keys=call.paged_keys)
+    np.testing.assert_array_equal(got, want)
+    assert set(got[:, 1]) <= {0, 1, 2, 3}
+
+
 # --------------------------------------------------------------------------- plan / run
 
 def test_prefill_plan_runs_layers_with_one_launch_each(emulated_gpu):

@@ -4,7 +4,8 @@ Every case of the emulator's file (tests/test_emulator_serving.py: shuffled page
 planted bad entries and lengths, host tables, varlen lengths 0/1/127-129, chunked prefill,
 windows, the serving plans) runs here on the GPU, collected again with `emulated_gpu`
 standing for the real device; then cases at serving sizes the emulator cannot reach (8k- and
-32k-token caches, page sizes 16 to 256, 32:8 heads, a 16k-token varlen batch of 8 sequences). Outputs are poisoned
+32k-token caches, page sizes 16 to 256, 32:8 heads, a 16k-token varlen batch of 8 sequences,
+paged varlen prefill and chunked prefill over 16- to 256-row pages). Outputs are poisoned
 before each launch and checked against the float64 reference (decode_checks / varlen_checks).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from decode_checks import paged_case, run_paged
-from varlen_checks import run_varlen, varlen_case
+from varlen_checks import paged_varlen_case, run_paged_varlen, run_varlen, varlen_case
 
 import test_emulator_serving as emu
 
@@ -66,3 +67,23 @@ def test_varlen_chunked_prefill_d64_d256(emulated_gpu):
     for D in (64, 256):
         case = varlen_case(rng, (1000, 7, 2048), (5000, 7, 9000), H=8, Hkv=2, D=D)
         run_varlen(case, causal=True, what=f"H200 varlen chunked D{D}")
+
+
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_paged_varlen_at_serving_sizes(emulated_gpu, page, D):
+    """Chunked prefill against pages: lengths at the tile edges and a 4097-key sequence."""
+    rng = np.random.default_rng(page + D)
+    lens_q = (0, 1, 127, 128, 129, 512, 3)
+    lens_k = (0, 1, 127, 128, 129, 4097, 2000)
+    case = paged_varlen_case(rng, lens_q, lens_k, page_size=page, H=8, Hkv=2, D=D)
+    run_paged_varlen(case, causal=True, what=f"H200 paged varlen {page}")
+
+
+def test_paged_varlen_batch_of_37(emulated_gpu):
+    rng = np.random.default_rng(37)
+    lens_k = rng.integers(0, 1500, 37)
+    lens_q = np.minimum(lens_k, rng.integers(1, 300, 37))
+    case = paged_varlen_case(rng, lens_q, lens_k, page_size=16, H=16, Hkv=4, D=128)
+    for causal in (False, True):
+        run_paged_varlen(case, causal=causal, what="H200 paged varlen B=37")

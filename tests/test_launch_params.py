@@ -64,7 +64,7 @@ def test_each_parameter_has_the_ptx_type_of_its_ctype():
     """A ctype and its .param agree in size and kind: the driver copies sizeof(ctype) bytes
     (128 for a by-value tensor map) into the slot the kernel reads as that type."""
     every = (LINEAGE_PARAMS + launch.PRODUCTION_PARAMS + (launch.WALK_SECTION,)
-             + launch.VARLEN_PARAMS + (TILE_COUNTER, TRACE_BUF))
+             + launch.VARLEN_PARAMS + launch.PAGED_PARAMS + (TILE_COUNTER, TRACE_BUF))
     for p in every:
         assert p.ptx == PTX_OF_CTYPE[p.ctype], p
         size = 128 if p.ctype is driver.BY_VALUE else ctypes.sizeof(p.ctype)
@@ -146,6 +146,15 @@ def test_the_production_builds_cover_masks_head_dims_and_the_trace():
         assert params_of(build)[-1] == launch.WALK_SECTION
         varlen = stages.PRODUCTION.specialize(d, masked, varlen=True)
         assert params_of(varlen) == params_of(stages.PRODUCTION)[:-1] + launch.VARLEN_PARAMS
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_paged_varlen_build_declares_the_table(d):
+    """flash_attn_varlen_func(..., block_table=)'s build: the varlen ABI, then the paging."""
+    paged = stages.PRODUCTION.specialize(d, True, True, paged=True)
+    assert params_of(paged) == params_of(stages.PRODUCTION.specialize(d, True, True)) \
+        + launch.PAGED_PARAMS
+    assert declared(ptx.source(paged, dict(paged.defines))) == table(params_of(paged))
 
 
 @pytest.mark.parametrize("stage", stages.all_stages(), ids=lambda s: s.label)

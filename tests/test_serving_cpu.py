@@ -297,7 +297,8 @@ def test_varlen_argument_errors_name_the_argument(no_driver):
         (dict(seqused_k=np.array([3, 6], np.int32)), ValueError,
          r"seqused_k: sequence 1 uses 6 keys"),
         (dict(seqused_k=np.array([3], np.int32)), ValueError, r"seqused_k: expected shape \(2,\)"),
-        (dict(block_table=np.zeros((2, 4), np.int32)), ValueError, "block_table: a paged"),
+        (dict(block_table=np.zeros((2, 4), np.int32)), ValueError,
+         r"k: with block_table, expected a paged cache of rank 4"),
         (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
         (dict(window_size=(3, 1), causal=True), ValueError, "window_size: causal=True"),
         (dict(return_lse=1), TypeError, "return_lse"),
@@ -327,6 +328,84 @@ def test_varlen_shape_errors(no_driver):
         varlen.validate(q, k, FakeDLPack((8, 1, 128), ptr=BASE + (2 << 32)), cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match="out: overlaps q"):
         varlen.validate(q, k, v, cu_q, cu_k, mq, mk, out=FakeDLPack((8, 8, 128), ptr=BASE))
+
+
+def _paged_varlen_args(lens_q=(3, 5), lens_k=(40, 7), page=16, pages=8, max_pages=4, H=8,
+                       Hkv=2, D=128):
+    q = FakeDLPack((sum(lens_q), H, D), ptr=BASE)
+    k = FakeDLPack((pages, page, Hkv, D), ptr=BASE + (1 << 32))
+    v = FakeDLPack((pages, page, Hkv, D), ptr=BASE + (2 << 32))
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    table = np.full((len(lens_q), max_pages), -1, np.int32)
+    table[0, :3], table[1, 0] = (5, 0, 7), 2
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                max_seqlen_k=max(lens_k), block_table=table)
+
+
+def test_a_paged_varlen_call_validates_without_the_driver(no_driver):
+    """k, v are pages; cu_seqlens_k counts each sequence's own keys (no packed rows to end
+    at); the record's keys are a table row's (paged_keys); -1 past a sequence's pages is
+    fine."""
+    call = varlen.validate(**_paged_varlen_args(), causal=True)
+    assert call.paging.kind == "host" and call.paging.page_size == 16
+    assert call.paged_keys == 4 * 16 and call.total_k == 8 * 16
+    device = dict(_paged_varlen_args(), block_table=FakeDLPack((2, 4), ptr=BASE + (5 << 32),
+                                                              dtype="int32"))
+    assert varlen.validate(**device).paging.kind == "device"
+    detached = varlen.detached(call)
+    assert detached.paging.host is None and detached.paging.max_pages == 4
+    with pytest.raises(ValueError, match="block_table: a plan"):
+        varlen.validate(**_paged_varlen_args(), padded_ok=True)
+
+
+def test_paged_varlen_errors_name_the_argument(no_driver):
+    base = _paged_varlen_args()
+    cases = [
+        (dict(k=FakeDLPack((8, 24, 2, 128), ptr=BASE + (1 << 32)),
+              v=FakeDLPack((8, 24, 2, 128), ptr=BASE + (2 << 32))), ValueError,
+         r"k: page size 24 .* must be a power of two from 16 to 256"),
+        (dict(k=FakeDLPack((8, 512, 2, 128), ptr=BASE + (1 << 32)),
+              v=FakeDLPack((8, 512, 2, 128), ptr=BASE + (2 << 32))), ValueError,
+         r"k: page size 512"),
+        (dict(v=FakeDLPack((8, 16, 1, 128), ptr=BASE + (2 << 32))), ValueError,
+         "v: expected the same shape as k"),
+        (dict(block_table=np.zeros((3, 4), np.int32)), ValueError,
+         r"block_table: expected shape \(2, "),
+        (dict(block_table=np.zeros((2, 4), np.float32)), TypeError,
+         "block_table: expected dtype int32"),
+        # 70 keys need 5 pages of 16; the row holds 4
+        (dict(cu_seqlens_k=np.array([0, 70, 77], np.int32), max_seqlen_k=70), ValueError,
+         r"cu_seqlens_k: sequence 0 has 70 keys, more than its block_table row reaches "
+         r"\(4 pages of 16 keys: 64\)"),
+        (dict(seqused_k=np.array([3, 65], np.int32), max_seqlen_k=65), ValueError,
+         r"seqused_k: sequence 1 has 65 keys, more than"),
+        (dict(cu_seqlens_k=np.array([0, 40, 30], np.int32)), ValueError,
+         "cu_seqlens_k: offsets must not decrease"),
+    ]
+    for over, kind, text in cases:
+        with pytest.raises(kind, match=text):
+            varlen.validate(**{**base, **over})
+    # a host table's reached entries within the pool; entries past the pages not read
+    for bad, where in (((0, 2), 8), ((1, 0), -1)):
+        table = base["block_table"].copy()
+        table[bad] = where
+        with pytest.raises(ValueError, match=r"block_table: .* outside \[0, 8\)"):
+            varlen.validate(**{**base, "block_table": table})
+    table = base["block_table"].copy()
+    table[0, 3], table[1, 1:] = 10**6, -5            # past both sequences' pages
+    varlen.validate(**{**base, "block_table": table})
+
+
+def test_the_paged_tile_table_model_names_the_sequence():
+    cu_q = np.array([0, 130, 130, 131], np.int32)
+    cu_k = np.array([0, 300, 310, 310], np.int32)
+    table = varlen_plan.tile_table(cu_q, cu_k, None, 131, varlen_plan.PAGED_TOTAL_K, 128,
+                                   128, (1 << 30, 0), paged_keys=256)
+    # {q_row, k_start: the sequence, q_end, seq_k}: sequence 0's 300 keys clamped to the
+    # row's 256; sequence 1 has no query; sequence 2 no key
+    assert sorted(map(tuple, table.tolist())) == [(0, 0, 130, 256), (128, 0, 130, 256),
+                                                 (130, 2, 131, 0)]
 
 
 # --------------------------------------------------------------------------- varlen: the kernels
@@ -363,6 +442,27 @@ def test_the_tile_kernel_and_the_varlen_builds_assemble_without_spills():
                               name=f"varlen_fwd_{d}")
         f = sass.parse_ptxas_log(a.log)["functions"]["ptxattn_fwd"]
         assert f["spill_stores"] == 0 and f["spill_loads"] == 0 and f["stack_frame"] == 0, (d, f)
+
+
+# the paged builds' spills (bytes a thread): the producer's page registers past its 24 after
+# setmaxnreg, stored once a Q tile and reloaded per K/V tile ahead of the ring (bench/notes.md,
+# session 16); a change that grows them is a change to measure again
+PAGED_SPILL_BYTES = {64: 68, 128: 64, 256: 0}
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_paged_varlen_builds_assemble_within_their_spills(d):
+    from ptxattn import ptx
+    from ptxattn.tools import sass
+    try:
+        sass.find_tool("ptxas")
+    except Exception as e:                            # noqa: BLE001
+        pytest.skip(f"no ptxas: {e}")
+    stage = varlen.forward_build(d, paged=True)
+    a = sass.assemble_ptx(ptx.source(stage, dict(stage.defines)), "sm_90a",
+                          name=f"varlen_paged_{d}")
+    f = sass.parse_ptxas_log(a.log)["functions"]["ptxattn_fwd"]
+    assert f["spill_stores"] <= PAGED_SPILL_BYTES[d], (d, f)
 
 
 def test_the_varlen_build_is_the_masked_build_with_a_tile_table():

@@ -126,3 +126,60 @@ def check_varlen(case, got, got_lse, *, causal, window, seqused=None, what=""):
         rows = np.flatnonzero(~covered)[np.isfinite(pad).any(axis=(1, 2))]
         failures.append(f"rows no sequence covers were written: {rows[:10].tolist()}")
     assert not failures, f"{label}:\n  " + "\n  ".join(failures)
+
+
+def paged_varlen_case(rng, lens_q, lens_k, *, page_size, H=4, Hkv=2, D=64, spare_pages=3,
+                      extra_columns=1):
+    """A varlen case whose keys live in a paged cache: the packed k, v of varlen_case (what
+    the reference reads) scattered into pages of one shuffled pool (spare pages no sequence
+    uses, filled with fresh values), each sequence's block-table row padded with -1 past its
+    last page (extra_columns more than the longest needs)."""
+    case = varlen_case(rng, lens_q, lens_k, H=H, Hkv=Hkv, D=D)
+    lens_k = case["lens_k"]
+    need = -(-lens_k // page_size)
+    max_pages = int(need.max(initial=0)) + extra_columns
+    num_pages = int(need.sum()) + spare_pages
+    pool = rng.permutation(num_pages)
+    table = np.full((len(lens_k), max_pages), -1, np.int32)
+    k_pages = bf16(rng, (num_pages, page_size, Hkv, D))
+    v_pages = bf16(rng, (num_pages, page_size, Hkv, D))
+    at = 0
+    for b, n in enumerate(lens_k):
+        table[b, :need[b]] = pool[at:at + need[b]]
+        at += need[b]
+        k0 = int(case["cu_k"][b])
+        for j in range(int(n)):
+            page, row = table[b, j // page_size], j % page_size
+            k_pages[page, row] = case["k"][k0 + j]
+            v_pages[page, row] = case["v"][k0 + j]
+    case.update(k_pages=k_pages, v_pages=v_pages, table=table)
+    return case
+
+
+def run_paged_varlen(case, *, causal=False, window=(-1, -1), lse=True, device_offsets=True,
+                     device_table=True, seqused=None, table=None, what="", check=True):
+    """flash_attn_varlen_func(..., block_table=) on a paged_varlen_case (out and LSE poisoned
+    first), every sequence checked against the packed reference. table: the block table the
+    kernels get (default the case's; planted bad ones for bounds tests). Returns (out, lse)."""
+    q = case["q"]
+    dev = {n: tensors.from_numpy(case[n]) for n in ("q", "k_pages", "v_pages")}
+    out = tensors.empty(q.shape)
+    out.fill_u16(0xFFFF)
+    wrap = DeviceInt32 if device_offsets else (lambda x: np.asarray(x, np.int32))
+    table = case["table"] if table is None else table
+    kw = dict(causal=causal, window_size=window, return_lse=lse, out=out,
+              block_table=DeviceInt32(table) if device_table else np.asarray(table, np.int32))
+    if seqused is not None:
+        kw["seqused_k"] = wrap(seqused)
+    res = ptxattn.flash_attn_varlen_func(
+        dev["q"], dev["k_pages"], dev["v_pages"], wrap(case["cu_q"]), wrap(case["cu_k"]),
+        int(max(case["lens_q"], default=0)), int(max(case["lens_k"], default=0)), **kw)
+    driver.synchronize()
+    got = out.to_numpy().astype(np.float32)
+    got_lse = res[1].to_numpy() if lse else None
+    if check:
+        check_varlen(case, got, got_lse, causal=causal, window=window, seqused=seqused,
+                     what=what)
+    for x in (*dev.values(), out):
+        x.free()
+    return got, got_lse

@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 from .. import builds
+from ..decode_builds import MIN_PAGE_SIZE
 from .ptxgen import run_generator
 
 PRODUCTION = Path(__file__).resolve().parents[2] / "ptx" / "sm90" / "production"
@@ -143,6 +144,12 @@ def figures(b: builds.Build) -> list[tuple[str, object, str]]:
                  "a TMA box each"),
                 ("VT_CHUNK_KEYS", b.vt_row_bytes, "keys of one row block (its TMA box)"),
                 ("VT_CHUNK_BYTES", b.head_dim * b.vt_row_bytes, "one row block: D rows")]
+    if not b.fp8:
+        # the paged varlen build's K/V boxes (kv_paged.ptxh, decode_kv_paged.ptxh): a page of
+        # fewer keys than a tile lands in each of the tile's 64-column blocks of D
+        out += [("D_BLOCK_BYTES", b.block_n * 128, "a K/V tile's next 64 columns of D"),
+                ("MAX_PAGES_PER_TILE", b.block_n // MIN_PAGE_SIZE,
+                 f"paged: a tile's pages at page size {MIN_PAGE_SIZE}")]
     out.append(("DESC_V_BITS", b.desc_v_bits,
                 f"V^T K-major: D rows of {b.vt_row_bytes} key bytes" if b.fp8 else
                 "V MN-major: LBO BLOCK_N rows * 128 B to the next 64 of D"))
