@@ -350,7 +350,9 @@ def run_varlen(torch, db, rounds, reps, seed):
 CHUNK = 2048
 
 
-def run_paged_varlen(torch, db, page, rounds, reps, seed):
+def paged_varlen_data(torch, page, seed):
+    """The chunked-prefill case: packed q, k, v with their offsets, and k, v as pages of a
+    shuffled pool (sequence i's keys padded to whole pages) with the block table."""
     h, hkv = VARLEN_HEADS
     lens_k = np.array(VARLEN_LENGTHS)
     lens_q = np.minimum(lens_k, CHUNK)
@@ -364,7 +366,6 @@ def run_paged_varlen(torch, db, page, rounds, reps, seed):
     k = torch.randn(int(lens_k.sum()), hkv, D, generator=gen, device="cuda",
                     dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    # the packed keys as pages: sequence i's keys padded to whole pages, pages shuffled
     need = -(-lens_k // page)
     order = torch.randperm(int(need.sum()) + 7, generator=torch.Generator().manual_seed(seed))
     kp = torch.zeros((int(need.sum()) + 7, page, hkv, D), dtype=k.dtype, device="cuda")
@@ -380,12 +381,21 @@ def run_paged_varlen(torch, db, page, rounds, reps, seed):
         padded[:n] = v[row:row + n]
         vp[pages.cuda()] = padded.reshape(-1, page, hkv, D)
         at, row = at + need[i], row + n
-    table = table.cuda()
     flops = 4 * h * D * sum(causal_pairs(int(a), int(c)) for a, c in zip(lens_q, lens_k))
+    return dict(q=q, k=k, v=v, kp=kp, vp=vp, table=table.cuda(), cu_q=cu_q, cu_k=cu_k,
+                lens_q=lens_q, lens_k=lens_k, mq=int(lens_q.max()), mk=int(lens_k.max()),
+                flops=flops)
+
+
+def run_paged_varlen(torch, db, page, rounds, reps, seed):
+    c = paged_varlen_data(torch, page, seed)
+    q, k, v, kp, vp, table = (c[n] for n in ("q", "k", "v", "kp", "vp", "table"))
+    cu_q, cu_k, lens_q, lens_k, mq, mk, flops = (c[n] for n in (
+        "cu_q", "cu_k", "lens_q", "lens_k", "mq", "mk", "flops"))
+    h, hkv = VARLEN_HEADS
     rec = {"name": f"paged_varlen_chunk{CHUNK}_page{page}", "lengths_q": lens_q.tolist(),
            "lengths_k": lens_k.tolist(), "heads": [h, hkv], "D": D, "page": page,
            "flops": flops, "target": f">= {PAGED_TARGET[page]} x the packed-key call"}
-    mq, mk = int(lens_q.max()), int(lens_k.max())
 
     def contiguous():
         return ptxattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
@@ -406,7 +416,7 @@ def run_paged_varlen(torch, db, page, rounds, reps, seed):
     plain = db.timed_rounds({"contiguous": contiguous, "paged": paged}, rounds, reps, rng)
     rec["plain"] = {label: {"ms": db.median(ms), "tflops": flops / (db.median(ms) * 1e-3)
                             / 1e12, "ms_rounds": ms} for label, ms in plain.items()}
-    ratios = [c / p for c, p in zip(plain["contiguous"], plain["paged"])]
+    ratios = [a_ms / p_ms for a_ms, p_ms in zip(plain["contiguous"], plain["paged"])]
     lo, hi = db.bootstrap_ci(ratios, seed=seed)
     rec["plain"]["paged_over_contiguous"] = {"median": db.median(ratios), "ci": [lo, hi]}
     rec["status"] = "ok"
