@@ -40,6 +40,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 VARIANTS = {
     "today": (),
     "ahead": (("PTXATTN_PAGED_TABLE_AHEAD", "1"),),  # tile t + 1's entries sent during tile t
+    "warp": (("PTXATTN_PAGED_WARP", "1"),),         # the producer's warp, one lane issuing
+    "warp_ahead": (("PTXATTN_PAGED_WARP", "1"), ("PTXATTN_PAGED_TABLE_AHEAD", "1")),
 }
 NVTX_RANGE = "ptxattn-ncu"
 
