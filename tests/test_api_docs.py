@@ -115,13 +115,16 @@ def test_sanitizer_cases_cover_every_stage():
         b, h, l, ctas = next(s for s in shapes if s[3])
         tiles = -(-l // build.block_m) * h * b
         assert ctas == 2 and tiles >= 3 * ctas, (d, tiles)
-    # every newer kernel, at every head dim: decode, paged decode, varlen prefill, FP8
+    # every newer kernel, at every head dim: decode, paged decode, varlen prefill (packed and
+    # paged keys), FP8
     assert set(by_stage) == {s.number for s in stages.all_stages()} | {
         f"production:{d}" for d in stages.PRODUCTION.head_dims} | {
-        f"{kind}:{d}" for kind in ("decode", "paged", "varlen", "fp8") for d in (64, 128, 256)}
-    # paged: a page below a K/V tile (a box per page) and one above it
-    pages = {c.page for c, _ in cases if c.kernel.startswith("paged:")}
-    assert 16 in pages and max(pages) >= 128, pages
+        f"{kind}:{d}" for kind in ("decode", "paged", "varlen", "paged_varlen", "fp8")
+        for d in (64, 128, 256)}
+    # paged: a page below a K/V tile (a box per page) and one above it, in both kernels
+    for kind in ("paged:", "paged_varlen:"):
+        pages = {c.page for c, _ in cases if c.kernel.startswith(kind)}
+        assert 16 in pages and max(pages) >= 128, (kind, pages)
 
 
 def test_sanitizer_cases_cover_the_production_features():
@@ -204,8 +207,8 @@ def test_sanitize_dry_run_names_every_command(tmp_path):
         mine = [l for l in lines if f"--tool {tool}" in l]
         assert len(mine) == n_cases, (tool, len(mine), n_cases)
     assert any("PTXATTN_PERSISTENT_CTAS=2" in l for l in lines)
-    assert all(re.search(r"--stage (\d+|(production|decode|paged|varlen|fp8):\d+) ", l)
-               for l in lines)
+    kinds = "production|decode|paged|varlen|paged_varlen|fp8"
+    assert all(re.search(rf"--stage (\d+|({kinds}):\d+) ", l) for l in lines)
     assert any("--stage production:64 " in l for l in lines)
     assert not list(tmp_path.iterdir())            # a dry run writes no report
 
