@@ -446,8 +446,9 @@ def test_the_tile_kernel_and_the_varlen_builds_assemble_without_spills():
 
 # the paged builds' spills (bytes a thread): the producer's page registers past its 24 after
 # setmaxnreg, stored once a Q tile and reloaded per K/V tile ahead of the ring (bench/notes.md,
-# session 16); a change that grows them is a change to measure again
-PAGED_SPILL_BYTES = {64: 68, 128: 64, 256: 0}
+# sessions 16 and 17: the warp producer spills less than the single thread's 68/64/0); a change
+# that grows them is a change to measure again
+PAGED_SPILL_BYTES = {64: 60, 128: 24, 256: 0}
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

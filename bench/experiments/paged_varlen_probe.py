@@ -37,9 +37,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 # the paged build's producer variants (kv_paged.ptxh / decode_kv_paged.ptxh)
+# (session 17: the warp producer is the default; "thread" is session 16's default)
 VARIANTS = {
     "today": (),
-    "ahead": (("PTXATTN_PAGED_TABLE_AHEAD", "1"),),  # tile t + 1's entries sent during tile t
+    "thread": (("PTXATTN_PAGED_WARP", "0"),),       # thread 0 alone, entries batched
+    "ahead": (("PTXATTN_PAGED_WARP", "0"),          # the same, tile t + 1's entries sent
+              ("PTXATTN_PAGED_TABLE_AHEAD", "1")),  # during tile t
     "warp": (("PTXATTN_PAGED_WARP", "1"),),         # the producer's warp, one lane issuing
     "warp_ahead": (("PTXATTN_PAGED_WARP", "1"), ("PTXATTN_PAGED_TABLE_AHEAD", "1")),
 }
