@@ -171,8 +171,12 @@ def gpu_available() -> bool:
 
 
 def _reset_for_tests() -> None:
-    """Forget the context (tests that monkeypatch cuInit)."""
+    """Forget the context (tests that monkeypatch cuInit). It is marked dead first: a buffer
+    of it collected later must not free its address in whatever context comes next (the
+    emulator's next one hands out the same addresses)."""
     global _CONTEXT
+    if _CONTEXT is not None:
+        _CONTEXT.alive = False
     _CONTEXT = None
     _MODULES.clear()
     _CONFIGS.clear()

@@ -227,3 +227,22 @@ def test_the_overlap_catches_a_remembered_counter(emulated_gpu, monkeypatch):
     bad = _warm_calls_from_two_threads()
     assert len({c for _, c in seen[1:]}) == 1
     assert bad, "a counter shared by overlapping streams went unnoticed"
+
+
+def test_a_forgotten_contexts_buffer_frees_nothing_in_the_next(monkeypatch):
+    """A buffer of a context the runtime forgot (a test's emulator torn down) collected in
+    the next context frees nothing there: each new emulator hands out the same addresses, so
+    such a free once unmapped a later test's live input (a fault far from its cause)."""
+    from ptxattn.tools.emulator import fake_driver
+    first = fake_driver.install(monkeypatch)
+    stale = driver.DeviceBuffer(4096)
+    fake_driver.clear_runtime_caches()
+    second = fake_driver.install(monkeypatch)
+    assert second is not first
+    live = driver.DeviceBuffer(4096)
+    assert live.ptr == stale.ptr, "the emulators no longer share addresses: test needs care"
+    stale.close()
+    assert second.gmem.find(live.ptr) is not None, "a stale buffer freed the live one"
+    live.close()
+    assert second.gmem.find(live.ptr) is None
+    fake_driver.clear_runtime_caches()
