@@ -427,6 +427,18 @@ def run_decode_case(case: Case, seed: int, defines=None) -> bool:
                       seed)
 
 
+def shuffled_block_table(rng, need, num_pages: int):
+    """A (B, max(need) + 1) block table: sequence i's need[i] pages drawn in a random order
+    from a pool of num_pages without repeats, -1 past them (one spare column of -1)."""
+    import numpy as np
+    table = np.full((len(need), int(need.max()) + 1), -1, np.int32)
+    pool, at = rng.permutation(num_pages), 0
+    for i, n in enumerate(need):
+        table[i, :n] = pool[at:at + n]
+        at += n
+    return table
+
+
 def run_paged_case(case: Case, seed: int, defines=None) -> bool:
     """One paged flash_attn_with_kvcache call (see PAGED_ROWS): lengths L, L // 2 + 3 and 1
     from the device, two causal queries, three splits and the combine, pages shuffled, the
@@ -442,11 +454,7 @@ def run_paged_case(case: Case, seed: int, defines=None) -> bool:
     lengths = np.array(([case.seq_q, case.seq_q // 2 + 3, 1] * b)[:b], np.int64)
     need = -(-lengths // page)
     num_pages = int(need.sum()) + 3
-    table = np.full((b, int(need.max()) + 1), -1, np.int32)
-    pool, at = rng.permutation(num_pages), 0
-    for i in range(b):
-        table[i, :need[i]] = pool[at:at + need[i]]
-        at += need[i]
+    table = shuffled_block_table(rng, need, num_pages)
     table[0, need[0] // 2] = num_pages + 7           # read as zeros, never out of bounds
     q = _bf16(rng, b, lq, h, d)
     k_pages, v_pages = _bf16(rng, num_pages, page, hkv, d), _bf16(rng, num_pages, page, hkv, d)
@@ -588,11 +596,7 @@ def run_paged_varlen_case(case: Case, seed: int, defines=None) -> bool:
     b = len(lens_q)
     need = -(-lens_k // page)
     num_pages = int(need.sum()) + 3
-    table = np.full((b, int(need.max()) + 1), -1, np.int32)
-    pool, at = rng.permutation(num_pages), 0
-    for i in range(b):
-        table[i, :need[i]] = pool[at:at + need[i]]
-        at += need[i]
+    table = shuffled_block_table(rng, need, num_pages)
     longest = int(np.argmax(lens_k))
     table[longest, need[longest] // 2] = num_pages + 7   # read as zeros, never out of bounds
     cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)

@@ -358,9 +358,10 @@ def _lengths_args(call: DecodeCall, keep: list) -> tuple[int, int]:
     return 0, lengths.value
 
 
-def _block_table_arg(call: DecodeCall, keep: list) -> int:
+def _block_table_arg(call, keep: list) -> int:
     """The block table's device address for the kernels (0 without paging); a host table is
-    copied in (stream-ordered memory, freed after the launch in stream order)."""
+    copied in (stream-ordered memory, freed after the launch in stream order). call: a
+    DecodeCall or a VarlenCall (their .paging, .stream and .stream_object)."""
     paging = call.paging
     if paging is None:
         return 0

@@ -35,7 +35,7 @@ import numpy as np
 from . import builds, driver, fastlaunch, launch, tensors, tma
 from .choice import specialized
 from .driver import is_capturing as _is_capturing
-from .decode import _paged_map_geometry
+from .decode import _block_table_arg, _paged_map_geometry
 from .decode import _paging as decode_paging
 from .decode_plan import (CHECK_BOUNDS_ENV, check_bounds_requested, check_host_block_table,
                           check_out_view, check_scale)
@@ -589,21 +589,6 @@ def _device_offsets(off: Offsets | None, call: VarlenCall, keep: list) -> int:
     return buf.ptr
 
 
-def _block_table_ptr(call: VarlenCall, keep: list) -> int:
-    """The block table's device address (0 without one); a host table is copied in
-    (stream-ordered memory, freed after the launches)."""
-    paging = call.paging
-    if paging is None:
-        return 0
-    if paging.kind == "device":
-        return paging.ptr
-    buf = driver.DeviceBuffer(paging.host.nbytes, stream=call.stream,
-                              stream_owner=call.stream_object)
-    driver.memcpy_htod(buf.ptr, paging.host, stream=call.stream)
-    keep.append(buf)
-    return buf.ptr
-
-
 def _out_view(arr) -> DeviceArray:
     if isinstance(arr, DeviceArray):
         return arr
@@ -693,7 +678,7 @@ def run_call(call: VarlenCall, launcher: Launcher):
                  _ptr(workspace), _device_offsets(call.cu_q, call, keep),
                  _device_offsets(call.cu_k, call, keep),
                  _device_offsets(call.seqused_k, call, keep),
-                 bounds.ptr if bounds is not None else 0, _block_table_ptr(call, keep))
+                 bounds.ptr if bounds is not None else 0, _block_table_arg(call, keep))
     if not call.torch:
         for arr in (out, lse):
             if isinstance(arr, DeviceArray):

@@ -66,15 +66,21 @@ def run_varlen(case, *, causal=False, window=(-1, -1), lse=True, device_offsets=
     kw = dict(causal=causal, window_size=window, return_lse=lse, out=out)
     if seqused is not None:
         kw["seqused_k"] = wrap(seqused)
+    return _call_and_check(case, (dev["q"], dev["k"], dev["v"], wrap(cu_q), wrap(cu_k)), kw,
+                           dev, out, seqused=seqused, check=check, what=what)
+
+
+def _call_and_check(case, args, kw, dev, out, *, seqused, check, what):
+    """flash_attn_varlen_func(*args, max lengths, **kw), then (check) every sequence against
+    the reference; the device buffers freed. Returns (out, lse) as host arrays."""
     res = ptxattn.flash_attn_varlen_func(
-        dev["q"], dev["k"], dev["v"], wrap(cu_q), wrap(cu_k),
-        int(max(case["lens_q"], default=0)), int(max(case["lens_k"], default=0)), **kw)
+        *args, int(max(case["lens_q"], default=0)), int(max(case["lens_k"], default=0)), **kw)
     driver.synchronize()
     got = out.to_numpy().astype(np.float32)
-    got_lse = res[1].to_numpy() if lse else None
+    got_lse = res[1].to_numpy() if kw["return_lse"] else None
     if check:
-        check_varlen(case, got, got_lse, causal=causal, window=window, seqused=seqused,
-                     what=what)
+        check_varlen(case, got, got_lse, causal=kw["causal"], window=kw["window_size"],
+                     seqused=seqused, what=what)
     for x in (*dev.values(), out):
         x.free()
     return got, got_lse
@@ -171,15 +177,6 @@ def run_paged_varlen(case, *, causal=False, window=(-1, -1), lse=True, device_of
               block_table=DeviceInt32(table) if device_table else np.asarray(table, np.int32))
     if seqused is not None:
         kw["seqused_k"] = wrap(seqused)
-    res = ptxattn.flash_attn_varlen_func(
-        dev["q"], dev["k_pages"], dev["v_pages"], wrap(case["cu_q"]), wrap(case["cu_k"]),
-        int(max(case["lens_q"], default=0)), int(max(case["lens_k"], default=0)), **kw)
-    driver.synchronize()
-    got = out.to_numpy().astype(np.float32)
-    got_lse = res[1].to_numpy() if lse else None
-    if check:
-        check_varlen(case, got, got_lse, causal=causal, window=window, seqused=seqused,
-                     what=what)
-    for x in (*dev.values(), out):
-        x.free()
-    return got, got_lse
+    return _call_and_check(case, (dev["q"], dev["k_pages"], dev["v_pages"], wrap(case["cu_q"]),
+                                  wrap(case["cu_k"])), kw, dev, out, seqused=seqused,
+                           check=check, what=what)
