@@ -140,7 +140,15 @@ def validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         raise ValueError("q, k, v: expected arrays on one device, got "
                          + ", ".join(f"{n} on CUDA device {dv}" for n, dv in devices.items()))
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, handle)
-    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, handle)
+    if cu_seqlens_k is None:
+        # vLLM's call: a paged cache's counts from seqused_k alone. The tile kernel then reads
+        # cu_q in cu_k's place: the paged build takes no key offsets, only counts
+        if not paged or seqused_k is None:
+            raise ValueError("cu_seqlens_k: None needs block_table= and seqused_k= (a paged "
+                             "cache's key counts); packed keys need their offsets")
+        cu_k = cu_q
+    else:
+        cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, handle)
     batch = cu_q.length - 1
     if batch < 0:
         raise ValueError("cu_seqlens_q: expected B + 1 offsets, got none")
@@ -700,8 +708,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     128 or 256. cu_seqlens_q, cu_seqlens_k: int32 (B + 1) offsets (device arrays, or NumPy
     arrays checked and copied in); sequence b is q rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
     against k/v rows from cu_seqlens_k[b], cu_seqlens_k[b + 1] - cu_seqlens_k[b] of them or
-    seqused_k[b] (int32 (B)) when given. max_seqlen_q / max_seqlen_k: ints, checked against
-    host offsets (the kernels size their work from the offsets on the device).
+    seqused_k[b] (int32 (B)) when given; with block_table and seqused_k, cu_seqlens_k may be
+    None (vLLM's call: the counts are seqused_k's). max_seqlen_q / max_seqlen_k: ints,
+    checked against host offsets (the kernels size their work from the offsets on the device).
     causal: bottom-right per sequence (query i of Lq sees keys <= i + Lk - Lq);
     window_size=(left, right), -1 unbounded. softmax_scale defaults to 1 / sqrt(D).
     return_lse: also return the float32 (H, total_q) log-sum-exp (-inf for a query that sees

@@ -397,6 +397,24 @@ def test_paged_varlen_errors_name_the_argument(no_driver):
     varlen.validate(**{**base, "block_table": table})
 
 
+def test_paged_varlen_takes_no_key_offsets_with_seqused_k(no_driver):
+    """vLLM's call: cu_seqlens_k=None, the counts from seqused_k (checked against the table
+    row's reach as before); without seqused_k, or without block_table, None is refused."""
+    base = dict(_paged_varlen_args(), cu_seqlens_k=None)
+    call = varlen.validate(**base, seqused_k=np.array([40, 7], np.int32), causal=True)
+    assert call.seqused_k.host.tolist() == [40, 7] and call.cu_k is call.cu_q
+    with pytest.raises(ValueError, match=r"seqused_k: sequence 1 has 65 keys, more than"):
+        varlen.validate(**{**base, "max_seqlen_k": 65}, seqused_k=np.array([3, 65], np.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k: None needs block_table= and seqused_k="):
+        varlen.validate(**base)
+    packed = dict(q=FakeDLPack((8, 8, 128), ptr=BASE),
+                  k=FakeDLPack((47, 2, 128), ptr=BASE + (1 << 32)), v=FakeDLPack((47, 2, 128), ptr=BASE + (2 << 32)),
+                  cu_seqlens_q=np.array([0, 3, 8], np.int32), cu_seqlens_k=None,
+                  max_seqlen_q=5, max_seqlen_k=40, seqused_k=np.array([40, 7], np.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k: None needs block_table="):
+        varlen.validate(**packed)
+
+
 def test_the_paged_tile_table_model_names_the_sequence():
     cu_q = np.array([0, 130, 130, 131], np.int32)
     cu_k = np.array([0, 300, 310, 310], np.int32)
