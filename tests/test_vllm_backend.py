@@ -34,15 +34,19 @@ def emu(emulated_gpu, monkeypatch):
     return EmulatedTorch(emulated_gpu, monkeypatch)
 
 
-def _metadata(query_lens, seq_lens, table, *, padded_tokens=0):
-    """vLLM's FlashAttentionMetadata fields for a batch (device tensors: the emulator's)."""
+def _metadata(dev, query_lens, seq_lens, table):
+    """vLLM's FlashAttentionMetadata fields for a batch, its tensors on dev's device."""
     cu = pc.offsets(query_lens)
     return types.SimpleNamespace(
         num_actual_tokens=int(cu[-1]), max_query_len=max(query_lens),
-        query_start_loc=cu, max_seq_len=max(seq_lens),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
-        slot_mapping=None, use_cascade=False, common_prefix_len=0, causal=True,
-        padded_tokens=padded_tokens)
+        query_start_loc=dev.to_device(cu), max_seq_len=max(seq_lens),
+        seq_lens=dev.to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+        block_table=dev.to_device(table), slot_mapping=None, use_cascade=False,
+        common_prefix_len=0, causal=True)
+
+
+def _host(t):
+    return t.detach().to("cpu", copy=True)
 
 
 def _slots(table, starts, query_lens, block_size, padded):
@@ -55,8 +59,9 @@ def _slots(table, starts, query_lens, block_size, padded):
     return torch.tensor(slots + [-1] * padded, dtype=torch.int64)
 
 
-def _step(emu, gen, *, query_lens, cached, block_size, H, Hkv, D, window=None, padded=3):
-    """One vLLM step through the backend; returns what the checks need."""
+def _step(dev, gen, *, query_lens, cached, block_size, H, Hkv, D, window=None, padded=3):
+    """One vLLM step through the backend; returns what the checks need. dev: where tensors
+    live (to_device, empty): the emulator's memory, or CUDA (tests/test_gpu_vllm_backend.py)."""
     seq_lens = [c + n for c, n in zip(cached, query_lens)]
     B = len(query_lens)
     max_pages = max(-(-s // block_size) for s in seq_lens) + 1
@@ -64,16 +69,16 @@ def _step(emu, gen, *, query_lens, cached, block_size, H, Hkv, D, window=None, p
     table = pc.random_pages(gen, B, seq_lens, block_size, num_blocks, max_pages)
     shape = vb.PtxattnBackend.get_kv_cache_shape(num_blocks, block_size, Hkv, D)
     host_cache = torch.randn(shape, generator=gen).to(BF)
-    kv_cache = emu.to_device(host_cache)
+    kv_cache = dev.to_device(host_cache)
     tokens = sum(query_lens)
-    q = emu.to_device(torch.randn(tokens + padded, H, D, generator=gen).to(BF))
-    k = emu.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
-    v = emu.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
-    md = _metadata(query_lens, seq_lens, emu.to_device(table))
-    md.slot_mapping = _slots(table, cached, query_lens, block_size, padded)
+    q = dev.to_device(torch.randn(tokens + padded, H, D, generator=gen).to(BF))
+    k = dev.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
+    v = dev.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
+    md = _metadata(dev, query_lens, seq_lens, table)
+    md.slot_mapping = dev.to_device(_slots(table, cached, query_lens, block_size, padded))
     impl = vb.PtxattnImpl(H, D, D ** -0.5, Hkv, None, window, "auto")
     impl.do_kv_cache_update(None, k, v, kv_cache, md.slot_mapping)
-    output = emu.empty((tokens + padded, H, D), BF)
+    output = dev.empty((tokens + padded, H, D), BF)
     output.fill_(float("nan"))
     got = impl.forward(None, q, k, v, kv_cache, md, output=output)
     return dict(got=got, output=output, q=q, k=k, v=v, kv_cache=kv_cache, host_cache=host_cache,
@@ -82,44 +87,56 @@ def _step(emu, gen, *, query_lens, cached, block_size, H, Hkv, D, window=None, p
 
 def _check(r, *, window, what):
     assert r["got"] is r["output"], f"{what}: forward returned another tensor"
-    kc, vc = r["kv_cache"][0].clone(), r["kv_cache"][1].clone()
+    kc, vc = _host(r["kv_cache"][0]), _host(r["kv_cache"][1])
     keys = [pc.sequence_keys(kc, r["table"][b], n) for b, n in enumerate(r["seq_lens"])]
     vals = [pc.sequence_keys(vc, r["table"][b], n) for b, n in enumerate(r["seq_lens"])]
-    cu_k = pc.offsets(r["seq_lens"])
-    ref = pc.varlen_reference(r["q"].clone(), torch.cat(keys), torch.cat(vals),
-                              r["md"].query_start_loc.clone(), cu_k,
+    cu_q, cu_k = _host(r["md"].query_start_loc), pc.offsets(r["seq_lens"])
+    ref = pc.varlen_reference(_host(r["q"]), torch.cat(keys), torch.cat(vals), cu_q, cu_k,
                               window=(-1, -1) if window is None else (window - 1, 0))
-    pc.check_packed(r["output"].clone(), ref, r["md"].query_start_loc.clone(), what)
-    tail = r["output"][r["tokens"]:]
-    assert torch.isnan(tail.float()).all(), f"{what}: a padded token's output row was written"
-
-
-@pytest.mark.parametrize("block_size,D,H,Hkv,window", [
-    (16, 64, 4, 2, None), (64, 128, 4, 1, None), (256, 256, 2, 2, None), (32, 128, 4, 2, 40)])
-def test_a_mixed_step_meets_the_bar(emu, block_size, D, H, Hkv, window):
-    gen = torch.Generator().manual_seed(block_size + D)
-    # a prefill from nothing, a chunk against a cached prefix, two decodes, a request whose
-    # step brings no token (its keys still count: seq_len = cached)
-    r = _step(emu, gen, query_lens=[70, 33, 1, 1, 0], cached=[0, 150, 40, 300, 20],
-              block_size=block_size, H=H, Hkv=Hkv, D=D, window=window)
-    _check(r, window=window, what=f"mixed step page {block_size} D {D}")
+    output = _host(r["output"])
+    pc.check_packed(output, ref, cu_q, what)
+    assert torch.isnan(output[r["tokens"]:].float()).all(), \
+        f"{what}: a padded token's output row was written"
     # the step's tokens landed in their slots, and nothing else moved
-    kc = r["kv_cache"].clone()
-    written = r["md"].slot_mapping[r["md"].slot_mapping >= 0]
-    flat = kc.view(2, -1, Hkv, D)
-    assert torch.equal(flat[0, written], r["k"][:r["tokens"]].clone())
-    assert torch.equal(flat[1, written], r["v"][:r["tokens"]].clone())
+    slots = _host(r["md"].slot_mapping)
+    written = slots[slots >= 0]
+    flat = _host(r["kv_cache"]).view(2, -1, *r["kv_cache"].shape[-2:])
+    assert torch.equal(flat[0, written], _host(r["k"])[:r["tokens"]]), f"{what}: keys"
+    assert torch.equal(flat[1, written], _host(r["v"])[:r["tokens"]]), f"{what}: values"
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[written] = False
-    host = r["host_cache"].view(2, -1, Hkv, D)
-    assert torch.equal(flat[:, untouched], host[:, untouched]), "a slot outside the step moved"
+    host = r["host_cache"].view(flat.shape)
+    assert torch.equal(flat[:, untouched], host[:, untouched]), \
+        f"{what}: a slot outside the step moved"
+
+
+MIXED_CASES = [(16, 64, 4, 2, None), (64, 128, 4, 1, None), (256, 256, 2, 2, None),
+               (32, 128, 4, 2, 40)]
+
+
+def mixed_step(dev, block_size, D, H, Hkv, window):
+    """A prefill from nothing, a chunk against a cached prefix, two decodes, a request whose
+    step brings no token (its keys still count: seq_len = cached)."""
+    gen = torch.Generator().manual_seed(block_size + D)
+    r = _step(dev, gen, query_lens=[70, 33, 1, 1, 0], cached=[0, 150, 40, 300, 20],
+              block_size=block_size, H=H, Hkv=Hkv, D=D, window=window)
+    _check(r, window=window, what=f"mixed step page {block_size} D {D}")
+
+
+def decode_step(dev):
+    gen = torch.Generator().manual_seed(5)
+    r = _step(dev, gen, query_lens=[1] * 7, cached=[0, 1, 15, 16, 17, 200, 511],
+              block_size=16, H=8, Hkv=2, D=128, padded=1)
+    _check(r, window=None, what="decode-only step")
+
+
+@pytest.mark.parametrize("block_size,D,H,Hkv,window", MIXED_CASES)
+def test_a_mixed_step_meets_the_bar(emu, block_size, D, H, Hkv, window):
+    mixed_step(emu, block_size, D, H, Hkv, window)
 
 
 def test_a_decode_only_step_meets_the_bar(emu):
-    gen = torch.Generator().manual_seed(5)
-    r = _step(emu, gen, query_lens=[1] * 7, cached=[0, 1, 15, 16, 17, 200, 511],
-              block_size=16, H=8, Hkv=2, D=128, padded=1)
-    _check(r, window=None, what="decode-only step")
+    decode_step(emu)
 
 
 def test_write_slots_matches_a_python_model():
