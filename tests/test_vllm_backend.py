@@ -71,9 +71,13 @@ def _step(dev, gen, *, query_lens, cached, block_size, H, Hkv, D, window=None, p
     host_cache = torch.randn(shape, generator=gen).to(BF)
     kv_cache = dev.to_device(host_cache)
     tokens = sum(query_lens)
-    q = dev.to_device(torch.randn(tokens + padded, H, D, generator=gen).to(BF))
-    k = dev.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
-    v = dev.to_device(torch.randn(tokens + padded, Hkv, D, generator=gen).to(BF))
+    # q, k, v as vLLM's layers make them: views into one fused QKV projection (row stride
+    # (H + 2 Hkv) D, not their own)
+    qkv = dev.to_device(torch.randn(tokens + padded, (H + 2 * Hkv) * D, generator=gen).to(BF))
+    q = qkv[:, :H * D].view(-1, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(-1, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(-1, Hkv, D)
+    assert q.stride(0) == k.stride(0) == (H + 2 * Hkv) * D
     md = _metadata(dev, query_lens, seq_lens, table)
     md.slot_mapping = dev.to_device(_slots(table, cached, query_lens, block_size, padded))
     impl = vb.PtxattnImpl(H, D, D ** -0.5, Hkv, None, window, "auto")
