@@ -350,9 +350,11 @@ def run_varlen(torch, db, rounds, reps, seed):
 CHUNK = 2048
 
 
-def paged_varlen_data(torch, page, seed):
+def paged_varlen_data(torch, page, seed, shuffled=True):
     """The chunked-prefill case: packed q, k, v with their offsets, and k, v as pages of a
-    shuffled pool (sequence i's keys padded to whole pages) with the block table."""
+    shuffled pool (sequence i's keys padded to whole pages) with the block table.
+    shuffled=False: the pool's pages in the sequences' order (a sequence's pages adjacent,
+    as the packed keys are), to tell the build's cost from the scattered pages' (the probe)."""
     h, hkv = VARLEN_HEADS
     lens_k = np.array(VARLEN_LENGTHS)
     lens_q = np.minimum(lens_k, CHUNK)
@@ -367,7 +369,8 @@ def paged_varlen_data(torch, page, seed):
                     dtype=torch.bfloat16)
     v = torch.randn_like(k)
     need = -(-lens_k // page)
-    order = torch.randperm(int(need.sum()) + 7, generator=torch.Generator().manual_seed(seed))
+    order = (torch.randperm(int(need.sum()) + 7, generator=torch.Generator().manual_seed(seed))
+             if shuffled else torch.arange(int(need.sum()) + 7))
     kp = torch.zeros((int(need.sum()) + 7, page, hkv, D), dtype=k.dtype, device="cuda")
     vp = torch.zeros_like(kp)
     table = torch.full((b, int(need.max())), -1, dtype=torch.int32)

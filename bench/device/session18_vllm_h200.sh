@@ -4,7 +4,8 @@
 # carrying .whl (pcpp), on the H200:
 #   1. the vLLM backend's GPU tests (mixed and decode-only steps, a CUDA-graph replay)
 #   2. the serving GPU tests with the warp producer on the H200 (run on an H100 in session 17)
-#   3. the paged varlen probe on the H200: thread, warp, warp + table ahead
+#   3. the paged varlen probe on the H200: thread, warp, warp + table ahead; then the warp
+#      over pages in the sequences' order (what the build costs apart from the scattering)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PTXATTN_REQUIRE_GPU=1
@@ -15,3 +16,5 @@ echo "tests rc $?"
 tail -15 "$OUT/pytest-vllm-serving.txt" | cut -c1-400
 timeout 100 python3 bench/experiments/paged_varlen_probe.py --pages 16,64,256 \
     --variants thread,warp,warp_ahead --out "$OUT/probe.jsonl" 2>&1 | tee "$OUT/probe.txt"
+timeout 60 python3 bench/experiments/paged_varlen_probe.py --pages 16,64,256 --in-order \
+    --variants warp --out "$OUT/probe-in-order.jsonl" 2>&1 | tee "$OUT/probe-in-order.txt"

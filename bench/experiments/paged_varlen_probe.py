@@ -9,7 +9,9 @@ prefill case (8 sequences of 512 to 16k cached keys, chunks of up to 2048 querie
 Timing (default): per page size, the packed call and each variant's paged call in interleaved
 rounds (decode_bench.timed_rounds: CUDA events, the host never waiting); each paged output
 must equal the packed one bit for bit before it is timed. Prints TFLOP/s and paged / packed
-per variant, medians over rounds with a 95% bootstrap interval.
+per variant, medians over rounds with a 95% bootstrap interval. --in-order: the pool's pages
+in the sequences' order (a sequence's pages adjacent, as its packed keys are) instead of
+shuffled: what the build costs apart from where the pages lie.
 --ncu: Nsight Compute on one forward launch each (packed, then each variant's paged) at
 natural clocks (--clock-control none): duration, SM clock, DRAM, L2 hit rate, instructions and
 issue, the top warp stalls (ncu_paged.py's figures).
@@ -56,12 +58,13 @@ def _sibling(name: str):
     return mod
 
 
-def calls(torch, page: int, variants, seed: int):
-    """{label: zero-argument call}: the packed call, then each variant's paged call."""
+def calls(torch, page: int, variants, seed: int, in_order: bool = False):
+    """{label: zero-argument call}: the packed call, then each variant's paged call (over a
+    pool whose pages are in the sequences' order with in_order, else shuffled)."""
     import ptxattn
     from ptxattn import driver, varlen
     sb = _sibling("serving_bench")
-    c = sb.paged_varlen_data(torch, page, seed)
+    c = sb.paged_varlen_data(torch, page, seed, shuffled=not in_order)
     args = (c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"], c["mq"], c["mk"])
     out = {"packed": lambda: ptxattn.flash_attn_varlen_func(*args, causal=True)}
     paged = (c["q"], c["kp"], c["vp"], c["cu_q"], c["cu_k"], c["mq"], c["mk"])
@@ -92,7 +95,7 @@ def timing(args) -> int:
     variants = args.variants.split(",")
     ok = True
     for page in [int(p) for p in args.pages.split(",")]:
-        fns, flops = calls(torch, page, variants, args.seed)
+        fns, flops = calls(torch, page, variants, args.seed, args.in_order)
         outs = {k: fn() for k, fn in fns.items()}
         torch.cuda.synchronize()
         for label, o in outs.items():
@@ -103,7 +106,8 @@ def timing(args) -> int:
         if not ok:
             continue
         rounds = db.timed_rounds(fns, args.rounds, args.reps, np.random.default_rng(args.seed))
-        row = {"page": page, "flops": flops}
+        row = {"page": page, "flops": flops,
+               "pages": "in order" if args.in_order else "shuffled"}
         for label, ms in rounds.items():
             ratios = [a / b for a, b in zip(rounds["packed"], ms)]
             lo, hi = db.bootstrap_ci(ratios, seed=args.seed)
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--in-order", action="store_true",
+                    help="the pool's pages in the sequences' order (not shuffled)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args(argv)
