@@ -11,7 +11,8 @@ rounds (decode_bench.timed_rounds: CUDA events, the host never waiting); each pa
 must equal the packed one bit for bit before it is timed. Prints TFLOP/s and paged / packed
 per variant, medians over rounds with a 95% bootstrap interval. --in-order: the pool's pages
 in the sequences' order (a sequence's pages adjacent, as its packed keys are) instead of
-shuffled: what the build costs apart from where the pages lie.
+shuffled: what the build costs apart from where the pages lie. --sustained: then each call back to
+back at the power cap per page size (ptxattn/tools/sustained.py, as `ptxattn bench --sustained`).
 --ncu: Nsight Compute on one forward launch each (packed, then each variant's paged) at
 natural clocks (--clock-control none): duration, SM clock, DRAM, L2 hit rate, instructions and
 issue, the top warp stalls (ncu_paged.py's figures).
@@ -89,8 +90,22 @@ def calls(torch, page: int, variants, seed: int, in_order: bool = False):
     return out, c["flops"]
 
 
-def timing(args) -> int:
+def timing(args, cfg=None) -> int:
+    """cfg (a sustained.Config, --sustained): also a sustained window per call and page size
+    after its rounds (power and SM clock sampled; TFLOP/s and TFLOP/J in % of the packed
+    call's, same run)."""
+    from ptxattn.tools import sustained
+    sampler = sustained.start_sampler(cfg) if cfg is not None else None
+    try:
+        return _timing(args, cfg, sampler)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
+def _timing(args, cfg, sampler) -> int:
     import torch
+    from ptxattn.tools import sustained
     db = _sibling("decode_bench")
     variants = args.variants.split(",")
     ok = True
@@ -108,6 +123,13 @@ def timing(args) -> int:
         rounds = db.timed_rounds(fns, args.rounds, args.reps, np.random.default_rng(args.seed))
         row = {"page": page, "flops": flops,
                "pages": "in order" if args.in_order else "shuffled"}
+        if cfg is not None:      # at the power cap: each call back to back (ptxattn bench's)
+            stream = torch.cuda.current_stream().cuda_stream
+            kernels = {label: sustained.Kernel(fn, stream, flops, db.median(rounds[label]))
+                       for label, fn in fns.items()}
+            row["sustained"] = sustained.figures(
+                kernels, cfg, rng=np.random.default_rng(args.seed), peer="packed",
+                sampler=sampler, log=print)
         for label, ms in rounds.items():
             ratios = [a / b for a, b in zip(rounds["packed"], ms)]
             lo, hi = db.bootstrap_ci(ratios, seed=args.seed)
@@ -186,13 +208,16 @@ def main(argv=None) -> int:
                     help="the pool's pages in the sequences' order (not shuffled)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=300)
+    from ptxattn.tools import sustained
+    sustained.add_arguments(ap)
     args = ap.parse_args(argv)
+    cfg = sustained.config_from_args(ap, args)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: {unknown} not among {', '.join(VARIANTS)}")
     if args.target:
         return target(args)
-    return ncu(args) if args.ncu else timing(args)
+    return ncu(args) if args.ncu else timing(args, cfg)
 
 
 if __name__ == "__main__":
