@@ -38,8 +38,13 @@ try:                                               # vLLM's bases when it is ins
 except ImportError:                                # the interface alone (tests, docs)
     _BackendBase = _ImplBase = object
 
-HEAD_DIMS = (64, 128, 256)
-BLOCK_SIZES = (16, 32, 64, 128, 256)
+from .. import varlen
+from ..builds import HEAD_DIMS
+from ..decode_builds import MAX_PAGE_SIZE, MIN_PAGE_SIZE
+
+# the paged kernels' page sizes: the powers of two from MIN_PAGE_SIZE to MAX_PAGE_SIZE
+BLOCK_SIZES = tuple(1 << s for s in range(MIN_PAGE_SIZE.bit_length() - 1,
+                                          MAX_PAGE_SIZE.bit_length()))
 DECODER = "decoder"                                # vLLM's AttentionType.DECODER
 
 
@@ -110,13 +115,8 @@ class PtxattnBackend(_BackendBase):
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        major = getattr(capability, "major", None)
-        if major is None:
-            major = capability[0]
-        minor = getattr(capability, "minor", None)
-        if minor is None:
-            minor = capability[1]
-        return (major, minor) == (9, 0)           # sm_90a kernels (Hopper)
+        # vLLM's DeviceCapability is a (major, minor) named tuple
+        return tuple(capability)[:2] == (9, 0)      # sm_90a kernels (Hopper)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
@@ -185,7 +185,6 @@ class PtxattnImpl(_ImplBase):
         if getattr(attn_metadata, "use_cascade", False):
             raise NotImplementedError("ptxattn's vLLM backend: no cascade attention (its "
                                       "builder never asks for it)")
-        from .. import varlen
         n = attn_metadata.num_actual_tokens
         key_cache, value_cache = kv_cache.unbind(0)
         out = output[:n].view(n, self.num_heads, self.head_size)
@@ -202,8 +201,8 @@ def write_slots(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tens
     """cache (num_blocks, block_size, Hkv, D) <- new's first len(slot_mapping) rows at their
     slots; slot -1 writes nothing. No host wait (graph-capturable) and no order dependence:
     a -1 entry is pointed at the last real token's slot with that token's own row, so where
-    two writes meet a slot they write the same bytes (with no real token at all, slot 0
-    gets its own row back)."""
+    two writes meet a slot they write the same bytes (with no real token at all, every entry
+    writes slot 0's own row back to it)."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -214,7 +213,7 @@ def write_slots(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tens
     last = torch.where(real, positions, torch.zeros_like(positions)).argmax()
     slots = torch.where(real, slot_mapping, slot_mapping[last]).clamp_min(0).long()
     sources = torch.where(real.view(n, 1, 1), rows, rows[last].unsqueeze(0))
-    sources = torch.where((slot_mapping[last] >= 0).view(1, 1, 1), sources, flat[slots])
+    sources = torch.where((slot_mapping[last] >= 0).view(1, 1, 1), sources, flat[:1])
     flat.index_copy_(0, slots, sources.to(flat.dtype))
 
 
